@@ -1,0 +1,28 @@
+# Two entry points that work on a fresh machine: `make serve` and `make test`.
+# Both bootstrap .venv idempotently; torch is installed first with an exact pin because a plain
+# `torch` requirement pulls a multi-GB CUDA build.
+PY := .venv/bin/python
+STAMP := .venv/.installed
+MODEL ?= bench
+
+.PHONY: serve test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+# Until the HTTP server lands, `serve` runs offline generation on the built-in default model
+# (a random-weight `bench` checkpoint generated once into ~/.cache/kdaserve).
+serve: $(STAMP)
+	.venv/bin/kdaserve generate --model $(MODEL) --prompt "The capital of France is" --max-tokens 32
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf .venv build *.egg-info

@@ -1,0 +1,1 @@
+"""Per-request cache memory: paged MLA latent blocks and fixed KDA state slots."""

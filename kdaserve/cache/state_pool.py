@@ -1,0 +1,56 @@
+"""KDA state pool: fixed slots, each holding every KDA layer's recurrent and conv state.
+
+A KDA layer's state is a point value of constant size, so a request needs exactly one slot for
+its whole life; kernels update slots in place by index. A slot is zeroed when handed out, so a
+reused slot never leaks its previous owner's state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.config import ModelConfig
+
+
+class StatePool:
+    def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
+        L, H, K = len(config.kda_layers), config.kda_num_heads, config.kda_head_dim
+        self.num_slots = num_slots
+        # recurrent state always fp32 [L, N, H, K, V]; conv state in the model dtype
+        # [L, N, W-1, 3P], time-major so a decode step shifts whole rows.
+        self.recurrent = torch.zeros(L, num_slots, H, K, K, dtype=torch.float32, device=device)
+        self.conv = torch.zeros(L, num_slots, config.kda_conv_size - 1, 3 * H * K, dtype=dtype,
+                                device=device)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
+        L, H, K = len(config.kda_layers), config.kda_num_heads, config.kda_head_dim
+        conv = (config.kda_conv_size - 1) * 3 * H * K * torch.empty(0, dtype=dtype).element_size()
+        return L * (H * K * K * 4 + conv)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("state pool exhausted")
+        slot = self._free.pop()
+        self._used.add(slot)
+        self.recurrent[:, slot].zero_()
+        self.conv[:, slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._used:
+            raise RuntimeError(f"state slot {slot} freed twice or never allocated")
+        self._used.remove(slot)
+        self._free.append(slot)
+
+    def check_integrity(self) -> None:
+        assert len(self._free) == len(set(self._free)), "duplicate free slots"
+        assert not (set(self._free) & self._used), "slot both free and used"
+        assert len(self._free) + len(self._used) == self.num_slots, "slots leaked"

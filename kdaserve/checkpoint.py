@@ -1,0 +1,121 @@
+"""Random-weight checkpoints in Moonshot's hub format (`kdaserve make-checkpoint`).
+
+Presets: `tiny` and `small` for tests (q_lora_rank null / set, one / several expert groups),
+`bench` shaped like Kimi-Linear-48B scaled down (head dims 128, 3 KDA : 1 MLA, dense first layer,
+64 experts top-8 + shared, ~314M parameters), which is also the built-in default model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from kdaserve.config import DENSE, KDA, MLA, MOE, ModelConfig
+from kdaserve.kernels import resolve_kernels
+from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+from kdaserve.models.loader import random_tensor
+from kdaserve.tokenizer import write_kimi_tokenizer
+
+NUM_SPECIAL = 256
+
+
+def _layers(n: int) -> tuple[str, ...]:
+    # 3 KDA : 1 MLA, the last layer always MLA (as Kimi-Linear-48B's last group)
+    return tuple(MLA if (i + 1) % 4 == 0 or i == n - 1 else KDA for i in range(n))
+
+
+def _preset(num_base: int, layers: int, **kw: Any) -> dict[str, Any]:
+    base = dict(
+        vocab_size=num_base + NUM_SPECIAL, num_hidden_layers=layers, layer_types=_layers(layers),
+        mlp_types=(DENSE,) + (MOE,) * (layers - 1), rms_norm_eps=1e-5, tie_word_embeddings=False,
+        kda_conv_size=4, router_activation="sigmoid", moe_renormalize=True,
+        routed_scaling_factor=2.446, num_shared_experts=1, bos_token_id=num_base,
+        eos_token_ids=(num_base + 2,), pad_token_id=num_base + 255,
+    )
+    base.update(kw)
+    return base
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": _preset(
+        3840, 4, hidden_size=64, intermediate_size=128, kda_num_heads=2, kda_head_dim=32,
+        num_attention_heads=2, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, num_experts=8, num_experts_per_token=2,
+        moe_intermediate_size=32, num_expert_group=1, topk_group=1),
+    "small": _preset(
+        16128, 8, hidden_size=128, intermediate_size=256, kda_num_heads=4, kda_head_dim=32,
+        num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, num_experts=16, num_experts_per_token=4,
+        moe_intermediate_size=64, num_expert_group=4, topk_group=2),
+    "bench": _preset(
+        100256, 8, hidden_size=768, intermediate_size=2048, kda_num_heads=6, kda_head_dim=128,
+        num_attention_heads=6, q_lora_rank=None, kv_lora_rank=256, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, num_experts=64, num_experts_per_token=8,
+        moe_intermediate_size=128, num_expert_group=1, topk_group=1),
+}
+
+
+def preset_config(name: str, **overrides: Any) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return replace(ModelConfig(**PRESETS[name]), **overrides)
+
+
+def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = KimiLinearForCausalLM(config, resolve_kernels(torch.device("cpu")))
+    return {name: tuple(t.shape) for name, t in model.checkpoint_tensors().items()}
+
+
+def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: int = 0,
+                    dtype: str = "bfloat16", num_shards: int = 1,
+                    with_tokenizer: bool = True) -> Path:
+    """Writes config.json, safetensors (sharded with an index when num_shards > 1) and, unless
+    disabled, a Kimi-format tokenizer. Every tensor is random, decay and router bias included."""
+    config = preset if isinstance(preset, ModelConfig) else preset_config(preset)
+    config = replace(config, checkpoint_dtype=dtype)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype = getattr(torch, dtype)
+    shapes = checkpoint_shapes(config)
+    names = list(shapes)
+    shard_size = -(-len(names) // num_shards)
+    weight_map: dict[str, str] = {}
+    for s in range(num_shards):
+        part = names[s * shard_size:(s + 1) * shard_size]
+        fname = ("model.safetensors" if num_shards == 1
+                 else f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors")
+        tensors = {}
+        for name in part:
+            t = random_tensor(name, shapes[name], seed)
+            # A_log and dt_bias are fp32 in Moonshot's checkpoints, everything else bf16
+            keep_fp32 = name.endswith(("A_log", "dt_bias"))
+            tensors[name] = t if keep_fp32 else t.to(torch_dtype)
+            weight_map[name] = fname
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+    if num_shards > 1:
+        with open(out / "model.safetensors.index.json", "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    hub = config.to_hub_dict()
+    if with_tokenizer:
+        write_kimi_tokenizer(out, config.vocab_size - NUM_SPECIAL)
+    with open(out / "config.json", "w") as f:
+        json.dump(hub, f, indent=2)
+    return out
+
+
+def default_model_path(preset: str = "bench", seed: int = 0) -> Path:
+    """The built-in default model: a random `preset` checkpoint generated once into a cache."""
+    cache = Path(os.environ.get("KDASERVE_CACHE", Path.home() / ".cache" / "kdaserve"))
+    path = cache / f"{preset}-seed{seed}"
+    if not (path / "config.json").is_file():  # config.json is written last: marks completion
+        print(f"[kdaserve] generating random-weight '{preset}' checkpoint into {path} "
+              "(random weights: output text is meaningless)", flush=True)
+        make_checkpoint(path, preset, seed=seed)
+    return path

@@ -1,0 +1,313 @@
+"""Model configuration: one `ModelConfig` translated once from a checkpoint's config.json.
+
+Two schemas exist in the wild: Moonshot's hub schema (`linear_attn_config` with 1-indexed layer
+lists, `first_k_dense_replace`, `moe_layer_freq`) and transformers' (`layer_types`,
+`mlp_layer_types`, `linear_*`). Both map to the same frozen dataclass; nothing downstream reads
+raw HF names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+KDA = "kda"
+MLA = "mla"
+DENSE = "dense"
+MOE = "moe"
+
+# Fields of later Kimi models (K2.5/K3 family) that change the math. Loading such a checkpoint with
+# this engine would silently compute a different function, so a non-default value is an error.
+# Value: the default under which the field is harmless.
+_UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "mla_use_output_gate": False,
+    "attn_res_block_size": None,
+    "gate_lower_bound": None,
+    "use_full_rank_gate": False,
+    "moe_latent_size": None,
+    "moe_latent_dim": None,
+    "use_latent_moe": False,
+    "latent_moe": False,
+    "num_nextn_predict_layers": 0,
+    "attention_bias": False,
+    "num_v_heads": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]  # KDA or MLA per layer, 0-indexed
+    mlp_types: tuple[str, ...]  # DENSE or MOE per layer
+    intermediate_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    # KDA
+    kda_num_heads: int
+    kda_head_dim: int
+    kda_conv_size: int
+    # MLA
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # MoE
+    num_experts: int
+    num_experts_per_token: int
+    num_shared_experts: int
+    moe_intermediate_size: int
+    router_activation: str  # "sigmoid" or "softmax"
+    moe_renormalize: bool
+    routed_scaling_factor: float
+    num_expert_group: int
+    topk_group: int
+    # tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    checkpoint_dtype: str = "bfloat16"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"config has {len(self.layer_types)} layer types for "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
+        if len(self.mlp_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"config has {len(self.mlp_types)} mlp types for "
+                f"num_hidden_layers={self.num_hidden_layers}"
+            )
+        for i, t in enumerate(self.layer_types):
+            if t not in (KDA, MLA):
+                raise ValueError(f"layer {i}: unknown attention type {t!r}")
+        if MOE in self.mlp_types:
+            if self.num_experts_per_token > self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_token={self.num_experts_per_token} > "
+                    f"num_experts={self.num_experts}"
+                )
+            if self.num_experts % self.num_expert_group:
+                raise ValueError(
+                    f"num_experts={self.num_experts} not divisible by "
+                    f"num_expert_group={self.num_expert_group}"
+                )
+            if self.topk_group > self.num_expert_group:
+                raise ValueError(
+                    f"topk_group={self.topk_group} > num_expert_group={self.num_expert_group}"
+                )
+        if self.router_activation not in ("sigmoid", "softmax"):
+            raise ValueError(
+                f"moe_router_activation_func={self.router_activation!r} is not supported "
+                "(sigmoid or softmax)"
+            )
+
+    # ---- derived sizes (properties, never stored) ----
+    @property
+    def kda_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == KDA]
+
+    @property
+    def mla_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == MLA]
+
+    @property
+    def kda_dim(self) -> int:
+        """P = H * K: width of the q/k/v projections of a KDA layer."""
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per MLA layer: normalised latent + shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    # ---- loading ----
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_path = path / "config.json" if path.is_dir() else path
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no config.json in {path}")
+        with open(config_path) as f:
+            raw = json.load(f)
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        _reject_unsupported(raw)
+        n = _require(raw, "num_hidden_layers")
+        lac = raw.get("linear_attn_config") or {}
+        layer_types = _layer_types(raw, lac, n)
+        mlp_types = _mlp_types(raw, n)
+        num_experts = raw.get("num_experts", raw.get("num_local_experts")) or 0
+        grouped = raw.get("use_grouped_topk", True)
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=_require(raw, "vocab_size"),
+            hidden_size=_require(raw, "hidden_size"),
+            num_hidden_layers=n,
+            layer_types=layer_types,
+            mlp_types=mlp_types,
+            intermediate_size=raw.get("intermediate_size", 0),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            kda_num_heads=lac.get("num_heads", raw.get("linear_num_heads", 32)),
+            kda_head_dim=lac.get("head_dim", raw.get("linear_head_dim", 128)),
+            kda_conv_size=lac.get("short_conv_kernel_size", raw.get("linear_conv_kernel_dim", 4)),
+            num_attention_heads=_require(raw, "num_attention_heads"),
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=raw.get("kv_lora_rank", 512),
+            qk_nope_head_dim=raw.get("qk_nope_head_dim", 128),
+            qk_rope_head_dim=raw.get("qk_rope_head_dim", 64),
+            v_head_dim=raw.get("v_head_dim", 128),
+            num_experts=num_experts,
+            num_experts_per_token=raw.get("num_experts_per_token", raw.get("num_experts_per_tok", 8)),
+            num_shared_experts=raw.get("num_shared_experts", raw.get("n_shared_experts", 0)) or 0,
+            moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+            router_activation=raw.get("moe_router_activation_func", "sigmoid"),
+            moe_renormalize=raw.get("moe_renormalize", raw.get("norm_topk_prob", True)),
+            routed_scaling_factor=raw.get("routed_scaling_factor", 1.0),
+            num_expert_group=(raw.get("num_expert_group", raw.get("n_group", 1)) or 1) if grouped else 1,
+            topk_group=(raw.get("topk_group", 1) or 1) if grouped else 1,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            pad_token_id=raw.get("pad_token_id"),
+            checkpoint_dtype=raw.get("torch_dtype", raw.get("dtype")) or "bfloat16",
+        )
+
+    def to_hub_dict(self) -> dict[str, Any]:
+        """Moonshot's hub schema (what `make-checkpoint` writes)."""
+        kda_1 = [i + 1 for i in self.kda_layers]
+        mla_1 = [i + 1 for i in self.mla_layers]
+        moe_layers = [i for i, t in enumerate(self.mlp_types) if t == MOE]
+        first_dense = moe_layers[0] if moe_layers else self.num_hidden_layers
+        if moe_layers != list(range(first_dense, self.num_hidden_layers)):
+            raise ValueError("hub schema needs MoE on every layer from first_k_dense_replace on")
+        return {
+            "architectures": ["KimiLinearForCausalLM"],
+            "model_type": "kimi_linear",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "hidden_act": "silu",
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads,
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "mla_use_nope": True,
+            "linear_attn_config": {
+                "kda_layers": kda_1,
+                "full_attn_layers": mla_1,
+                "num_heads": self.kda_num_heads,
+                "head_dim": self.kda_head_dim,
+                "short_conv_kernel_size": self.kda_conv_size,
+            },
+            "num_experts": self.num_experts,
+            "num_experts_per_token": self.num_experts_per_token,
+            "num_shared_experts": self.num_shared_experts,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "moe_router_activation_func": self.router_activation,
+            "moe_renormalize": self.moe_renormalize,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "use_grouped_topk": True,
+            "num_expert_group": self.num_expert_group,
+            "topk_group": self.topk_group,
+            "first_k_dense_replace": first_dense,
+            "moe_layer_freq": 1,
+            "num_nextn_predict_layers": 0,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids[0] if self.eos_token_ids else None,
+            "pad_token_id": self.pad_token_id,
+            "torch_dtype": self.checkpoint_dtype,
+            "use_cache": True,
+        }
+
+    def summary(self) -> str:
+        d = asdict(self)
+        d.pop("extra")
+        return ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("layer_types", "mlp_types"))
+
+
+def _require(raw: dict[str, Any], key: str) -> Any:
+    if key not in raw or raw[key] is None:
+        raise ValueError(f"config.json: required field {key!r} is missing")
+    return raw[key]
+
+
+def _reject_unsupported(raw: dict[str, Any]) -> None:
+    sources = [raw, raw.get("linear_attn_config") or {}]
+    for src in sources:
+        for key, harmless in _UNSUPPORTED_FIELDS.items():
+            if key in src and src[key] != harmless and src[key] is not None:
+                raise ValueError(
+                    f"config.json: field {key!r}={src[key]!r} belongs to a newer Kimi model that "
+                    "kdaserve does not implement"
+                )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
+    if raw.get("mla_use_nope", True) is False:
+        raise ValueError("config.json: mla_use_nope=false (rotary MLA) is not supported")
+    kv_heads = raw.get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != raw.get("num_attention_heads"):
+        raise ValueError(
+            f"config.json: num_key_value_heads={kv_heads} != num_attention_heads; MLA has no GQA"
+        )
+
+
+def _layer_types(raw: dict[str, Any], lac: dict[str, Any], n: int) -> tuple[str, ...]:
+    if raw.get("layer_types") is not None:  # transformers' schema wins, as in transformers
+        names = {"linear_attention": KDA, "full_attention": MLA, KDA: KDA, MLA: MLA}
+        try:
+            return tuple(names[t] for t in raw["layer_types"])
+        except KeyError as e:
+            raise ValueError(f"config.json: unknown layer type {e.args[0]!r} in layer_types") from e
+    if "kda_layers" in lac and "full_attn_layers" in lac:
+        types: list[str | None] = [None] * n
+        # The hub lists are 1-indexed: layer i is KDA iff (i + 1) in kda_layers.
+        for key, kind in (("kda_layers", KDA), ("full_attn_layers", MLA)):
+            for one_based in lac[key]:
+                if not 1 <= one_based <= n:
+                    raise ValueError(f"config.json: linear_attn_config.{key} has {one_based}, "
+                                     f"outside 1..{n} (the lists are 1-indexed)")
+                types[one_based - 1] = kind
+        missing = [i for i, t in enumerate(types) if t is None]
+        if missing:
+            raise ValueError(f"config.json: layers {missing} (0-indexed) are in neither "
+                             "kda_layers nor full_attn_layers")
+        return tuple(t for t in types if t is not None)
+    raise ValueError("config.json: neither layer_types nor linear_attn_config.kda_layers/"
+                     "full_attn_layers is given")
+
+
+def _mlp_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
+    if raw.get("mlp_layer_types") is not None:
+        names = {"dense": DENSE, "sparse": MOE, MOE: MOE}
+        try:
+            return tuple(names[t] for t in raw["mlp_layer_types"])
+        except KeyError as e:
+            raise ValueError(f"config.json: unknown mlp type {e.args[0]!r}") from e
+    has_experts = bool(raw.get("num_experts", raw.get("num_local_experts")))
+    first_dense = raw.get("first_k_dense_replace", 1)
+    freq = raw.get("moe_layer_freq", 1) or 1
+    return tuple(
+        MOE if has_experts and i >= first_dense and i % freq == 0 else DENSE for i in range(n)
+    )

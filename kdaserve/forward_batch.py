@@ -1,0 +1,79 @@
+"""`ForwardBatch`: everything one model forward needs, passed explicitly to every layer.
+
+A batch packs the new tokens of B sequences (prefill chunks and decodes alike) into one flat
+[T] stream; `cu_seqlens` marks the sequences. Layers read their caches through `state_slots`
+(KDA) and `block_table` / `slot_mapping` (MLA); nothing is global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token in its sequence
+    cu_seqlens: torch.Tensor  # [B+1] int64, new tokens per sequence
+    context_lens: torch.Tensor  # [B] int64, cached + new tokens after this step
+    state_slots: torch.Tensor  # [B] int64, KDA state pool slot per sequence
+    block_table: torch.Tensor  # [B, M] int64, MLA cache blocks per sequence
+    slot_mapping: torch.Tensor  # [T] int64, flat cache row (block * block_size + offset)
+    logits_indices: torch.Tensor  # [L] int64, rows of [T] whose logits are wanted
+    is_decode: bool = False  # every sequence has exactly one new token
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.shape[0] - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def build(cls, new_tokens: list[list[int]], num_cached: list[int], state_slots: list[int],
+              block_tables: list[list[int]], block_size: int, all_logits: bool = False,
+              device: torch.device | str = "cpu") -> ForwardBatch:
+        """Pack per-sequence metadata (host lists) into tensors.
+
+        new_tokens[b]: token ids to run now; num_cached[b]: tokens of that sequence already in
+        the caches; block_tables[b] must cover num_cached[b] + len(new_tokens[b]) tokens.
+        """
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu = [0]
+        logits_rows: list[int] = []
+        for toks, start, table in zip(new_tokens, num_cached, block_tables, strict=True):
+            if not toks:
+                raise ValueError("every sequence in a batch needs at least one new token")
+            n = len(toks)
+            if len(table) * block_size < start + n:
+                raise ValueError("block table too short for the sequence")
+            ids.extend(toks)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in pos)
+            logits_rows.extend(range(cu[-1], cu[-1] + n) if all_logits else [cu[-1] + n - 1])
+            cu.append(cu[-1] + n)
+        width = max(len(t) for t in block_tables)
+        table_t = torch.zeros(len(block_tables), width, dtype=torch.int64)
+        for b, t in enumerate(block_tables):
+            table_t[b, : len(t)] = torch.tensor(t, dtype=torch.int64)
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return cls(
+            input_ids=t(ids),
+            positions=t(positions),
+            cu_seqlens=t(cu),
+            context_lens=t([s + len(n) for s, n in zip(num_cached, new_tokens)]),
+            state_slots=t(state_slots),
+            block_table=table_t.to(device),
+            slot_mapping=t(slot_mapping),
+            logits_indices=t(logits_rows),
+            is_decode=all(len(x) == 1 for x in new_tokens),
+        )

@@ -1,0 +1,1 @@
+"""Pure-torch reference kernels: the oracle every faster backend is compared against."""

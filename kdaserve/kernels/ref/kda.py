@@ -1,0 +1,142 @@
+"""Plain-torch KDA reference: short conv, gate, recurrent and chunk (WY/UT) forms.
+
+This is the specification the fast backends are tested against (kda_spec.md §1). Packed
+variable-length batches: tokens of B sequences concatenated, `cu_seqlens` [B+1] marks them,
+`state_slots` [B] names each sequence's row in the state pool, which is updated in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2_EPS = 1e-6
+CHUNK = 64
+
+
+def kda_gate_ref(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Log-space decay `-exp(A_log[h]) * softplus(g + dt_bias)`.  g: [T, H, K] -> fp32 [T, H, K]."""
+    T, H, K = g.shape
+    x = g.float() + dt_bias.float().view(H, K)
+    # softplus with PyTorch's threshold 20: identity above, so huge gate logits do not overflow.
+    return -torch.exp(A_log.float().view(H, 1)) * F.softplus(x, beta=1.0, threshold=20.0)
+
+
+def l2norm_ref(x: torch.Tensor) -> torch.Tensor:
+    """fla's l2norm: eps is added to the sum of squares (not a clamp like F.normalize)."""
+    x = x.float()
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _activate(q, k, g, beta, A_log, dt_bias):
+    return l2norm_ref(q), l2norm_ref(k), kda_gate_ref(g, A_log, dt_bias), torch.sigmoid(beta.float())
+
+
+def _pad(x: torch.Tensor, cu: list[int], length: int) -> torch.Tensor:
+    """[T, ...] packed -> [B, length, ...], zeros at each sequence's end.
+
+    End-padding with q=k=v=0, g=0, beta=0 leaves outputs and final states unchanged (spec §1.3).
+    """
+    B = len(cu) - 1
+    out = x.new_zeros(B, length, *x.shape[1:])
+    for b in range(B):
+        out[b, : cu[b + 1] - cu[b]] = x[cu[b] : cu[b + 1]]
+    return out
+
+
+def _unpad(x: torch.Tensor, cu: list[int]) -> torch.Tensor:
+    return torch.cat([x[b, : cu[b + 1] - cu[b]] for b in range(len(cu) - 1)])
+
+
+def kda_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                      state: torch.Tensor, state_slots: torch.Tensor,
+                      cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Token-by-token delta rule.
+
+    q, k: [T, H, K] post-conv; v: [T, H, V]; g: [T, H, K] raw gate (before dt_bias/softplus);
+    beta: [T, H] logits; state: [N, H, K, V] fp32 pool; returns o: [T, H, V] in v.dtype.
+    """
+    cu = cu_seqlens.tolist()
+    q, k, g, beta = _activate(q, k, g, beta, A_log, dt_bias)
+    Tm = max(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
+    qp, kp, vp, gp, bp = (_pad(x, cu, Tm) for x in (q, k, v.float(), g, beta))
+    scale = q.shape[-1] ** -0.5
+    S = state[state_slots].float()  # [B, H, K, V]
+    out = torch.zeros_like(vp)
+    for t in range(Tm):
+        S = S * gp[:, t].exp().unsqueeze(-1)
+        kt = kp[:, t]
+        pred = torch.einsum("bhk,bhkv->bhv", kt, S)
+        delta = (vp[:, t] - pred) * bp[:, t].unsqueeze(-1)
+        S = S + kt.unsqueeze(-1) * delta.unsqueeze(-2)
+        out[:, t] = torch.einsum("bhk,bhkv->bhv", qp[:, t] * scale, S)
+    state[state_slots] = S.to(state.dtype)
+    return _unpad(out, cu).to(v.dtype)
+
+
+def kda_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                  state: torch.Tensor, state_slots: torch.Tensor,
+                  cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Chunked (WY / UT-transform) form, chunk 64; same contract as `kda_recurrent_ref`."""
+    cu = cu_seqlens.tolist()
+    q, k, g, beta = _activate(q, k, g, beta, A_log, dt_bias)
+    Tm = max(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
+    Tp = -(-Tm // CHUNK) * CHUNK
+    # [B, H, T, *] layout, so each chunk is a batch of [C, K] matrices per (sequence, head)
+    qp, kp, vp, gp = (_pad(x, cu, Tp).transpose(1, 2) for x in (q, k, v.float(), g))
+    bp = _pad(beta, cu, Tp).transpose(1, 2)
+    qp = qp * q.shape[-1] ** -0.5
+    S = state[state_slots].float()
+    out = torch.zeros_like(vp)
+    C = CHUNK
+    eye = torch.eye(C, device=q.device)
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    strict = incl.clone().fill_diagonal_(False)
+    for s in range(0, Tp, C):
+        qc, kc, vc, bc = qp[:, :, s:s + C], kp[:, :, s:s + C], vp[:, :, s:s + C], bp[:, :, s:s + C]
+        G = gp[:, :, s:s + C].cumsum(2)  # Γ_r, [B, H, C, K]
+        # Γ_r - Γ_i is ≤ 0 for r ≥ i: exponentiate the difference, never exp(Γ_r)·exp(-Γ_i),
+        # which overflows for strong decay. Entries above the diagonal are masked before exp.
+        diff = G.unsqueeze(3) - G.unsqueeze(2)  # [B, H, C(r), C(i), K]
+        decay = diff.masked_fill(~incl[:, :, None], float("-inf")).exp()
+        kk = torch.einsum("bhrk,bhik,bhrik->bhri", kc, kc, decay)
+        L = (kk * bc.unsqueeze(-1)).masked_fill(~strict, 0.0)
+        # M = (I + L)^-1 Diag(beta): unit-lower-triangular solve
+        M = torch.linalg.solve_triangular(eye + L, torch.diag_embed(bc), upper=False,
+                                          unitriangular=True)
+        gamma = G.exp()
+        Wm = M @ (gamma * kc)
+        U = M @ vc
+        Vp = U - Wm @ S
+        Aqk = torch.einsum("bhrk,bhik,bhrik->bhri", qc, kc, decay)
+        out[:, :, s:s + C] = (qc * gamma) @ S + Aqk @ Vp
+        G_last = G[:, :, -1:]  # [B, H, 1, K]
+        S = S * G_last.squeeze(2).exp().unsqueeze(-1) + (kc * (G_last - G).exp()).transpose(-1, -2) @ Vp
+    state[state_slots] = S.to(state.dtype)
+    return _unpad(out.transpose(1, 2), cu).to(v.dtype)
+
+
+def short_conv_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                   state_slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Causal depthwise conv + SiLU over packed sequences, continuing from and updating the cache.
+
+    x: [T, D] pre-conv projections; weight: [D, W] (tap W-1 multiplies the current token);
+    conv_state: [N, W-1, D] pool of the last W-1 pre-conv inputs per slot (oldest first).
+    Returns SiLU(conv) [T, D] in x.dtype; computed in fp32.
+    """
+    cu = cu_seqlens.tolist()
+    D, W = weight.shape
+    out = torch.empty_like(x)
+    w = weight.float().t()  # [W, D]
+    for b in range(len(cu) - 1):
+        slot = int(state_slots[b])
+        xs = x[cu[b] : cu[b + 1]]
+        n = xs.shape[0]
+        window = torch.cat([conv_state[slot].to(x.dtype), xs])  # [W-1+n, D]
+        wf = window.float()
+        y = sum(wf[j : j + n] * w[j] for j in range(W))
+        out[cu[b] : cu[b + 1]] = F.silu(y).to(x.dtype)
+        conv_state[slot] = window[-(W - 1):].to(conv_state.dtype)
+    return out

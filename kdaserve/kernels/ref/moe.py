@@ -1,0 +1,47 @@
+"""Plain-torch MoE reference: routing (sigmoid/softmax, grouped top-k) and an expert loop."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                  num_group: int, topk_group: int, renormalize: bool, scaling: float,
+                  activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 "noaux_tc" routing.  logits: [T, E] fp32 -> (weights [T, k], ids [T, k]).
+
+    The correction bias steers *selection* only; the weights are the unbiased scores (as in
+    vLLM, SGLang and transformers).
+    """
+    T, E = logits.shape
+    scores = logits.sigmoid() if activation == "sigmoid" else logits.softmax(-1)
+    choice = scores + bias if bias is not None else scores
+    if num_group > 1:
+        grouped = choice.view(T, num_group, E // num_group)
+        group_score = grouped.topk(min(2, E // num_group), dim=-1).values.sum(-1)
+        keep = group_score.topk(topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(E // num_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * E_{ids[t, k]}(x_t), E_e(x) = W2 (SiLU(W1 x) * W3 x).
+
+    x: [T, D]; w13: [E, 2I, D] (gate rows then up rows); w2: [E, D, I].
+    """
+    out = torch.zeros_like(x)
+    inter = w13.shape[1] // 2
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        h = F.linear(x[tok], w13[e])
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = F.linear(h, w2[e]) * weights[tok, slot].unsqueeze(-1).to(x.dtype)
+        out.index_add_(0, tok, y)
+    return out

@@ -1,0 +1,75 @@
+"""Kernel backend registry: each op has backends (`ref`, `cpu`, `triton`) chosen once at build.
+
+A backend registers `(op, name, priority, supports)`; `supports(device)` answers `(ok, reason)`.
+`resolve` picks the highest-priority supported backend (or the one forced by `KDASERVE_KERNEL`,
+`EngineConfig`, or `use_backend` in tests) and returns the plain callable, so layers hold a
+function and no dispatch happens inside the forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+Supports = Callable[[torch.device], tuple[bool, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    op: str
+    name: str
+    fn: Callable
+    priority: int
+    supports: Supports
+
+
+_BACKENDS: dict[str, list[Backend]] = {}
+_forced: list[str] = []  # stack managed by use_backend()
+
+
+def always(device: torch.device) -> tuple[bool, str]:
+    return True, ""
+
+
+def register(op: str, name: str, fn: Callable, priority: int = 0,
+             supports: Supports = always) -> None:
+    _BACKENDS.setdefault(op, []).append(Backend(op, name, fn, priority, supports))
+
+
+def backends(op: str) -> list[Backend]:
+    return sorted(_BACKENDS.get(op, []), key=lambda b: -b.priority)
+
+
+def resolve(op: str, device: torch.device, backend: str | None = None) -> Callable:
+    """The callable for `op` on `device`. `backend` (or the override) must be supported."""
+    forced = backend or (_forced[-1] if _forced else None) or os.environ.get("KDASERVE_KERNEL")
+    candidates = backends(op)
+    if not candidates:
+        raise ValueError(f"no kernel registered for op {op!r}")
+    if forced:
+        for b in candidates:
+            if b.name == forced:
+                ok, reason = b.supports(device)
+                if not ok:
+                    raise ValueError(f"kernel backend {forced!r} for {op} unsupported: {reason}")
+                return b.fn
+        # An op without that backend falls back to the best available: a forced "cpu" must
+        # not fail just because some op only has the reference implementation.
+    for b in candidates:
+        if b.supports(device)[0]:
+            return b.fn
+    raise ValueError(f"no kernel backend for op {op!r} supports device {device}")
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force a backend for models built inside the block (tests compare backends this way)."""
+    _forced.append(name)
+    try:
+        yield
+    finally:
+        _forced.pop()

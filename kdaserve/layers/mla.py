@@ -1,0 +1,59 @@
+"""MLA layer with NoPE: the cache holds the compressed latent, attention runs weight-absorbed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kdaserve.config import ModelConfig
+from kdaserve.forward_batch import ForwardBatch
+from kdaserve.kernels import Kernels
+from kdaserve.layers.norm import RMSNorm
+
+# transformers and Moonshot's remote code build q_a/kv_a layernorms with the class default
+# eps 1e-6, not rms_norm_eps; we follow the reference implementation.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+        super().__init__()
+        D, H = config.hidden_size, config.num_attention_heads
+        self.num_heads = H
+        self.dn, self.dr, self.dv = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.rank = config.kv_lora_rank
+        if config.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * config.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, H * config.qk_head_dim, bias=False)
+        self.use_q_lora = config.q_lora_rank is not None
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.rank + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, H * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+        self.scale = config.qk_head_dim ** -0.5
+        self.kernels = kernels
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}{name}": p for name, p in self.named_parameters()}
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [H, Dn, R] and W_UV [H, Dv, R] (views, no copy)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.rank)
+        return w[:, : self.dn], w[:, self.dn:]
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """x: [T, D]; kv_cache: [NB, BS, R + Dr] block pool of this layer."""
+        T, H = x.shape[0], self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.use_q_lora else self.q_proj(x)
+        q = q.view(T, H, self.dn + self.dr)
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat([self.kv_a_layernorm(ckv[:, : self.rank]), ckv[:, self.rank:]], dim=-1)
+        kv_cache.view(-1, kv_cache.shape[-1])[batch.slot_mapping] = latent.to(kv_cache.dtype)
+        w_uk, w_uv = self.absorbed_weights()
+        o = self.kernels.mla_attention(q[..., : self.dn], q[..., self.dn:], kv_cache,
+                                       batch.block_table, batch.cu_seqlens, batch.context_lens,
+                                       w_uk, w_uv, self.scale)
+        return self.o_proj(o.reshape(T, H * self.dv))

@@ -1,0 +1,65 @@
+"""Feed-forward layers: dense SwiGLU MLP and the routed MoE with shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kdaserve.config import ModelConfig
+from kdaserve.kernels import Kernels
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Experts stacked as [E, 2I, D] (w1 rows then w3 rows) and [E, D, I] so kernels can batch
+    them; the loader writes each checkpoint expert tensor straight into its slice."""
+
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+        super().__init__()
+        D, E, inter = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.config = config
+        # The router runs in fp32 (as transformers does) so routing decisions do not depend on
+        # the model dtype.
+        self.gate_weight = nn.Parameter(torch.empty(E, D, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
+        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))
+        self.w2 = nn.Parameter(torch.empty(E, D, inter))
+        self.shared_experts = (
+            MLP(D, inter * config.num_shared_experts) if config.num_shared_experts else None
+        )
+        self.kernels = kernels
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        inter = self.w2.shape[-1]
+        views = {f"{prefix}gate.weight": self.gate_weight,
+                 f"{prefix}gate.e_score_correction_bias": self.e_score_correction_bias}
+        for e in range(self.w13.shape[0]):
+            views[f"{prefix}experts.{e}.w1.weight"] = self.w13.data[e, :inter]
+            views[f"{prefix}experts.{e}.w3.weight"] = self.w13.data[e, inter:]
+            views[f"{prefix}experts.{e}.w2.weight"] = self.w2.data[e]
+        if self.shared_experts is not None:
+            for name, p in self.shared_experts.named_parameters():
+                views[f"{prefix}shared_experts.{name}"] = p
+        return views
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        logits = F.linear(x.float(), self.gate_weight)
+        weights, ids = self.kernels.moe_route(
+            logits, self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
+            c.topk_group, c.moe_renormalize, c.routed_scaling_factor, c.router_activation)
+        y = self.kernels.moe_experts(x, weights, ids, self.w13, self.w2)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

@@ -1,0 +1,1 @@
+"""The Kimi Linear model and its checkpoint loader."""

@@ -1,0 +1,85 @@
+"""Kimi Linear: KDA and MLA token mixers interleaved, dense/MoE feed-forward, one forward over a
+packed `ForwardBatch`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kdaserve.cache.block_pool import BlockPool
+from kdaserve.cache.state_pool import StatePool
+from kdaserve.config import KDA, MOE, ModelConfig
+from kdaserve.forward_batch import ForwardBatch
+from kdaserve.kernels import Kernels
+from kdaserve.layers.kda import KDAttention
+from kdaserve.layers.mla import MLAttention
+from kdaserve.layers.moe import MLP, MoE
+from kdaserve.layers.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, idx: int, kernels: Kernels) -> None:
+        super().__init__()
+        self.is_kda = config.layer_types[idx] == KDA
+        self.self_attn: KDAttention | MLAttention = (
+            KDAttention(config, kernels) if self.is_kda else MLAttention(config, kernels)
+        )
+        self.is_moe = config.mlp_types[idx] == MOE
+        self.mlp: MoE | MLP = (
+            MoE(config, kernels) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        views = self.self_attn.checkpoint_tensors(prefix + "self_attn.")
+        if isinstance(self.mlp, MoE):
+            views.update(self.mlp.checkpoint_tensors(prefix + "block_sparse_moe."))
+        else:
+            views.update({f"{prefix}mlp.{n}": p for n, p in self.mlp.named_parameters()})
+        views[prefix + "input_layernorm.weight"] = self.input_layernorm.weight
+        views[prefix + "post_attention_layernorm.weight"] = self.post_attention_layernorm.weight
+        return views
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False)
+        # layer index -> row in the state pool (KDA) or block pool (MLA)
+        self.cache_index = {}
+        for kind_layers in (config.kda_layers, config.mla_layers):
+            self.cache_index.update({layer: j for j, layer in enumerate(kind_layers)})
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Checkpoint tensor name (Moonshot's hub names) -> destination parameter view."""
+        views = {"model.embed_tokens.weight": self.embed_tokens.weight,
+                 "model.norm.weight": self.norm.weight}
+        if self.lm_head is not None:
+            views["lm_head.weight"] = self.lm_head.weight
+        for i, layer in enumerate(self.layers):
+            views.update(layer.checkpoint_tensors(f"model.layers.{i}."))
+        return views
+
+    def forward(self, batch: ForwardBatch, states: StatePool, blocks: BlockPool) -> torch.Tensor:
+        """Runs the new tokens of every sequence; returns fp32 logits [L, vocab] for the rows in
+        `batch.logits_indices`. Caches are read and updated in place."""
+        h = self.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            j = self.cache_index[i]
+            if layer.is_kda:
+                x = layer.self_attn(x, batch, states.recurrent[j], states.conv[j])
+            else:
+                x = layer.self_attn(x, batch, blocks.kv[j])
+            h = h + x
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.norm(h[batch.logits_indices])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(h, weight).float()
