@@ -234,7 +234,8 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_ids[0] if self.eos_token_ids else None,
+            "eos_token_id": (list(self.eos_token_ids) if len(self.eos_token_ids) > 1
+                             else self.eos_token_ids[0] if self.eos_token_ids else None),
             "pad_token_id": self.pad_token_id,
             "torch_dtype": self.checkpoint_dtype,
             "use_cache": True,
@@ -267,7 +268,8 @@ def _reject_unsupported(raw: dict[str, Any]) -> None:
     if raw.get("mla_use_nope", True) is False:
         raise ValueError("config.json: mla_use_nope=false (rotary MLA) is not supported")
     kv_heads = raw.get("num_key_value_heads")
-    if kv_heads is not None and kv_heads != raw.get("num_attention_heads"):
+    heads = raw.get("num_attention_heads")
+    if kv_heads is not None and heads is not None and kv_heads != heads:
         raise ValueError(
             f"config.json: num_key_value_heads={kv_heads} != num_attention_heads; MLA has no GQA"
         )
@@ -288,6 +290,9 @@ def _layer_types(raw: dict[str, Any], lac: dict[str, Any], n: int) -> tuple[str,
                 if not 1 <= one_based <= n:
                     raise ValueError(f"config.json: linear_attn_config.{key} has {one_based}, "
                                      f"outside 1..{n} (the lists are 1-indexed)")
+                if types[one_based - 1] not in (None, kind):
+                    raise ValueError(f"config.json: layer {one_based - 1} (0-indexed) is in both "
+                                     "kda_layers and full_attn_layers")
                 types[one_based - 1] = kind
         missing = [i for i, t in enumerate(types) if t is None]
         if missing:

@@ -88,8 +88,9 @@ class LLM:
     # ---- generation ----
     @torch.inference_mode()
     def generate(self, prompts: list[str] | str | None = None,
-                 prompt_token_ids: list[list[int]] | None = None,
-                 sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | None = None,
+                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        """Blocking generation for a batch (vLLM's argument order: prompts, sampling_params)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         params = sampling_params or SamplingParams()

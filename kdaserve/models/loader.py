@@ -44,8 +44,13 @@ def checkpoint_files(path: Path) -> list[Path]:
 def read_header(file: Path) -> tuple[dict[str, dict], int]:
     """(tensor name -> {dtype, shape, data_offsets}, byte offset where tensor data starts)."""
     with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        prefix = f.read(8)
+        n = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        raw = f.read(n) if 0 <= n <= 100_000_000 else b""
+    try:
+        header = json.loads(raw)
+    except ValueError:  # too short, or not safetensors at all
+        raise ValueError(f"{file.name}: truncated or not a safetensors file") from None
     header.pop("__metadata__", None)
     return header, 8 + n
 
@@ -141,11 +146,11 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
     """Builds on the meta device (no init cost), materialises, then fills every parameter."""
     with torch.device("meta"):
         model = KimiLinearForCausalLM(config, kernels)
-    fp32_params = {id(p) for n, p in model.named_parameters()
-                   if n.endswith(("A_log", "dt_bias", "gate_weight", "e_score_correction_bias"))}
+    # by name, after to_empty: moving off the meta device replaces the Parameter objects
+    fp32_suffixes = ("A_log", "dt_bias", "gate_weight", "e_score_correction_bias")
     model.to_empty(device=device)
-    for p in model.parameters():
-        if id(p) not in fp32_params:
+    for n, p in model.named_parameters():
+        if not n.endswith(fp32_suffixes):
             p.data = p.data.to(dtype)
     model.requires_grad_(False)
     if load_format == "dummy":

@@ -1,0 +1,71 @@
+"""The independent reference: transformers' KimiLinearForCausalLM on the same checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def load_hf(path: Path) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    if importlib.util.find_spec("triton") is not None:
+        # With fla and triton importable, transformers routes CPU tensors to Triton kernels
+        # and crashes; the test environment deliberately has no triton.
+        pytest.skip("triton is installed: transformers would not use its torch fallback")
+    model = transformers.KimiLinearForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tiny(tiny_ckpt: Path) -> torch.nn.Module:
+    return load_hf(tiny_ckpt)
+
+
+@pytest.fixture(scope="session")
+def hf_small(small_ckpt: Path) -> torch.nn.Module:
+    return load_hf(small_ckpt)
+
+
+def routing_margin(llm, token_ids: list[int]) -> float:
+    """Smallest gap, over every token and MoE layer of a full forward, between the last
+    selected and the first rejected expert (or expert group) score.
+
+    Two correct fp32 implementations differ by ~1e-6 in their hidden states; when a router
+    score gap is that small they may pick different experts, and the outputs then legitimately
+    diverge. Parity tests assert a clear margin first, so a failure always means a real bug.
+    """
+    import torch.nn.functional as F
+
+    from kdaserve.layers.moe import MoE
+
+    margins: list[float] = []
+
+    def hook(mod: MoE, inp: tuple[torch.Tensor], out: torch.Tensor) -> None:
+        c = mod.config
+        logits = F.linear(inp[0].float(), mod.gate_weight)
+        scores = logits.sigmoid() if c.router_activation == "sigmoid" else logits.softmax(-1)
+        choice = scores + mod.e_score_correction_bias
+        T, E, G = choice.shape[0], choice.shape[1], c.num_expert_group
+        if G > 1:
+            group = choice.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)
+            gs = group.sort(-1, descending=True).values
+            margins.append((gs[:, c.topk_group - 1] - gs[:, c.topk_group]).min().item())
+            keep = group.topk(c.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(E // G, 1), float("-inf"))
+        cs = choice.sort(-1, descending=True).values
+        k = c.num_experts_per_token
+        if k < cs.shape[1]:
+            gap = cs[:, k - 1] - cs[:, k]
+            margins.append(gap[torch.isfinite(gap)].min().item())
+
+    handles = [m.register_forward_hook(hook) for m in llm.model.modules() if isinstance(m, MoE)]
+    try:
+        llm.prefill_logits(token_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return min(margins) if margins else float("inf")
