@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -36,6 +37,7 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="[kdaserve] %(message)s")
     parser = argparse.ArgumentParser(prog="kdaserve")
     sub = parser.add_subparsers(dest="command", required=True)
 

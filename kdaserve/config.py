@@ -316,3 +316,42 @@ def _mlp_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
     return tuple(
         MOE if has_experts and i >= first_dense and i % freq == 0 else DENSE for i in range(n)
     )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Engine knobs (one CLI flag each in the server). Pool sizes not given are derived from
+    the memory budget at start-up and logged."""
+
+    model: str = "bench"
+    device: str = "cpu"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    kernel_backend: str | None = None
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 64  # running requests at once; also the default number of state slots
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    max_total_tokens: int | None = None  # MLA latent cache capacity in tokens
+    num_state_slots: int | None = None
+    mem_fraction: float = 0.5  # of physical memory that model + caches may use
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        for name in ("max_total_tokens", "num_state_slots"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = set(cls.__dataclass_fields__)
+        unknown = set(kwargs) - names
+        if unknown:
+            raise ValueError(f"unknown engine options: {sorted(unknown)}")
+        return cls(**kwargs)

@@ -35,18 +35,24 @@ class ForwardBatch:
     @classmethod
     def build(cls, new_tokens: list[list[int]], num_cached: list[int], state_slots: list[int],
               block_tables: list[list[int]], block_size: int, all_logits: bool = False,
+              sample: list[bool] | None = None,
               device: torch.device | str = "cpu") -> ForwardBatch:
         """Pack per-sequence metadata (host lists) into tensors.
 
         new_tokens[b]: token ids to run now; num_cached[b]: tokens of that sequence already in
         the caches; block_tables[b] must cover num_cached[b] + len(new_tokens[b]) tokens.
+        Logits are computed for the last token of each sequence with sample[b] (default: all),
+        or for every token with all_logits.
         """
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         cu = [0]
         logits_rows: list[int] = []
-        for toks, start, table in zip(new_tokens, num_cached, block_tables, strict=True):
+        if sample is None:
+            sample = [True] * len(new_tokens)
+        for toks, start, table, wanted in zip(new_tokens, num_cached, block_tables, sample,
+                                              strict=True):
             if not toks:
                 raise ValueError("every sequence in a batch needs at least one new token")
             n = len(toks)
@@ -56,7 +62,10 @@ class ForwardBatch:
             pos = range(start, start + n)
             positions.extend(pos)
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in pos)
-            logits_rows.extend(range(cu[-1], cu[-1] + n) if all_logits else [cu[-1] + n - 1])
+            if all_logits:
+                logits_rows.extend(range(cu[-1], cu[-1] + n))
+            elif wanted:
+                logits_rows.append(cu[-1] + n - 1)
             cu.append(cu[-1] + n)
         width = max(len(t) for t in block_tables)
         table_t = torch.zeros(len(block_tables), width, dtype=torch.int64)

@@ -1,34 +1,140 @@
-"""User-facing request objects: `SamplingParams` in, `RequestOutput` out."""
+"""Request lifecycle objects: `SamplingParams` and `Request` in, `RequestOutput` out."""
 
 from __future__ import annotations
 
+import enum
+import itertools
 from dataclasses import dataclass, field
+
+import torch
 
 
 @dataclass(slots=True)
 class SamplingParams:
+    n: int = 1
     temperature: float = 1.0
-    top_k: int = 0  # 0: disabled
+    top_k: int = 0  # 0 or -1: disabled
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and the output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     max_tokens: int = 16
     seed: int | None = None
     ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # return the sampled token's logprob plus this many top ones
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0 or -1, got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (all(s for s in self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_rid_counter = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated. (`n` > 1 becomes n requests sharing a prompt.)"""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    num_computed_tokens: int = 0  # tokens whose effect is in the caches
+    arrival: int = field(default_factory=lambda: next(_rid_counter))
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Some of its tokens are not in the caches yet beyond the one decode token."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)
 class RequestOutput:
+    """Output of one prompt; `.token_ids`, `.text` and `.finish_reason` are those of the first
+    completion (the common `n == 1` case). In streaming, `outputs` carry the full text so far
+    and `finished` tells whether this is the last update."""
+
+    rid: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str  # "stop" (eos / stop token) or "length"
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,65 @@
+"""Incremental detokenization and stop strings.
+
+Tokens are byte sequences: a multi-byte UTF-8 character may be split across tokens, so text is
+only emitted up to the last complete character and the incomplete tail waits for the next token.
+Stop strings are searched in the text, so they are found even when they span token boundaries;
+the output is cut right before the stop string.
+"""
+
+from __future__ import annotations
+
+from kdaserve.tokenizer import Tokenizer
+
+
+def complete_utf8_prefix(data: bytes) -> int:
+    """Length of the longest prefix of data that does not end inside a UTF-8 character."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:  # continuation byte: keep looking for the lead byte
+            continue
+        if byte & 0x80 == 0:  # ASCII
+            return len(data)
+        size = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4
+        return len(data) if back >= size else len(data) - back
+    return len(data)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
+        self.text = ""
+        self._pending = b""
+        self._max_stop = max((len(s) for s in stop), default=0)
+
+    def add(self, token_id: int) -> str | None:
+        """Appends one token; returns the stop string if the text now contains one (the text is
+        then cut right before it)."""
+        self._pending += self.tokenizer.decode_bytes([token_id], self.skip_special_tokens)
+        cut = complete_utf8_prefix(self._pending)
+        if cut == 0:
+            return None
+        old_len = len(self.text)
+        self.text += self._pending[:cut].decode("utf-8", errors="replace")
+        self._pending = self._pending[cut:]
+        if not self.stop:
+            return None
+        # a stop string ending in the new text may start up to len(stop)-1 chars earlier
+        start = max(0, old_len - self._max_stop + 1)
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        self.text = self.text[: best[0]]
+        self._pending = b""
+        return best[1]
+
+    def flush(self) -> None:
+        """At the end of a request: an incomplete trailing character becomes U+FFFD."""
+        if self._pending:
+            self.text += self._pending.decode("utf-8", errors="replace")
+            self._pending = b""

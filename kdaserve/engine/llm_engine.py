@@ -1,0 +1,258 @@
+"""LLMEngine: add_request / abort / step; owns the model, pools, scheduler and sampler.
+
+One `step()` = schedule -> one forward (mixed decodes and prefill chunks) -> sample -> stop
+checks -> free finished requests. Both the blocking `LLM` and the async server loop drive it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import torch
+
+from kdaserve.cache.block_pool import BlockPool
+from kdaserve.cache.state_pool import StatePool
+from kdaserve.checkpoint import PRESETS, default_model_path
+from kdaserve.config import EngineConfig, ModelConfig
+from kdaserve.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.model_runner import ModelRunner
+from kdaserve.engine.sampler import Sampler
+from kdaserve.engine.scheduler import Scheduler
+from kdaserve.kernels import resolve_kernels
+from kdaserve.models.loader import build_model
+from kdaserve.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from kdaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("kdaserve")
+
+DEFAULT_MAX_KV_TOKENS = 131072
+
+
+def resolve_model_path(model: str | os.PathLike) -> os.PathLike:
+    """A checkpoint folder, or a preset name for the built-in random-weight checkpoints."""
+    from pathlib import Path
+
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if str(model) in PRESETS:
+        return default_model_path(str(model))
+    raise ValueError(f"model {str(model)!r} is neither a checkpoint folder nor a preset "
+                     f"({', '.join(sorted(PRESETS))})")
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_pretrained(self.path)
+        self.device = torch.device(config.device)
+        # bf16 matmul is ~200x slower than fp32 on common CPUs: fp32 there, bf16 on accelerators
+        self.dtype = getattr(torch, config.dtype) if config.dtype else (
+            torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        self.kernels = resolve_kernels(self.device, config.kernel_backend)
+        self.model = build_model(self.model_config, self.kernels, self.dtype, self.device,
+                                 self.path, config.load_format, config.seed)
+        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_pretrained(self.path)
+        self.blocks, self.states = self._make_pools()
+        self.scheduler = Scheduler(self.blocks, self.states, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.blocks, self.states, self.device)
+        self.sampler = Sampler()
+        self.groups: dict[str, list[Request]] = {}
+        self.detok: dict[int, IncrementalDetokenizer] = {}
+        self.stop_ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            self.stop_ids |= set(self.tokenizer.eos_token_ids)
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests": 0,
+                         "num_finished": 0, "num_aborted": 0, "num_steps": 0}
+        self._pending_outputs: list[RequestOutput] = []
+        torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
+
+    # ---- set-up ----
+    def _make_pools(self) -> tuple[BlockPool, StatePool]:
+        c, mc = self.config, self.model_config
+        model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        num_slots = c.num_state_slots or c.max_num_seqs
+        slot_bytes = StatePool.bytes_per_slot(mc, self.dtype)
+        block_bytes = BlockPool.bytes_per_block(mc, c.block_size, self.dtype)
+        budget = int(c.mem_fraction * physical_memory()) - model_bytes - num_slots * slot_bytes
+        if budget <= 0:
+            raise ValueError(
+                f"{num_slots} state slots ({slot_bytes / 2**20:.1f} MiB each) and the model "
+                f"({model_bytes / 2**30:.2f} GiB) exceed mem_fraction={c.mem_fraction}; "
+                "lower max_num_seqs / num_state_slots")
+        if c.max_total_tokens is not None:
+            num_blocks = -(-c.max_total_tokens // c.block_size)
+        else:
+            fit = budget // max(block_bytes, 1)
+            num_blocks = min(fit, DEFAULT_MAX_KV_TOKENS // c.block_size)
+        blocks = BlockPool(mc, num_blocks, c.block_size, self.dtype, self.device)
+        states = StatePool(mc, num_slots, self.dtype, self.device)
+        # The slot pool, not KV, usually bounds concurrency: a KDA state is worth thousands of
+        # tokens of MLA latents.
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); KDA state pool: %d slots "
+            "(%.2f MiB each, %.1f MiB); one slot = %d tokens of KV; max running requests %d",
+            num_blocks, c.block_size, num_blocks * c.block_size,
+            num_blocks * block_bytes / 2**20, num_slots, slot_bytes / 2**20,
+            num_slots * slot_bytes / 2**20, slot_bytes * c.block_size // max(block_bytes, 1),
+            min(num_slots, c.max_num_seqs))
+        return blocks, states
+
+    # ---- requests ----
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer, but the engine was created "
+                                 "with skip_tokenizer_init=True; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} outside the vocabulary of {vocab}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    rid: str | None = None) -> str:
+        params = params or SamplingParams()
+        rid = rid or uuid.uuid4().hex
+        if rid in self.groups:
+            raise ValueError(f"request id {rid!r} is already in use")
+        ids = self.encode(prompt)
+        children = []
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed * 1_000_003 + i)
+            children.append(Request(rid if params.n == 1 else f"{rid}-{i}", ids, params,
+                                    generator=gen))
+        need = len(ids) + params.max_tokens
+        if need > self.scheduler.max_request_tokens():
+            self.scheduler.add(children[0])  # raises the descriptive ValueError
+        for child in children:
+            self.scheduler.add(child)
+            if self.tokenizer is not None:
+                self.detok[id(child)] = IncrementalDetokenizer(
+                    self.tokenizer, params.stop, params.skip_special_tokens)
+        self.groups[rid] = children
+        self.counters["num_requests"] += 1
+        return rid
+
+    def abort(self, rid: str) -> bool:
+        children = self.groups.get(rid)
+        if children is None:
+            return False
+        for child in children:
+            if not child.is_finished:
+                self.scheduler.finish(child, "abort")
+        self.counters["num_aborted"] += 1
+        self._pending_outputs.append(self._group_output(rid))
+        self._forget(rid)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns an update for every request that progressed or finished."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return outputs
+        for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+            if req.num_computed_tokens < len(req.prompt_ids):
+                self.counters["prompt_tokens"] += min(n, len(req.prompt_ids)
+                                                      - req.num_computed_tokens)
+        logits, to_sample = self.runner.run(batch)
+        self.counters["num_steps"] += 1
+        touched: dict[str, None] = {}
+        if to_sample:
+            result = self.sampler(logits, to_sample)
+            for i, req in enumerate(to_sample):
+                self._append(req, result.token_ids[i],
+                             result.logprobs[i] if result.logprobs else None,
+                             result.top_logprobs[i] if result.top_logprobs else None)
+                touched[self._group_id(req)] = None
+        for rid in touched:
+            out = self._group_output(rid)
+            outputs.append(out)
+            if out.finished:
+                self.counters["num_finished"] += 1
+                self._forget(rid)
+        return outputs
+
+    def _append(self, req: Request, token: int, logprob: float | None,
+                top: dict[int, float] | None) -> None:
+        req.output_ids.append(token)
+        self.counters["generation_tokens"] += 1
+        if req.params.logprobs is not None and logprob is not None and top is not None:
+            req.logprobs.append(top)
+            req.cumulative_logprob += logprob
+        p = req.params
+        detok = self.detok.get(id(req))
+        stop_str = detok.add(token) if detok is not None else None
+        if (token in p.stop_token_ids) or (not p.ignore_eos and token in self.stop_ids):
+            self.scheduler.finish(req, "stop")
+            req.stop_reason = token
+        elif stop_str is not None:
+            self.scheduler.finish(req, "stop")
+            req.stop_reason = stop_str
+        elif len(req.output_ids) >= p.max_tokens:
+            self.scheduler.finish(req, "length")
+        if req.is_finished and detok is not None:
+            detok.flush()
+
+    def _group_id(self, req: Request) -> str:
+        return req.rid if req.params.n == 1 else req.rid.rsplit("-", 1)[0]
+
+    def _group_output(self, rid: str) -> RequestOutput:
+        children = self.groups[rid]
+        outs = []
+        for i, r in enumerate(children):
+            detok = self.detok.get(id(r))
+            outs.append(CompletionOutput(
+                index=i, token_ids=list(r.output_ids),
+                text=detok.text if detok is not None else None,
+                finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
+                cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None
+                else None))
+        return RequestOutput(rid, children[0].prompt_ids, outs,
+                             finished=all(r.is_finished for r in children))
+
+    def _forget(self, rid: str) -> None:
+        for r in self.groups.pop(rid):
+            self.detok.pop(id(r), None)
+
+    # ---- introspection ----
+    def get_metrics(self) -> dict[str, int]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "free_blocks": self.blocks.num_free,
+            "total_blocks": self.blocks.num_blocks,
+            "free_state_slots": self.states.num_free,
+            "total_state_slots": self.states.num_slots,
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+        }
+
+    def check_integrity(self) -> None:
+        """Pool invariants; when idle, every block and state slot must be free again."""
+        self.scheduler.check_integrity()
+        if not self.has_unfinished():
+            assert self.blocks.num_free == self.blocks.num_blocks, "blocks leaked"
+            assert self.states.num_free == self.states.num_slots, "state slots leaked"
+            assert not self.groups, "finished requests not released"

@@ -1,0 +1,44 @@
+"""ModelRunner: ScheduledBatch -> ForwardBatch -> model -> logits of the requests to sample.
+
+The one place (with kernels/) where device-specific execution would live.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.cache.block_pool import BlockPool
+from kdaserve.cache.state_pool import StatePool
+from kdaserve.engine.scheduler import ScheduledBatch
+from kdaserve.forward_batch import ForwardBatch
+from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+from kdaserve.request import Request
+
+
+class ModelRunner:
+    def __init__(self, model: KimiLinearForCausalLM, blocks: BlockPool, states: StatePool,
+                 device: torch.device) -> None:
+        self.model, self.blocks, self.states, self.device = model, blocks, states, device
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request]]:
+        """Packs the batch; also returns the requests whose next token is sampled this step
+        (decodes and final prefill chunks), in logits-row order."""
+        new_tokens, num_cached, sample = [], [], []
+        for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+            start = req.num_computed_tokens
+            ids = req.all_ids
+            new_tokens.append(ids[start:start + n])
+            num_cached.append(start)
+            sample.append(start + n == len(ids))
+        fb = ForwardBatch.build(new_tokens, num_cached, [r.state_slot for r in batch.reqs],
+                                [r.block_ids for r in batch.reqs], self.blocks.block_size,
+                                sample=sample, device=self.device)
+        return fb, [r for r, s in zip(batch.reqs, sample, strict=True) if s]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
+        fb, to_sample = self.prepare(batch)
+        logits = self.model(fb, self.states, self.blocks)
+        for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+            req.num_computed_tokens += n
+        return logits, to_sample

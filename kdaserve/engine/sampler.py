@@ -1,0 +1,109 @@
+"""Vectorised sampling over a batch with per-request parameters.
+
+Penalties, temperature, top-k, top-p and min-p are applied to the whole [B, V] logits at once.
+Random draws use the exponential race (argmax p / E, E ~ Exp(1)), which equals sampling from p;
+only requests with their own seed draw their noise row from their own generator, so seeded
+requests are reproducible whatever else is in the batch.
+Returned logprobs are those of the model's raw distribution (before penalties/temperature), as
+vLLM and SGLang report them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kdaserve.request import Request
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[float] | None  # of the sampled tokens, when any request asked
+    top_logprobs: list[dict[int, float]] | None
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    B, V = logits.shape
+    dev = logits.device
+    out_lens = [len(r.output_ids) for r in reqs]
+    width = max(max(out_lens), 1)
+    out = torch.full((B, width), V, dtype=torch.int64)  # V: a padding column, dropped below
+    for i, r in enumerate(reqs):
+        if r.output_ids:
+            out[i, : out_lens[i]] = torch.tensor(r.output_ids)
+    counts = torch.zeros(B, V + 1, device=dev).scatter_add_(
+        1, out.to(dev), torch.ones(B, width, device=dev))[:, :V]
+    freq = _column([r.params.frequency_penalty for r in reqs], dev)
+    pres = _column([r.params.presence_penalty for r in reqs], dev)
+    logits = logits - freq * counts - pres * (counts > 0)
+    rep = _column([r.params.repetition_penalty for r in reqs], dev)
+    if (rep != 1.0).any():
+        seen = counts > 0
+        for i, r in enumerate(reqs):
+            if r.params.repetition_penalty != 1.0:
+                seen[i, torch.tensor(r.prompt_ids, device=dev)] = True
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Temperature, then top-k / top-p / min-p masks; returns the probabilities [B, V]."""
+    B, V = logits.shape
+    dev = logits.device
+    temps = _column([r.params.temperature or 1.0 for r in reqs], dev)
+    logits = logits / temps
+    top_k = torch.tensor([r.params.top_k or V for r in reqs], device=dev)
+    top_p = _column([r.params.top_p for r in reqs], dev)
+    min_p = _column([r.params.min_p for r in reqs], dev)
+    if (top_k < V).any() or (top_p < 1).any():
+        sorted_logits, order = logits.sort(-1, descending=True)
+        ranks = torch.arange(V, device=dev).unsqueeze(0)
+        drop = ranks >= top_k.unsqueeze(1)
+        sorted_p = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        # drop a token once the mass before it reaches top_p (the top token always stays)
+        drop |= (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    if (min_p > 0).any():
+        probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
+    return probs
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        """logits: fp32 [B, V], row i for reqs[i]."""
+        want_logprobs = any(r.params.logprobs is not None for r in reqs)
+        raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+        if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
+               or r.params.frequency_penalty for r in reqs):
+            logits = apply_penalties(logits, reqs)
+        greedy = torch.tensor([r.params.is_greedy for r in reqs], device=logits.device)
+        tokens = logits.argmax(-1)
+        if not greedy.all():
+            probs = apply_filters(logits, reqs)
+            noise = torch.empty_like(probs).exponential_()
+            for i, r in enumerate(reqs):
+                if r.generator is not None and not r.params.is_greedy:
+                    noise[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
+            sampled = (probs / noise).argmax(-1)
+            tokens = torch.where(greedy, tokens, sampled)
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, None, None)
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        k = max(r.params.logprobs or 0 for r in reqs)
+        top: list[dict[int, float]] = [{} for _ in reqs]
+        if k:
+            values, ids = raw_logprobs.topk(k, dim=-1)
+            for i, r in enumerate(reqs):
+                n = r.params.logprobs or 0
+                top[i] = dict(zip(ids[i, :n].tolist(), values[i, :n].tolist(), strict=True))
+        for i, t in enumerate(token_list):
+            top[i][t] = chosen[i]
+        return SamplerOutput(token_list, chosen, top)
