@@ -16,6 +16,9 @@ def load_hf(path: Path) -> torch.nn.Module:
         # and crashes; the test environment deliberately has no triton.
         pytest.skip("triton is installed: transformers would not use its torch fallback")
     model = transformers.KimiLinearForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    # Like our ignore_eos: EOS is an ordinary token that does not stop generation. (HF's
+    # min_new_tokens would instead mask EOS out, changing the greedy choice.)
+    model.generation_config.eos_token_id = None
     return model.eval()
 
 
@@ -69,3 +72,32 @@ def routing_margin(llm, token_ids: list[int]) -> float:
         for h in handles:
             h.remove()
     return min(margins) if margins else float("inf")
+
+
+# Router score gaps below this are near-ties that two correct fp32 implementations may break
+# differently (see routing_margin). Inputs that hit one are redrawn (a few percent do), and the
+# margin is asserted, so every comparison is one where only a bug can cause a mismatch.
+MIN_MARGIN = 1e-5
+
+
+def clear_prompt(llm, length: int, seed: int, continuation: int = 0) -> list[int]:
+    """A random prompt whose forward (and greedy continuation) has no router near-tie."""
+    from kdaserve import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(10):
+        ids = torch.randint(0, llm.config.vocab_size - 256, (length,), generator=g).tolist()
+        full = ids
+        if continuation:
+            params = SamplingParams(temperature=0.0, max_tokens=continuation, ignore_eos=True)
+            full = ids + llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].token_ids
+        if routing_margin(llm, full) > MIN_MARGIN:
+            return ids
+    raise AssertionError("could not draw a prompt without router near-ties")
+
+
+def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    assert out.shape[1] == len(prompt) + n
+    return out[0, len(prompt):].tolist()
