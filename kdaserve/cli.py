@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--no-tokenizer", action="store_true")
     m.set_defaults(func=_make_checkpoint)
 
+    b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
+    bench_sub = b.add_subparsers(dest="bench", required=True)
+    from kdaserve.bench import throughput
+
+    throughput.add_parser(bench_sub)
+
     args = parser.parse_args(argv)
     try:
         args.func(args)

@@ -58,6 +58,14 @@ class IncrementalDetokenizer:
         self._pending = b""
         return best[1]
 
+    def visible_text(self, finished: bool) -> str:
+        """Text safe to show a streaming client: while running, the last len(stop)-1
+        characters are held back, since they may turn out to be the start of a stop string
+        (which is then cut, and a client could not take it back)."""
+        if finished or self._max_stop <= 1:
+            return self.text
+        return self.text[: max(0, len(self.text) - (self._max_stop - 1))]
+
     def flush(self) -> None:
         """At the end of a request: an incomplete trailing character becomes U+FFFD."""
         if self._pending:

@@ -224,7 +224,7 @@ class LLMEngine:
             detok = self.detok.get(id(r))
             outs.append(CompletionOutput(
                 index=i, token_ids=list(r.output_ids),
-                text=detok.text if detok is not None else None,
+                text=detok.visible_text(r.is_finished) if detok is not None else None,
                 finish_reason=r.finish_reason, stop_reason=r.stop_reason,
                 logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
                 cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None

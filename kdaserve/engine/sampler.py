@@ -66,8 +66,9 @@ def apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         ranks = torch.arange(V, device=dev).unsqueeze(0)
         drop = ranks >= top_k.unsqueeze(1)
         sorted_p = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        # drop a token once the mass before it reaches top_p (the top token always stays)
-        drop |= (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        # drop a token once the mass before it reaches top_p (the top token always stays);
+        # top_p == 1 rows are exempt: float32 cumsum can round to 1 before the tail
+        drop |= ((sorted_p.cumsum(-1) - sorted_p) >= top_p) & (top_p < 1)
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
     if (min_p > 0).any():

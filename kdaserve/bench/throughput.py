@@ -1,0 +1,104 @@
+"""`kdaserve bench throughput`: fixed-length generation through `LLM.generate` vs transformers.
+
+N random prompts of `--input-len` tokens each generate exactly `--output-len` tokens (EOS
+ignored) for each batch size; the same prompts go through transformers' `generate` (static
+batch, same checkpoint) when the `hf` backend is asked for. Backends alternate per batch size so
+drift on a shared machine hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 256, (n, length), generator=g).tolist()
+
+
+def run_kdaserve(llm: Any, prompts: list[list[int]], output_len: int) -> float:
+    from kdaserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    dt = time.perf_counter() - t0
+    assert all(len(o.token_ids) == output_len for o in outs)
+    return dt
+
+
+def run_hf(hf: Any, prompts: list[list[int]], output_len: int) -> float:
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                          do_sample=False)
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + output_len
+    return dt
+
+
+def main(args: argparse.Namespace) -> None:
+    from kdaserve import LLM
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    backends = args.backends.split(",")
+    llm = LLM(args.model, max_num_seqs=max(batch_sizes),
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    hf = None
+    if "hf" in backends:
+        from transformers import KimiLinearForCausalLM
+
+        hf = KimiLinearForCausalLM.from_pretrained(str(llm.path), dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None  # fixed length, like ignore_eos
+    vocab = llm.config.vocab_size
+    warm = _prompts(2, 8, vocab, 0)
+    run_kdaserve(llm, warm, 2)
+    if hf is not None:
+        run_hf(hf, warm, 2)
+    rows = []
+    for bs in batch_sizes:
+        prompts = _prompts(bs, args.input_len, vocab, seed=bs)
+        for backend in backends:
+            dt = (run_kdaserve(llm, prompts, args.output_len) if backend == "kdaserve"
+                  else run_hf(hf, prompts, args.output_len))
+            rows.append({"backend": backend, "batch": bs, "prompt_tokens": bs * args.input_len,
+                         "output_tokens": bs * args.output_len, "seconds": round(dt, 3),
+                         "output_tok_s": round(bs * args.output_len / dt, 2)})
+            print(f"{backend:>9} batch {bs:>3}: {rows[-1]['output_tok_s']:>8.1f} output tok/s "
+                  f"({dt:.2f}s)", flush=True)
+    print()
+    print(f"{'backend':>9} {'batch':>5} {'prompt':>7} {'output':>7} {'seconds':>8} "
+          f"{'tok/s':>8} {'vs hf':>6}")
+    hf_rate = {r["batch"]: r["output_tok_s"] for r in rows if r["backend"] == "hf"}
+    for r in rows:
+        ratio = r["output_tok_s"] / hf_rate[r["batch"]] if r["batch"] in hf_rate else None
+        r["vs_hf"] = round(ratio, 2) if ratio else None
+        print(f"{r['backend']:>9} {r['batch']:>5} {r['prompt_tokens']:>7} {r['output_tokens']:>7} "
+              f"{r['seconds']:>8.2f} {r['output_tok_s']:>8.1f} "
+              f"{(f'{ratio:.2f}x' if ratio else '-'):>6}")
+    result = {"model": str(llm.path), "input_len": args.input_len,
+              "output_len": args.output_len, "threads": torch.get_num_threads(),
+              "kernels": {op: fn.__name__ for op, fn in llm.engine.kernels._asdict().items()},
+              "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("throughput", help="fixed-length generation throughput vs transformers")
+    p.add_argument("--model", default="bench")
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--backends", default="kdaserve,hf")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--out", default="bench_results/throughput.json")
+    p.set_defaults(func=main)
