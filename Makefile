@@ -16,10 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-# Until the HTTP server lands, `serve` runs offline generation on the built-in default model
-# (a random-weight `bench` checkpoint generated once into ~/.cache/kdaserve).
+# The OpenAI-compatible server on the built-in default model (a random-weight `bench`
+# checkpoint generated once into ~/.cache/kdaserve), at http://127.0.0.1:30000.
 serve: $(STAMP)
-	.venv/bin/kdaserve generate --model $(MODEL) --prompt "The capital of France is" --max-tokens 32
+	.venv/bin/kdaserve serve --model $(MODEL)
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     from kdaserve.bench import throughput
 
     throughput.add_parser(bench_sub)
+    from kdaserve.server import launch
+
+    launch.add_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -9,6 +9,7 @@ import pytest
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.engine.async_engine import AsyncLLM
+from kdaserve.engine.client import EngineError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -39,7 +40,7 @@ def test_streams_concurrent_requests_token_by_token(engine: AsyncLLM, tiny_ckpt:
         # one update per generated token, each extending the previous one
         assert [len(u) for u in updates] == list(range(1, 13))
         assert updates[-1] == ref.token_ids
-    run(engine.call(lambda e: e.check_integrity()))
+    run(engine.call("check_integrity"))
 
 
 def test_leaving_a_stream_aborts_it(engine: AsyncLLM) -> None:
@@ -59,15 +60,18 @@ def test_leaving_a_stream_aborts_it(engine: AsyncLLM) -> None:
 
 def test_bad_request_raises_and_engine_stays_healthy(engine: AsyncLLM) -> None:
     async def main() -> list[int]:
-        with pytest.raises(ValueError, match="vocabulary"):
+        with pytest.raises(EngineError, match="vocabulary") as err:
             async for _ in engine.generate([10**8], GREEDY):
                 pass
-        with pytest.raises(ValueError, match="already in use"):
-            rid, _ = await engine.add_request([1, 2], GREEDY, rid="dup")
-            await engine.add_request([1, 2], GREEDY, rid="dup")
-        await engine.abort("dup")
+        assert err.value.status == 400
+        first = engine.generate([1, 2], GREEDY, rid="dup")
+        await first.__anext__()
+        with pytest.raises(EngineError, match="already in use"):
+            async for _ in engine.generate([1, 2], GREEDY, rid="dup"):
+                pass
+        await first.aclose()  # leaving the stream aborts it
         outs = [o async for o in engine.generate([1, 2, 3], GREEDY)]
         return outs[-1].token_ids
 
     assert len(run(main())) == 12
-    run(engine.call(lambda e: e.check_integrity()))
+    run(engine.call("check_integrity"))

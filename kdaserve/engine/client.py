@@ -1,0 +1,110 @@
+"""EngineClient: the asyncio side of the engine loop (per-request streams, calls by name).
+
+Subclasses provide the transport (`_send`) and feed every message from the loop to
+`_on_message`; `AsyncLLM` runs the loop in a thread, the server in another process over ZeroMQ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kdaserve.request import RequestOutput, SamplingParams
+
+
+class EngineError(Exception):
+    """A request failed in the engine; `status` is the HTTP status it maps to."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class EngineClient:
+    def __init__(self) -> None:
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- transport ----
+    def _send(self, cmd: tuple[Any, ...]) -> None:
+        raise NotImplementedError
+
+    def _on_message(self, msg: tuple[Any, ...]) -> None:
+        """Called on the event loop for each message from the engine loop."""
+        kind = msg[0]
+        if kind == "outputs":
+            for out in msg[1]:
+                q = self._streams.get(out.rid)
+                if q is not None:
+                    q.put_nowait(out)
+                    if out.finished:
+                        del self._streams[out.rid]
+        elif kind == "error":
+            q = self._streams.pop(msg[1], None)
+            if q is not None:
+                q.put_nowait(EngineError(msg[2], msg[3]))
+        elif kind == "reply":
+            fut = self._calls.pop(msg[1], None)
+            if fut is not None and not fut.done():
+                if msg[3] is None:
+                    fut.set_result(msg[2])
+                else:
+                    fut.set_exception(EngineError(msg[3], 500))
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """The engine is gone: every waiting stream and call gets an error, none hangs."""
+        for q in self._streams.values():
+            q.put_nowait(EngineError(message, status))
+        self._streams.clear()
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(EngineError(message, status))
+        self._calls.clear()
+
+    # ---- API ----
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       rid: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs as tokens arrive; the last has finished=True. Raises
+        EngineError (status 400 for a bad request). Leaving early aborts the request."""
+        self.loop = asyncio.get_running_loop()
+        rid = rid or uuid.uuid4().hex
+        if rid in self._streams:
+            raise EngineError(f"request id {rid!r} is already in use", 400)
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q
+        self._send(("add", rid, prompt, params or SamplingParams()))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._streams.pop(rid, None)
+                self._send(("abort", rid))
+
+    async def abort(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+        self._send(("abort", rid))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        self.loop = asyncio.get_running_loop()
+        token = next(self._tokens)
+        fut = self.loop.create_future()
+        self._calls[token] = fut
+        self._send(("call", token, method, args))
+        return await fut
+
+    async def get_metrics(self) -> dict[str, int]:
+        return await self.call("get_metrics")

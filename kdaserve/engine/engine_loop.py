@@ -1,0 +1,72 @@
+"""The engine loop shared by the in-process thread (`AsyncLLM`) and the engine process of the
+server: commands in, step, outputs out. Transport-agnostic: `recv` and `send` are given.
+
+Commands: ("add", rid, prompt, params) | ("abort", rid) | ("call", token, method, args) |
+("stop",). Messages out: ("outputs", [RequestOutput]) | ("error", rid, message, status) |
+("reply", token, result, error).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from kdaserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("kdaserve")
+
+Command = tuple[Any, ...]
+
+# read-only or maintenance calls a client may make by name (functions do not cross processes)
+CALLS: dict[str, Callable[..., Any]] = {
+    "get_metrics": lambda e: e.get_metrics(),
+    "check_integrity": lambda e: e.check_integrity(),
+    "model_info": lambda e: {"model_path": str(e.path), "vocab_size": e.model_config.vocab_size,
+                             "max_request_tokens": e.scheduler.max_request_tokens()},
+}
+
+
+def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
+                    send: Callable[[tuple[Any, ...]], None]) -> None:
+    """Runs until a ("stop",) command. recv(block) waits briefly for a command when block."""
+    while True:
+        block = not engine.has_unfinished()
+        while (cmd := recv(block)) is not None:
+            block = False
+            if cmd[0] == "stop":
+                return
+            _handle(engine, cmd, send)
+        if not engine.has_unfinished():
+            continue
+        try:
+            outputs = engine.step()
+        except Exception as e:  # a failed step fails the requests in flight, loudly
+            logger.exception("engine step failed")
+            for rid in list(engine.groups):
+                engine.abort(rid)
+                send(("error", rid, f"engine step failed: {e}", 500))
+            engine.step()  # drain the abort outputs of the failed requests
+            continue
+        if outputs:
+            send(("outputs", outputs))
+
+
+def _handle(engine: LLMEngine, cmd: Command, send: Callable[[tuple[Any, ...]], None]) -> None:
+    kind = cmd[0]
+    if kind == "add":
+        _, rid, prompt, params = cmd
+        try:
+            engine.add_request(prompt, params, rid)
+        except ValueError as e:
+            send(("error", rid, str(e), 400))
+    elif kind == "abort":
+        engine.abort(cmd[1])
+    elif kind == "call":
+        _, token, method, args = cmd
+        try:
+            send(("reply", token, CALLS[method](engine, *args), None))
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            send(("reply", token, None, f"{type(e).__name__}: {e}"))
+    else:
+        logger.error("unknown engine command %r", kind)

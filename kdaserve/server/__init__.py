@@ -1,0 +1,1 @@
+"""HTTP server: OpenAI-compatible and SGLang-native API over the engine process."""

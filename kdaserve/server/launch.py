@@ -1,0 +1,89 @@
+"""`kdaserve serve`: the engine process + the HTTP front end (FastAPI on uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+from typing import Any
+
+from kdaserve.config import EngineConfig
+
+logger = logging.getLogger("kdaserve")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (--max-num-seqs, --block-size, ...)."""
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", default=default)
+        else:
+            kind = {int: int, float: float}.get(type(default), str)
+            if f.name in ("max_total_tokens", "num_state_slots"):
+                kind = int
+            p.add_argument(flag, type=kind, default=default)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--reasoning-parser", default=None, choices=[None, "kimi_k2"])
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> None:
+    asyncio.run(_serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from kdaserve.engine.llm_engine import resolve_model_path
+    from kdaserve.server.api import ServerState, create_app
+    from kdaserve.server.chat import ChatHandler
+    from kdaserve.server.engine_proc import EngineProcess
+    from kdaserve.server.metrics import ServerMetrics
+    from kdaserve.tokenizer import Tokenizer
+
+    config = engine_config(args)
+    # resolve (and for a preset, generate) the checkpoint once, before the engine process
+    path = resolve_model_path(config.model)
+    config = dataclasses.replace(config, model=str(path))
+    tokenizer = Tokenizer.from_pretrained(path)
+    engine = EngineProcess(config)
+    await engine.start()
+    try:
+        name = args.served_model_name or str(args.model)
+        state = ServerState(
+            client=engine, tokenizer=tokenizer, model_name=name, model_path=str(path),
+            max_request_tokens=engine.info["max_request_tokens"], metrics=ServerMetrics(),
+            chat=ChatHandler.from_pretrained(path, tokenizer, args.reasoning_parser),
+            api_key=args.api_key)
+        app = create_app(state)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                               log_level="warning", timeout_keep_alive=30))
+        # Our own SIGINT/SIGTERM handling: uvicorn's re-raises the signal after its shutdown,
+        # which would kill us before the engine process is stopped cleanly.
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        print(f"[kdaserve] serving {name} ({path}) at http://{args.host}:{args.port} "
+              f"(OpenAI API at /v1)", flush=True)
+        await server.serve()
+    finally:
+        await engine.shutdown()
+        print("[kdaserve] shut down", flush=True)

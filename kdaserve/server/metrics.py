@@ -1,0 +1,40 @@
+"""Prometheus metrics of the server: engine gauges read at scrape time, latency histograms
+measured in the HTTP process."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+ENGINE_GAUGES = {
+    "num_running": "Requests running in the engine",
+    "num_waiting": "Requests waiting for admission",
+    "free_blocks": "Free MLA latent cache blocks",
+    "total_blocks": "MLA latent cache blocks",
+    "free_state_slots": "Free KDA state slots",
+    "total_state_slots": "KDA state slots",
+    "prompt_tokens": "Prompt tokens prefilled (total)",
+    "generation_tokens": "Tokens generated (total)",
+    "num_preemptions": "Requests preempted (total)",
+}
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.engine = {k: Gauge(f"kdaserve_{k}", doc, registry=self.registry)
+                       for k, doc in ENGINE_GAUGES.items()}
+        self.ttft = Histogram("kdaserve_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("kdaserve_inter_token_latency_seconds", "Inter-token latency",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("kdaserve_e2e_request_latency_seconds", "Request latency",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter("kdaserve_requests", "Finished requests by finish reason",
+                                ["finish_reason"], registry=self.registry)
+
+    def render(self, engine_metrics: dict[str, int]) -> bytes:
+        for k, gauge in self.engine.items():
+            gauge.set(engine_metrics.get(k, 0))
+        return generate_latest(self.registry)
