@@ -336,14 +336,20 @@ class EngineConfig:
     max_total_tokens: int | None = None  # MLA latent cache capacity in tokens
     num_state_slots: int | None = None
     mem_fraction: float = 0.5  # of physical memory that model + caches may use
+    disable_prefix_cache: bool = False
+    snapshot_interval: int = 64  # prefix-cache state snapshot grid (tokens), multiple of block
+    num_snapshot_slots: int | None = None  # KDA state snapshots the prefix cache may hold
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.snapshot_interval < 1 or self.snapshot_interval % self.block_size:
+            raise ValueError(f"snapshot_interval={self.snapshot_interval} must be a positive "
+                             f"multiple of block_size={self.block_size}")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
-        for name in ("max_total_tokens", "num_state_slots"):
+        for name in ("max_total_tokens", "num_state_slots", "num_snapshot_slots"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -86,6 +87,12 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    # prefix cache
+    cache_node: Any = None  # radix node whose path this request locks
+    num_cached_prompt: int = 0  # tokens reused from the cache at admission
+    snapshot_points: list[int] = field(default_factory=list)  # prefill positions to snapshot
+    track_slot: int | None = None  # latest grid-aligned state copy during decode
+    track_pos: int = 0
 
     @property
     def all_ids(self) -> list[int]:

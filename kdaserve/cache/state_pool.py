@@ -35,14 +35,21 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def allocate(self) -> int:
+    def allocate(self, zero: bool = True) -> int:
+        """A free slot, zeroed unless the caller overwrites it at once (snapshot copies)."""
         if not self._free:
             raise RuntimeError("state pool exhausted")
         slot = self._free.pop()
         self._used.add(slot)
-        self.recurrent[:, slot].zero_()
-        self.conv[:, slot].zero_()
+        if zero:
+            self.recurrent[:, slot].zero_()
+            self.conv[:, slot].zero_()
         return slot
+
+    def copy(self, src: int, dst: int) -> None:
+        """Every KDA layer's recurrent and conv state of slot src into slot dst."""
+        self.recurrent[:, dst].copy_(self.recurrent[:, src])
+        self.conv[:, dst].copy_(self.conv[:, src])
 
     def free(self, slot: int) -> None:
         if slot not in self._used:

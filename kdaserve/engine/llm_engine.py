@@ -13,6 +13,7 @@ import uuid
 import torch
 
 from kdaserve.cache.block_pool import BlockPool
+from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.checkpoint import PRESETS, default_model_path
 from kdaserve.config import EngineConfig, ModelConfig
@@ -61,8 +62,12 @@ class LLMEngine:
                                  self.path, config.load_format, config.seed)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_pretrained(self.path)
         self.blocks, self.states = self._make_pools()
-        self.scheduler = Scheduler(self.blocks, self.states, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+        self.cache = None if config.disable_prefix_cache else RadixCache(self.blocks, self.states)
+        # running requests: at most one per working state slot
+        max_running = min(config.max_num_seqs, config.num_state_slots or config.max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, self.states, max_running,
+                                   config.max_num_batched_tokens, self.cache,
+                                   config.snapshot_interval, self._num_snapshots())
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device)
         self.sampler = Sampler()
         self.groups: dict[str, list[Request]] = {}
@@ -76,10 +81,18 @@ class LLMEngine:
         torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
 
     # ---- set-up ----
+    def _num_snapshots(self) -> int:
+        c = self.config
+        if c.disable_prefix_cache:
+            return 0
+        return c.max_num_seqs if c.num_snapshot_slots is None else c.num_snapshot_slots
+
     def _make_pools(self) -> tuple[BlockPool, StatePool]:
         c, mc = self.config, self.model_config
         model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        num_slots = c.num_state_slots or c.max_num_seqs
+        working = c.num_state_slots or c.max_num_seqs
+        # with the prefix cache: a decode-track slot per running request + the snapshots
+        num_slots = working if c.disable_prefix_cache else 2 * working + self._num_snapshots()
         slot_bytes = StatePool.bytes_per_slot(mc, self.dtype)
         block_bytes = BlockPool.bytes_per_block(mc, c.block_size, self.dtype)
         budget = int(c.mem_fraction * physical_memory()) - model_bytes - num_slots * slot_bytes
@@ -99,11 +112,15 @@ class LLMEngine:
         # tokens of MLA latents.
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); KDA state pool: %d slots "
-            "(%.2f MiB each, %.1f MiB); one slot = %d tokens of KV; max running requests %d",
+            "(%.2f MiB each, %.1f MiB); one slot = %d tokens of KV; max running requests %d; "
+            "prefix cache %s",
             num_blocks, c.block_size, num_blocks * c.block_size,
             num_blocks * block_bytes / 2**20, num_slots, slot_bytes / 2**20,
             num_slots * slot_bytes / 2**20, slot_bytes * c.block_size // max(block_bytes, 1),
-            min(num_slots, c.max_num_seqs))
+            min(working, c.max_num_seqs),
+            "off" if c.disable_prefix_cache else
+            f"on ({self._num_snapshots()} snapshot slots, snapshots every "
+            f"{c.snapshot_interval} tokens)")
         return blocks, states
 
     # ---- requests ----
@@ -177,6 +194,7 @@ class LLMEngine:
                                                       - req.num_computed_tokens)
         logits, to_sample = self.runner.run(batch)
         self.counters["num_steps"] += 1
+        self.scheduler.take_snapshots(batch.reqs)
         touched: dict[str, None] = {}
         if to_sample:
             result = self.sampler(logits, to_sample)
@@ -237,8 +255,20 @@ class LLMEngine:
             self.detok.pop(id(r), None)
 
     # ---- introspection ----
-    def get_metrics(self) -> dict[str, int]:
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache (what running requests lock stays); True if emptied."""
+        return self.cache.flush() if self.cache is not None else True
+
+    def get_metrics(self) -> dict[str, int | float]:
+        cache = self.cache
         return {
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
+            "prefix_cache_queried_tokens": cache.queried_tokens if cache else 0,
+            "prefix_cache_hit_rate": cache.hit_tokens / cache.queried_tokens
+            if cache and cache.queried_tokens else 0.0,
+            "cached_blocks": len(cache.tree_blocks()) if cache else 0,
+            "cached_snapshots": cache.num_snapshots if cache else 0,
+            "evictable_blocks": cache.evictable_blocks() if cache else 0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "free_blocks": self.blocks.num_free,
@@ -250,9 +280,12 @@ class LLMEngine:
         }
 
     def check_integrity(self) -> None:
-        """Pool invariants; when idle, every block and state slot must be free again."""
+        """Pool invariants; when idle, every block and state slot is free again or held by
+        the prefix cache alone (and free after a flush)."""
         self.scheduler.check_integrity()
         if not self.has_unfinished():
-            assert self.blocks.num_free == self.blocks.num_blocks, "blocks leaked"
-            assert self.states.num_free == self.states.num_slots, "state slots leaked"
+            cached_blocks = len(self.cache.tree_blocks()) if self.cache else 0
+            cached_slots = self.cache.num_snapshots if self.cache else 0
+            assert self.blocks.num_free + cached_blocks == self.blocks.num_blocks, "blocks leaked"
+            assert self.states.num_free + cached_slots == self.states.num_slots, "slots leaked"
             assert not self.groups, "finished requests not released"

@@ -2,11 +2,18 @@
 
 Policy (continuous batching, chunked prefill, recompute preemption):
 1. Running requests, oldest first: decodes take one token, unfinished prefills the next chunk.
-   A request that needs a block when none is free preempts the newest running request (its
-   blocks and state slot are freed; it restarts from scratch later, prompt + output so far).
-2. Waiting requests, FCFS, while the budget, `max_num_seqs`, a state slot and the blocks for
-   their first chunk are available. No skipping ahead: the head of the queue is never starved.
+   A request that needs a block when none is free (after evicting unused prefix-cache blocks)
+   preempts the newest running request (its blocks and state slot are freed; it restarts later
+   from prompt + output so far, usually from its own cached prefix).
+2. Waiting requests while the budget, `max_num_seqs`, a state slot and the blocks for their
+   first chunk are available: with the prefix cache, longest cached prefix first (FCFS beyond
+   LPM_MAX_QUEUE waiting requests, where matching everything costs too much); no skipping
+   ahead of a head that does not fit.
 A request that could not fit even in an empty pool is rejected when it is added.
+
+Prefix cache: an admitted request resumes from the deepest cached snapshot of its prefix (KV
+blocks shared, the snapshot *copied* into its own slot), and prefill chunks are cut at the
+positions where it should leave snapshots for later requests (`snapshot_points`).
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kdaserve.cache.block_pool import BlockPool
+from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.request import Request, RequestStatus
+
+LPM_MAX_QUEUE = 128
 
 
 @dataclass(slots=True)
@@ -36,8 +46,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, blocks: BlockPool, states: StatePool, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
-        self.blocks, self.states = blocks, states
+                 max_num_batched_tokens: int, cache: RadixCache | None = None,
+                 snapshot_interval: int = 64, max_snapshots: int = 0) -> None:
+        self.blocks, self.states, self.cache = blocks, states, cache
+        self.snapshot_interval = snapshot_interval
+        self.max_snapshots = max_snapshots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -59,11 +72,13 @@ class Scheduler:
         self.waiting.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Marks a request finished and returns its blocks and state slot."""
+        """Marks a request finished and returns its blocks and state slot (its computed
+        prefix and latest decode snapshot go to the prefix cache first)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self._cache_request(req)
         self._release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -72,6 +87,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _release(self, req: Request) -> None:
+        if req.cache_node is not None:
+            assert self.cache is not None
+            self.cache.unlock(req.cache_node)
+            req.cache_node = None
+        if req.track_slot is not None:
+            self.states.free(req.track_slot)
+            req.track_slot = None
+        req.snapshot_points = []
         if req.block_ids:
             self.blocks.free(req.block_ids)
             req.block_ids = []
@@ -82,6 +105,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        self._cache_request(req)
         self._release(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -93,6 +117,8 @@ class Scheduler:
         need = self.blocks.blocks_needed(num_tokens) - len(req.block_ids)
         if need <= 0:
             return True
+        if need > self.blocks.num_free and self.cache is not None:
+            self.cache.evict_blocks(need - self.blocks.num_free)
         if need > self.blocks.num_free:
             return False
         req.block_ids.extend(self.blocks.allocate(need))
@@ -110,7 +136,7 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             while not self._grow(req, req.num_computed_tokens + n):
                 victims = [r for r in self.running if id(r) not in scheduled]
                 victim = max(victims, key=lambda r: r.arrival)
@@ -124,14 +150,21 @@ class Scheduler:
             batch.reqs.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and self.states.num_free > 0):
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow(req, req.num_computed_tokens + n):
+        self._order_waiting()
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self.states.num_free == 0 and not (self.cache and self.cache.evict_snapshots(1)):
                 break
-            self.waiting.popleft()
+            req = self.waiting[0]
             req.state_slot = self.states.allocate()
+            self._resume_from_cache(req)
+            n = self._chunk(req, budget)
+            if not self._grow(req, req.num_computed_tokens + n):
+                self._release(req)  # back to waiting untouched: cache refs, slot, blocks
+                break
+            if self.cache is not None:
+                self.cache.queried_tokens += len(req.prompt_ids)
+                self.cache.hit_tokens += min(req.num_cached_prompt, len(req.prompt_ids))
+            self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.reqs.append(req)
@@ -139,16 +172,115 @@ class Scheduler:
             budget -= n
         return batch
 
+    # ---- prefix cache ----
+    def _order_waiting(self) -> None:
+        """Longest cached prefix first (a stable sort: FCFS among equals); preempted requests
+        keep their place at the front."""
+        if self.cache is None or not 1 < len(self.waiting) <= LPM_MAX_QUEUE:
+            return
+        cache = self.cache
+
+        def key(r: Request) -> tuple[int, int]:
+            hit = cache.match(r.all_ids[:-1], touch=False).num_tokens
+            return (0 if r.num_preemptions else 1, -hit)
+
+        self.waiting = deque(sorted(self.waiting, key=key))
+
+    def _resume_from_cache(self, req: Request) -> None:
+        """Takes the deepest cached snapshot of req's prefix: shares its blocks, copies the
+        state into req's fresh slot (copy-on-write), and plans where req leaves snapshots."""
+        if self.cache is None:
+            return
+        ids = req.all_ids
+        # at least one token must run to produce logits
+        m = self.cache.match(ids[:-1])
+        if m.num_tokens:
+            self.blocks.share(m.blocks)
+            req.block_ids = list(m.blocks)
+            req.num_computed_tokens = m.num_tokens
+            assert m.node.state_slot is not None and req.state_slot is not None
+            self.states.copy(m.node.state_slot, req.state_slot)
+        req.num_cached_prompt = m.num_tokens
+        req.cache_node = m.node
+        self.cache.lock(m.node)
+        grid, bs = self.snapshot_interval, self.blocks.block_size
+        # where a later request forking from the same prefix would want to resume, and the
+        # last block boundary before the end of what we have (identical prompts then hit)
+        points = {m.branch_len // grid * grid, (len(ids) - 1) // bs * bs}
+        req.snapshot_points = sorted(p for p in points if p > req.num_computed_tokens)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens to run now: the budget, cut at the next snapshot point."""
+        start = req.num_computed_tokens
+        n = min(req.num_tokens - start, budget)
+        for p in req.snapshot_points:
+            if start < p < start + n:
+                return p - start
+        return n
+
+    def take_snapshots(self, reqs: list[Request]) -> None:
+        """After a step: snapshot requests that just reached a planned prefill position, and
+        refresh the decode track copy at grid boundaries."""
+        if self.cache is None:
+            return
+        for req in reqs:
+            if req.is_finished or req.state_slot is None:
+                continue
+            pos = req.num_computed_tokens
+            if pos in req.snapshot_points:
+                req.snapshot_points.remove(pos)
+                slot = self._snapshot_slot()
+                if slot is not None:
+                    self.states.copy(req.state_slot, slot)
+                    self.cache.insert(req.all_ids[:pos], req.block_ids, slot)
+            elif not req.is_prefilling and pos % self.snapshot_interval == 0:
+                if req.track_slot is None:
+                    req.track_slot = self._snapshot_slot()
+                if req.track_slot is not None:
+                    self.states.copy(req.state_slot, req.track_slot)
+                    req.track_pos = pos
+
+    def _snapshot_slot(self) -> int | None:
+        assert self.cache is not None
+        if self.max_snapshots <= 0:
+            return None
+        if self.cache.num_snapshots >= self.max_snapshots:
+            self.cache.evict_snapshots(1)
+        if self.states.num_free == 0 and not self.cache.evict_snapshots(1):
+            return None
+        return self.states.allocate(zero=False)
+
+    def _cache_request(self, req: Request) -> None:
+        """Hands a leaving request's computed full blocks, and its decode snapshot, to the
+        cache (so a preempted request or the next chat turn resumes from them)."""
+        if self.cache is None or req.state_slot is None:
+            return
+        bs = self.blocks.block_size
+        full = req.num_computed_tokens // bs * bs
+        if full:
+            self.cache.insert(req.all_ids[:full], req.block_ids)
+        if req.track_slot is not None and 0 < req.track_pos <= req.num_computed_tokens:
+            if self.cache.num_snapshots >= self.max_snapshots > 0:
+                self.cache.evict_snapshots(1)
+            self.cache.insert(req.all_ids[:req.track_pos], req.block_ids, req.track_slot)
+            req.track_slot = None  # owned (or freed) by the cache now
+
     def check_integrity(self) -> None:
         """Pools consistent with the requests holding them."""
         self.blocks.check_integrity()
         self.states.check_integrity()
         held_blocks = [b for r in self.running for b in r.block_ids]
-        held_slots = [r.state_slot for r in self.running]
-        assert len(held_slots) == len(set(held_slots)), "state slot shared by two requests"
-        assert None not in held_slots, "running request without a state slot"
-        assert all(not r.block_ids and r.state_slot is None for r in self.waiting), \
-            "waiting request holds resources"
+        work_slots = [r.state_slot for r in self.running]
+        assert None not in work_slots, "running request without a state slot"
+        held_slots = work_slots + [r.track_slot for r in self.running if r.track_slot is not None]
+        if self.cache is not None:
+            held_blocks += self.cache.tree_blocks()
+            held_slots += self.cache.snapshot_slots()
+            self.cache.check_integrity()
+            assert self.cache.num_snapshots <= max(self.max_snapshots, 0) + 1
+        assert len(held_slots) == len(set(held_slots)), "state slot held twice"
+        assert all(not r.block_ids and r.state_slot is None and r.cache_node is None
+                   for r in self.waiting), "waiting request holds resources"
         assert len(held_slots) == self.states.num_slots - self.states.num_free, "slot leak"
         counts: dict[int, int] = {}
         for b in held_blocks:

@@ -187,4 +187,8 @@ def test_metrics_and_bad_input_keep_engine_healthy(tiny_ckpt: Path, cases) -> No
         m = llm.get_metrics()
         assert m["prompt_tokens"] == sum(map(len, prompts))
         assert m["generation_tokens"] == 4 * NEW
+        assert m["free_state_slots"] + m["cached_snapshots"] == m["total_state_slots"]
+        assert llm.engine.flush_cache()
+        m = llm.get_metrics()
         assert m["free_state_slots"] == m["total_state_slots"]
+        assert m["free_blocks"] == m["total_blocks"]
