@@ -22,6 +22,7 @@ Command = tuple[Any, ...]
 CALLS: dict[str, Callable[..., Any]] = {
     "get_metrics": lambda e: e.get_metrics(),
     "check_integrity": lambda e: e.check_integrity(),
+    "flush_cache": lambda e: e.flush_cache(),
     "model_info": lambda e: {"model_path": str(e.path), "vocab_size": e.model_config.vocab_size,
                              "max_request_tokens": e.scheduler.max_request_tokens()},
 }

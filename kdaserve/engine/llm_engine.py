@@ -85,7 +85,9 @@ class LLMEngine:
         c = self.config
         if c.disable_prefix_cache:
             return 0
-        return c.max_num_seqs if c.num_snapshot_slots is None else c.num_snapshot_slots
+        # a snapshot per running request's fork point and prompt end, and some history
+        return max(2 * c.max_num_seqs, 16) if c.num_snapshot_slots is None \
+            else c.num_snapshot_slots
 
     def _make_pools(self) -> tuple[BlockPool, StatePool]:
         c, mc = self.config, self.model_config

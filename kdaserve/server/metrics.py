@@ -15,6 +15,11 @@ ENGINE_GAUGES = {
     "prompt_tokens": "Prompt tokens prefilled (total)",
     "generation_tokens": "Tokens generated (total)",
     "num_preemptions": "Requests preempted (total)",
+    "prefix_cache_hit_tokens": "Prompt tokens served from the prefix cache (total)",
+    "prefix_cache_queried_tokens": "Prompt tokens looked up in the prefix cache (total)",
+    "prefix_cache_hit_rate": "Prefix cache hit tokens / queried tokens",
+    "cached_blocks": "MLA latent blocks held by the prefix cache",
+    "cached_snapshots": "KDA state snapshots held by the prefix cache",
 }
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -1,0 +1,31 @@
+"""Each `kdaserve bench` sub-command runs end to end on a tiny checkpoint and writes its JSON
+(numbers are not asserted: speed is measured in benchmarks, not tests)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kdaserve.cli import main as cli_main
+
+
+def test_bench_throughput_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    cli_main(["bench", "throughput", "--model", str(tiny_ckpt), "--batch-sizes", "1,3",
+              "--input-len", "8", "--output-len", "4", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["backend"], r["batch"]) for r in rows} == {
+        ("kdaserve", 1), ("hf", 1), ("kdaserve", 3), ("hf", 3)}
+    assert all(r["output_tokens"] == r["batch"] * 4 for r in rows)
+
+
+def test_bench_prefix_cache_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    cli_main(["bench", "prefix-cache", "--model", str(tiny_ckpt), "--num-questions", "3",
+              "--num-shots", "2", "--parallel", "1", "--max-tokens", "2", "--repeats", "1",
+              "--turns", "3", "--message-tokens", "8", "--turn-tokens", "4", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["gsm8k_cache_on"]["output_tokens"] == r["gsm8k_cache_off"]["output_tokens"] == 6
+    assert r["gsm8k_cache_on"]["prompt_tokens_computed"] < \
+        r["gsm8k_cache_off"]["prompt_tokens_computed"]
+    assert len(r["chat_ttft_cache_on_s"]) == 3
