@@ -179,14 +179,22 @@ class RadixCache:
     def evictable_snapshots(self) -> int:
         return sum(1 for n in self._nodes() if n.state_slot is not None)
 
-    def evict_blocks(self, num_blocks: int) -> int:
-        """Frees LRU unlocked leaves until num_blocks blocks returned to the pool."""
+    def evict_blocks(self, num_blocks: int, force: bool = False) -> int:
+        """Frees LRU unlocked leaves until num_blocks blocks returned to the pool. Leaves whose
+        blocks running requests still hold free nothing: they go last, and only when forced
+        (a flush), so their snapshots are not lost for no memory."""
         freed = 0
         while freed < num_blocks:
             leaves = [n for n in self._nodes() if not n.children and n.lock == 0]
             if not leaves:
                 break
-            victim = min(leaves, key=lambda n: n.last_access)
+
+            def useless(n: Node) -> bool:
+                return all(self.pool.refcount[b] > 1 for b in n.blocks)
+
+            victim = min(leaves, key=lambda n: (useless(n), n.last_access))
+            if useless(victim) and not force:
+                break
             freed += self._remove_leaf(victim)
         return freed
 
@@ -223,7 +231,7 @@ class RadixCache:
         for n in self._nodes():
             if n.state_slot is not None:
                 self._drop_state(n)
-        self.evict_blocks(self.pool.num_blocks)
+        self.evict_blocks(self.pool.num_blocks, force=True)
         return not self.root.children
 
     # ---- integrity ----

@@ -232,7 +232,8 @@ class Scheduler:
                 slot = self._snapshot_slot()
                 if slot is not None:
                     self.states.copy(req.state_slot, slot)
-                    self.cache.insert(req.all_ids[:pos], req.block_ids, slot)
+                    if self.cache.insert(req.all_ids[:pos], req.block_ids, slot):
+                        self._cap_snapshots()
             elif not req.is_prefilling and pos % self.snapshot_interval == 0:
                 if req.track_slot is None:
                     req.track_slot = self._snapshot_slot()
@@ -241,11 +242,12 @@ class Scheduler:
                     req.track_pos = pos
 
     def _snapshot_slot(self) -> int | None:
+        """A slot for a snapshot or a decode-track copy. The cap on cached snapshots is applied
+        once one is kept (`_cap_snapshots`): a track copy is not in the tree, and a snapshot
+        the tree already has is refused, so evicting for either would only thin the cache."""
         assert self.cache is not None
         if self.max_snapshots <= 0:
             return None
-        if self.cache.num_snapshots >= self.max_snapshots:
-            self.cache.evict_snapshots(1)
         if self.states.num_free == 0 and not self.cache.evict_snapshots(1):
             return None
         return self.states.allocate(zero=False)
@@ -260,10 +262,16 @@ class Scheduler:
         if full:
             self.cache.insert(req.all_ids[:full], req.block_ids)
         if req.track_slot is not None and 0 < req.track_pos <= req.num_computed_tokens:
-            if self.cache.num_snapshots >= self.max_snapshots > 0:
-                self.cache.evict_snapshots(1)
-            self.cache.insert(req.all_ids[:req.track_pos], req.block_ids, req.track_slot)
+            if self.cache.insert(req.all_ids[:req.track_pos], req.block_ids, req.track_slot):
+                self._cap_snapshots()
             req.track_slot = None  # owned (or freed) by the cache now
+
+    def _cap_snapshots(self) -> None:
+        """Evicts LRU snapshots beyond max_snapshots (the one just inserted is the newest)."""
+        assert self.cache is not None
+        excess = self.cache.num_snapshots - max(self.max_snapshots, 0)
+        if excess > 0:
+            self.cache.evict_snapshots(excess)
 
     def check_integrity(self) -> None:
         """Pools consistent with the requests holding them."""
