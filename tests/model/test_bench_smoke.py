@@ -29,3 +29,25 @@ def test_bench_prefix_cache_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert r["gsm8k_cache_on"]["prompt_tokens_computed"] < \
         r["gsm8k_cache_off"]["prompt_tokens_computed"]
     assert len(r["chat_ttft_cache_on_s"]) == 3
+
+
+def test_bench_gsm8k_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "g.json"
+    cli_main(["bench", "gsm8k", "--model", str(tiny_ckpt), "--backend", "kdaserve,hf",
+              "--num-questions", "3", "--num-shots", "2", "--parallel", "1,2", "--max-tokens",
+              "3", "--ignore-eos", "--compare", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert len(r["rows"]) == 4 and out.with_suffix(".png").is_file()
+    assert all(row["output_tokens"] == 9 for row in r["rows"])
+    assert r["machine"]["gemm_gflops"] > 0 and "gemm_peak_fraction" in r["rows"][0]
+
+
+def test_gsm8k_prompt_format_and_scoring() -> None:
+    from kdaserve.bench.gsm8k import INVALID, answer_value, build_prompts
+
+    rows = [{"question": f"q{i}?", "answer": f"work\n#### {i},000"} for i in range(4)]
+    prompts, labels = build_prompts(rows, shots=2, n=3)
+    shot = "Question: q0?\nAnswer: work\n#### 0,000\n\nQuestion: q1?\nAnswer: work\n#### 1,000\n\n"
+    assert prompts[2] == shot + "Question: q2?\nAnswer:"
+    assert labels == [0, 1000, 2000]
+    assert answer_value("so 3 + 4 = 7 apples") == 7 and answer_value("none") == INVALID
