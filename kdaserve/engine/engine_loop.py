@@ -31,8 +31,11 @@ CALLS: dict[str, Callable[..., Any]] = {
 def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
                     send: Callable[[tuple[Any, ...]], None]) -> None:
     """Runs until a ("stop",) command. recv(block) waits briefly for a command when block."""
+    idle_step = False
     while True:
-        block = not engine.has_unfinished()
+        # wait for commands when there is nothing to run, or when the last step could schedule
+        # nothing (requests waiting for memory): never spin
+        block = idle_step or not engine.has_unfinished()
         while (cmd := recv(block)) is not None:
             block = False
             if cmd[0] == "stop":
@@ -40,8 +43,10 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             _handle(engine, cmd, send)
         if not engine.has_unfinished():
             continue
+        steps = engine.counters["num_steps"]
         try:
             outputs = engine.step()
+            idle_step = engine.counters["num_steps"] == steps and not outputs
         except Exception as e:  # a failed step fails the requests in flight, loudly
             logger.exception("engine step failed")
             for rid in list(engine.groups):
