@@ -38,6 +38,7 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[kdaserve] %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     parser = argparse.ArgumentParser(prog="kdaserve")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -64,11 +65,12 @@ def main(argv: list[str] | None = None) -> None:
 
     b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = b.add_subparsers(dest="bench", required=True)
-    from kdaserve.bench import gsm8k, prefix_cache, throughput
+    from kdaserve.bench import gsm8k, prefix_cache, serving, throughput
 
     gsm8k.add_parser(bench_sub)
     throughput.add_parser(bench_sub)
     prefix_cache.add_parser(bench_sub)
+    serving.add_parser(bench_sub)
     from kdaserve.server import launch
 
     launch.add_parser(sub)
