@@ -127,7 +127,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
-        if state.api_key and request.url.path.startswith(("/v1/", "/generate")):
+        if state.api_key and request.url.path not in ("/health", "/metrics"):
             if request.headers.get("authorization") != f"Bearer {state.api_key}":
                 return JSONResponse(error_body("invalid API key", 401), status_code=401)
         return await call_next(request)
@@ -151,6 +151,14 @@ def create_app(state: ServerState) -> FastAPI:
         body = state.metrics.render(await state.client.get_metrics())
         return Response(body, media_type="text/plain; version=0.0.4")
 
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """Empties the prefix cache (SGLang's endpoint); 400 while requests lock entries."""
+        if await state.client.call("flush_cache"):
+            return Response("Cache flushed.", status_code=200)
+        return JSONResponse(error_body("cache entries in use by running requests were kept",
+                                       400), status_code=400)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -170,7 +178,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await state.chat.handle(state, await request.json())
+        try:
+            body = await request.json()
+        except ValueError as e:  # malformed JSON or not UTF-8: say so, as FastAPI does elsewhere
+            raise ValueError(f"request body is not valid JSON: {e}") from e
+        return await state.chat.handle(state, body)
 
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> Response:
@@ -229,8 +241,12 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
         finals: dict[int, RequestOutput] = {}
 
         async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
-            async for out in gen:
-                await queue.put((i, out))
+            try:
+                async for out in gen:
+                    await queue.put((i, out))
+            except Exception as e:  # e.g. the engine died: end the stream, never wait forever
+                await queue.put((i, e))
+                return
             await queue.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(rests)]
@@ -238,6 +254,8 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
         try:
             while done < len(tasks):
                 i, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
                 if out is None:
                     done += 1
                     continue
@@ -321,6 +339,10 @@ async def _generate(state: ServerState, req: GenerateRequest) -> Response:
     else:
         prompts = [req.input_ids] if single else list(req.input_ids)  # type: ignore[list-item]
     logprobs = max(req.top_logprobs_num, 0) if req.return_logprob else None
+    # max_new_tokens 0 (SGLang's prefix-cache warm-up): prefill only, report no output
+    prefill_only = req.sampling_params.max_new_tokens == 0
+    if prefill_only:
+        req.sampling_params.max_new_tokens = 1
     params = req.sampling_params.to_params(logprobs)
     for p in prompts:
         check_length(state, p, params.max_tokens)
@@ -345,6 +367,11 @@ async def _generate(state: ServerState, req: GenerateRequest) -> Response:
         return StreamingResponse(body(), media_type="text/event-stream")
     finals = await asyncio.gather(*(last(timed(state, p, params, r))
                                     for p, r in zip(prompts, rids, strict=True)))
+    if prefill_only:
+        for f in finals:
+            for o in f.outputs:
+                o.token_ids, o.text, o.logprobs = [], "", [] if o.logprobs is not None else None
+                o.finish_reason, o.stop_reason = "length", None
     results = [{"text": o.text or "", "output_ids": o.token_ids,
                 "meta_info": _meta(state.tokenizer, f.rid, len(p), o, req.return_logprob)}
                for f, p in zip(finals, prompts, strict=True) for o in f.outputs]

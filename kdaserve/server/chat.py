@@ -85,7 +85,8 @@ class ChatHandler:
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
         ids, use_tools = self.prompt_ids(req)
-        max_tokens = check_length(state, ids, req.max_completion_tokens or req.max_tokens)
+        max_tokens = check_length(state, ids, req.max_tokens if req.max_completion_tokens is None
+                                  else req.max_completion_tokens)
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
