@@ -21,3 +21,24 @@ def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """q_lora_rank set, 4 expert groups (top-2 groups), fp32, sharded with an index."""
     return make_checkpoint(tmp_path_factory.mktemp("small"), "small", seed=1, dtype="float32",
                            num_shards=3)
+
+
+SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+@pytest.fixture(scope="session")
+def gsm8k_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real GSM8K test set when the shared data sits beside the checkout, else a small
+    file in the same format (a clean CI clone may not have ../shared)."""
+    if SHARED_GSM8K.is_file():
+        return SHARED_GSM8K
+    import json
+
+    path = tmp_path_factory.mktemp("gsm8k") / "test.jsonl"
+    rows = [{"question": f"Tom has {i + 3} apples and buys {2 * i + 5} more at the market on "
+                         f"day {i}. He gives {i} of them to his sister. How many are left?",
+             "answer": f"He has {i + 3} + {2 * i + 5} = <<{i + 3}+{2 * i + 5}={3 * i + 8}>>"
+                       f"{3 * i + 8} apples.\nAfter giving {i} away he has {3 * i + 8} - {i} = "
+                       f"{2 * i + 8}.\n#### {2 * i + 8}"} for i in range(24)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

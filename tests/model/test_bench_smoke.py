@@ -19,9 +19,10 @@ def test_bench_throughput_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert all(r["output_tokens"] == r["batch"] * 4 for r in rows)
 
 
-def test_bench_prefix_cache_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+def test_bench_prefix_cache_smoke(tiny_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> None:
     out = tmp_path / "p.json"
-    cli_main(["bench", "prefix-cache", "--model", str(tiny_ckpt), "--num-questions", "3",
+    cli_main(["bench", "prefix-cache", "--model", str(tiny_ckpt), "--data", str(gsm8k_file),
+              "--num-questions", "3",
               "--num-shots", "2", "--parallel", "1", "--max-tokens", "2", "--repeats", "1",
               "--turns", "3", "--message-tokens", "8", "--turn-tokens", "4", "--out", str(out)])
     r = json.loads(out.read_text())
@@ -31,9 +32,10 @@ def test_bench_prefix_cache_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert len(r["chat_ttft_cache_on_s"]) == 3
 
 
-def test_bench_gsm8k_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+def test_bench_gsm8k_smoke(tiny_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> None:
     out = tmp_path / "g.json"
-    cli_main(["bench", "gsm8k", "--model", str(tiny_ckpt), "--backend", "kdaserve,hf",
+    cli_main(["bench", "gsm8k", "--model", str(tiny_ckpt), "--data", str(gsm8k_file),
+              "--backend", "kdaserve,hf",
               "--num-questions", "3", "--num-shots", "2", "--parallel", "1,2", "--max-tokens",
               "3", "--ignore-eos", "--compare", "--out", str(out)])
     r = json.loads(out.read_text())

@@ -11,7 +11,6 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 
-GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
@@ -41,17 +40,15 @@ def rand(n: int, seed: int) -> list[int]:
     return torch.randint(0, 3800, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def gsm8k_prompts(tok, n: int, shots: int = 8) -> list[list[int]]:
-    if not GSM8K.is_file():
-        pytest.skip(f"{GSM8K} not found")
-    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[: shots + n]]
+def gsm8k_prompts(tok, path: Path, n: int, shots: int = 8) -> list[list[int]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()[: shots + n]]
     prefix = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:shots])
     return [tok.encode(prefix + f"Question: {r['question']}\nAnswer:") for r in rows[shots:]]
 
 
-def test_gsm8k_8shot_shared_examples(tiny_ckpt: Path, plain: LLM) -> None:
+def test_gsm8k_8shot_shared_examples(tiny_ckpt: Path, plain: LLM, gsm8k_file: Path) -> None:
     llm = cached(tiny_ckpt)
-    prompts = gsm8k_prompts(llm.tokenizer, 6)
+    prompts = gsm8k_prompts(llm.tokenizer, gsm8k_file, 6)
     waves = [prompts[:2], prompts[2:4], prompts[4:]]
     assert run_waves(llm, waves) == expected(plain, waves)
     m = llm.get_metrics()
