@@ -125,6 +125,18 @@ class LLMEngine:
             f"{c.snapshot_interval} tokens)")
         return blocks, states
 
+    def summary(self) -> str:
+        mc = self.model_config
+        params = sum(p.numel() for p in self.model.parameters())
+        text = (f"{params / 1e6:.0f}M parameters ({str(self.dtype).removeprefix('torch.')}, "
+                f"{self.device}), {mc.num_hidden_layers} layers ({len(mc.kda_layers)} KDA + "
+                f"{len(mc.mla_layers)} MLA), {mc.num_experts} experts top-"
+                f"{mc.num_experts_per_token}, vocab {mc.vocab_size}")
+        if self.config.load_format == "dummy" or str(self.config.model) in PRESETS or \
+                "kdaserve" in str(self.path) and "-seed" in str(self.path):
+            text += "; RANDOM WEIGHTS (a built-in test model: its text is meaningless)"
+        return text
+
     # ---- requests ----
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -44,7 +44,7 @@ def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the parent, which exits
         out.send_pyobj(("failed", f"{type(e).__name__}: {e}"))
         raise
-    out.send_pyobj(("ready", {"model_path": str(engine.path),
+    out.send_pyobj(("ready", {"model_path": str(engine.path), "summary": engine.summary(),
                               "max_request_tokens": engine.scheduler.max_request_tokens()}))
 
     def recv(block: bool) -> tuple[Any, ...] | None:

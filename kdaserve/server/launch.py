@@ -81,8 +81,9 @@ async def _serve(args: argparse.Namespace) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
-        print(f"[kdaserve] serving {name} ({path}) at http://{args.host}:{args.port} "
-              f"(OpenAI API at /v1)", flush=True)
+        print(f"[kdaserve] model {path}: {engine.info['summary']}", flush=True)
+        print(f"[kdaserve] serving {name} at http://{args.host}:{args.port} "
+              f"(OpenAI API at http://{args.host}:{args.port}/v1)", flush=True)
         await server.serve()
     finally:
         await engine.shutdown()

@@ -11,7 +11,10 @@ import torch
 import torch.nn.functional as F
 
 L2_EPS = 1e-6
-CHUNK = 64
+# The chunk form computes the same function for any chunk size (production GPU kernels use 64).
+# Here the pairwise-decay tensor costs C^2*K per chunk, so 16-token chunks run ~10x faster in
+# plain torch on a CPU than 64 (measured: 1700 tokens x 6 heads x 128, 0.27 s vs 3.2 s).
+CHUNK = 16
 
 
 def kda_gate_ref(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
@@ -79,7 +82,8 @@ def kda_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                   state: torch.Tensor, state_slots: torch.Tensor,
                   cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Chunked (WY / UT-transform) form, chunk 64; same contract as `kda_recurrent_ref`."""
+    """Chunked (WY / UT-transform) form, CHUNK-token chunks; same contract as
+    `kda_recurrent_ref`."""
     cu = cu_seqlens.tolist()
     q, k, g, beta = _activate(q, k, g, beta, A_log, dt_bias)
     Tm = max(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
