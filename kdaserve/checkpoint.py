@@ -20,7 +20,7 @@ from kdaserve.config import DENSE, KDA, MLA, MOE, ModelConfig
 from kdaserve.kernels import resolve_kernels
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.models.loader import random_tensor
-from kdaserve.tokenizer import write_kimi_tokenizer
+from kdaserve.tokenizer import write_hf_tokenizer_json, write_kimi_tokenizer
 
 NUM_SPECIAL = 256
 
@@ -105,6 +105,8 @@ def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: i
     hub = config.to_hub_dict()
     if with_tokenizer:
         write_kimi_tokenizer(out, config.vocab_size - NUM_SPECIAL)
+        # tokenizer.json twin for tools that read only HF fast tokenizers (llama.cpp)
+        write_hf_tokenizer_json(out, config.vocab_size - NUM_SPECIAL)
     with open(out / "config.json", "w") as f:
         json.dump(hub, f, indent=2)
     return out
