@@ -98,9 +98,13 @@ def kda_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     eye = torch.eye(C, device=q.device)
     incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     strict = incl.clone().fill_diagonal_(False)
+    lens = torch.tensor([cu[i + 1] - cu[i] for i in range(len(cu) - 1)], device=q.device)
     for s in range(0, Tp, C):
-        qc, kc, vc, bc = qp[:, :, s:s + C], kp[:, :, s:s + C], vp[:, :, s:s + C], bp[:, :, s:s + C]
-        G = gp[:, :, s:s + C].cumsum(2)  # Γ_r, [B, H, C, K]
+        # only sequences with tokens in this chunk: a ragged batch (say one long prefill and
+        # many one-token decodes) must not cost batch x longest
+        act = (lens > s).nonzero().squeeze(1)
+        qc, kc, vc, bc = (x[act, :, s:s + C] for x in (qp, kp, vp, bp))
+        G = gp[act, :, s:s + C].cumsum(2)  # Γ_r, [B, H, C, K]
         # Γ_r - Γ_i is ≤ 0 for r ≥ i: exponentiate the difference, never exp(Γ_r)·exp(-Γ_i),
         # which overflows for strong decay. Entries above the diagonal are masked before exp.
         diff = G.unsqueeze(3) - G.unsqueeze(2)  # [B, H, C(r), C(i), K]
@@ -113,11 +117,13 @@ def kda_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         gamma = G.exp()
         Wm = M @ (gamma * kc)
         U = M @ vc
-        Vp = U - Wm @ S
+        Sa = S[act]
+        Vp = U - Wm @ Sa
         Aqk = torch.einsum("bhrk,bhik,bhrik->bhri", qc, kc, decay)
-        out[:, :, s:s + C] = (qc * gamma) @ S + Aqk @ Vp
+        out[act, :, s:s + C] = (qc * gamma) @ Sa + Aqk @ Vp
         G_last = G[:, :, -1:]  # [B, H, 1, K]
-        S = S * G_last.squeeze(2).exp().unsqueeze(-1) + (kc * (G_last - G).exp()).transpose(-1, -2) @ Vp
+        S[act] = Sa * G_last.squeeze(2).exp().unsqueeze(-1) + \
+            (kc * (G_last - G).exp()).transpose(-1, -2) @ Vp
     state[state_slots] = S.to(state.dtype)
     return _unpad(out.transpose(1, 2), cu).to(v.dtype)
 
