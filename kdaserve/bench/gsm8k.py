@@ -105,6 +105,7 @@ class KdaserveBackend:
 
         engine = self.llm.engine
         engine.scheduler.max_num_seqs = parallel  # concurrency of this run
+        engine.flush_cache()  # every run starts cold; sharing within a run is what counts
         sp = SamplingParams(temperature=0.0, max_tokens=params["max_tokens"],
                             ignore_eos=params["ignore_eos"], stop=params["stop"])
         before = engine.get_metrics()["prompt_tokens"]
@@ -142,6 +143,9 @@ class OpenAIBackend:
         if self.model:
             body["model"] = self.model
         async with httpx.AsyncClient(timeout=None) as client:
+            await client.post(f"{self.url}/flush_cache")  # a cold start, where supported
+            before = await self._computed(client)
+
             async def one(p: str) -> tuple[str, int, int]:
                 async with sem:
                     r = await client.post(f"{self.url}/v1/completions", json={**body, "prompt": p})
@@ -153,7 +157,22 @@ class OpenAIBackend:
                         usage.get("prompt_tokens", 0))
 
             res = await asyncio.gather(*(one(p) for p in prompts))
-        return [r[0] for r in res], [r[1] for r in res], sum(r[2] for r in res)
+            after = await self._computed(client)
+        # a kdaserve server reports the prompt tokens it actually computed (prefix-cache hits
+        # excluded); for other servers all prompt tokens count
+        computed = after - before if before is not None and after is not None \
+            else sum(r[2] for r in res)
+        return [r[0] for r in res], [r[1] for r in res], computed
+
+    async def _computed(self, client: Any) -> int | None:
+        try:
+            r = await client.get(f"{self.url}/metrics")
+        except Exception:  # noqa: BLE001 - not every server has /metrics
+            return None
+        for line in r.text.splitlines() if r.status_code == 200 else []:
+            if line.startswith("kdaserve_prompt_tokens "):
+                return int(float(line.split()[1]))
+        return None
 
 
 class HFBackend:

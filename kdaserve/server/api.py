@@ -8,6 +8,7 @@ before a stream starts are real HTTP statuses (400/503), since a stream cannot c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -76,6 +77,22 @@ async def first_then_rest(gen: AsyncIterator[RequestOutput]) -> tuple[RequestOut
     return first, chain()
 
 
+async def until_disconnect(request: Request, work: Any) -> Response:
+    """Runs a handler; if the client goes away before a non-streaming answer is ready, cancels
+    it, which aborts its engine requests and frees their blocks and slots. (A streaming
+    response returns at once; its disconnects end the stream the same way.)"""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.2)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, EngineError):
+                await task
+            return Response(status_code=499)  # nginx's "client closed request"
+
+
 def check_length(state: ServerState, prompt_ids: list[int], max_tokens: int | None) -> int:
     """Resolves max_tokens (None: the rest of the context) and rejects what cannot fit."""
     room = state.max_request_tokens - len(prompt_ids)
@@ -104,6 +121,22 @@ def completion_logprobs(tok: Tokenizer, ids: list[int],
             "text_offset": []}
 
 
+class ApiKeyMiddleware:
+    """Bearer-token check on every path but /health and /metrics."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in ("/health", "/metrics"):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization") != self.expected:
+                response = JSONResponse(error_body("invalid API key", 401), status_code=401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kdaserve")
     app.state.kd = state
@@ -125,12 +158,10 @@ def create_app(state: ServerState) -> FastAPI:
     async def _engine(request: Request, exc: EngineError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), exc.status), status_code=exc.status)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if state.api_key and request.url.path not in ("/health", "/metrics"):
-            if request.headers.get("authorization") != f"Bearer {state.api_key}":
-                return JSONResponse(error_body("invalid API key", 401), status_code=401)
-        return await call_next(request)
+    if state.api_key:
+        # a plain ASGI wrapper, not @app.middleware: Starlette's BaseHTTPMiddleware hides
+        # client disconnects from the endpoints, which must abort abandoned requests
+        app.add_middleware(ApiKeyMiddleware, key=state.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -173,8 +204,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "is_generation": True, "weight_version": "default"}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
-        return await _completions(state, req)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await until_disconnect(request, _completions(state, req))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -182,11 +213,11 @@ def create_app(state: ServerState) -> FastAPI:
             body = await request.json()
         except ValueError as e:  # malformed JSON or not UTF-8: say so, as FastAPI does elsewhere
             raise ValueError(f"request body is not valid JSON: {e}") from e
-        return await state.chat.handle(state, body)
+        return await until_disconnect(request, state.chat.handle(state, body))
 
     @app.post("/generate")
-    async def generate(req: GenerateRequest) -> Response:
-        return await _generate(state, req)
+    async def generate(req: GenerateRequest, request: Request) -> Response:
+        return await until_disconnect(request, _generate(state, req))
 
     return app
 

@@ -188,3 +188,23 @@ def test_bench_serving_against_the_server(server: ServerProc, tmp_path: Path) ->
     r = json.loads(out.read_text())
     assert r["completed"] == 6 and r["failed"] == 0
     assert r["total_output_tokens"] == 30 and r["ttft"]["mean_ms"] > 0
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate", "/v1/chat/completions"])
+def test_disconnect_while_waiting_for_a_non_streaming_answer(server: ServerProc,
+                                                             http: httpx.Client,
+                                                             path: str) -> None:
+    body: dict[str, Any] = {
+        "/v1/completions": {"prompt": "go on", "max_tokens": 4000, "ignore_eos": True},
+        "/generate": {"text": "go on", "sampling_params": {"max_new_tokens": 4000,
+                                                           "ignore_eos": True}},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "go on"}],
+                                 "max_tokens": 4000, "ignore_eos": True},
+    }[path]
+    before = wait_idle(http)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}{path}", json=body, timeout=1.0)  # gives up, disconnects
+    after = wait_idle(http)
+    assert is_idle(after), after
+    generated = after["kdaserve_generation_tokens"] - before["kdaserve_generation_tokens"]
+    assert generated < 4000  # aborted, not run to the end
