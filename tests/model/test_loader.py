@@ -23,7 +23,7 @@ from kdaserve.models.loader import read_header, random_tensor
 
 FP32_ON_DISK = ("A_log", "dt_bias")  # fp32 in Moonshot's checkpoints whatever the rest is
 FP32_IN_MODEL = ("A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias")
-TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "tokenizer.json")
 CKPTS = {"tiny_ckpt": (0, torch.bfloat16), "small_ckpt": (1, torch.float32)}  # seed, disk dtype
 
 
