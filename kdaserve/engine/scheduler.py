@@ -227,8 +227,12 @@ class Scheduler:
             if req.is_finished or req.state_slot is None:
                 continue
             pos = req.num_computed_tokens
-            if pos in req.snapshot_points:
-                req.snapshot_points.remove(pos)
+            # planned points, and every prefill chunk end on the grid (a long prompt then
+            # leaves a checkpoint per chunk, as SGLang caches unfinished requests)
+            chunk_end = req.is_prefilling and pos % self.snapshot_interval == 0
+            if pos in req.snapshot_points or chunk_end:
+                if pos in req.snapshot_points:
+                    req.snapshot_points.remove(pos)
                 slot = self._snapshot_slot()
                 if slot is not None:
                     self.states.copy(req.state_slot, slot)

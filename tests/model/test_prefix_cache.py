@@ -116,3 +116,17 @@ def test_disable_prefix_cache(tiny_ckpt: Path) -> None:
     m = llm.get_metrics()
     assert m["prefix_cache_hit_tokens"] == 0 and m["cached_blocks"] == 0
     assert m["free_blocks"] == m["total_blocks"]
+
+
+def test_prefill_chunk_ends_leave_snapshots(tiny_ckpt: Path, plain: LLM) -> None:
+    """With chunked prefill, a long prompt leaves a snapshot at each grid-aligned chunk end, so
+    the very first request forking from it already resumes from the last one before the fork."""
+    llm = cached(tiny_ckpt, max_num_batched_tokens=128)
+    long = rand(400, 12)
+    waves = [[long], [long[:300] + rand(20, 13)]]
+    before = llm.get_metrics()["prefix_cache_hit_tokens"]
+    outs = [o for w in waves
+            for o in [llm.generate(prompt_token_ids=w, sampling_params=GREEDY)[0].token_ids]]
+    llm.check_integrity()
+    assert outs == expected(plain, waves)
+    assert llm.get_metrics()["prefix_cache_hit_tokens"] - before == 256
