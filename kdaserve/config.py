@@ -339,6 +339,8 @@ class EngineConfig:
     disable_prefix_cache: bool = False
     snapshot_interval: int = 64  # prefix-cache state snapshot grid (tokens), multiple of block
     num_snapshot_slots: int | None = None  # KDA state snapshots the prefix cache may hold
+    speculative_algorithm: str | None = None  # "ngram": prompt-lookup drafts, greedy requests
+    speculative_num_draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -347,6 +349,11 @@ class EngineConfig:
         if self.snapshot_interval < 1 or self.snapshot_interval % self.block_size:
             raise ValueError(f"snapshot_interval={self.snapshot_interval} must be a positive "
                              f"multiple of block_size={self.block_size}")
+        if self.speculative_algorithm not in (None, "ngram"):
+            raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} is not "
+                             "supported (ngram)")
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError("speculative_num_draft_tokens must be >= 1")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         for name in ("max_total_tokens", "num_state_slots", "num_snapshot_slots"):

@@ -35,14 +35,15 @@ class ForwardBatch:
     @classmethod
     def build(cls, new_tokens: list[list[int]], num_cached: list[int], state_slots: list[int],
               block_tables: list[list[int]], block_size: int, all_logits: bool = False,
-              sample: list[bool] | None = None,
+              sample: list[bool] | None = None, num_logits: list[int] | None = None,
               device: torch.device | str = "cpu") -> ForwardBatch:
         """Pack per-sequence metadata (host lists) into tensors.
 
         new_tokens[b]: token ids to run now; num_cached[b]: tokens of that sequence already in
         the caches; block_tables[b] must cover num_cached[b] + len(new_tokens[b]) tokens.
-        Logits are computed for the last token of each sequence with sample[b] (default: all),
-        or for every token with all_logits.
+        Logits are computed for the last num_logits[b] (default 1) tokens of each sequence
+        with sample[b] (default: all; speculative verification wants several), or for every
+        token with all_logits.
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -51,8 +52,10 @@ class ForwardBatch:
         logits_rows: list[int] = []
         if sample is None:
             sample = [True] * len(new_tokens)
-        for toks, start, table, wanted in zip(new_tokens, num_cached, block_tables, sample,
-                                              strict=True):
+        if num_logits is None:
+            num_logits = [1] * len(new_tokens)
+        for toks, start, table, wanted, m in zip(new_tokens, num_cached, block_tables, sample,
+                                                 num_logits, strict=True):
             if not toks:
                 raise ValueError("every sequence in a batch needs at least one new token")
             n = len(toks)
@@ -65,7 +68,7 @@ class ForwardBatch:
             if all_logits:
                 logits_rows.extend(range(cu[-1], cu[-1] + n))
             elif wanted:
-                logits_rows.append(cu[-1] + n - 1)
+                logits_rows.extend(range(cu[-1] + n - m, cu[-1] + n))
             cu.append(cu[-1] + n)
         width = max(len(t) for t in block_tables)
         table_t = torch.zeros(len(block_tables), width, dtype=torch.int64)

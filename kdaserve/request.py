@@ -93,6 +93,10 @@ class Request:
     snapshot_points: list[int] = field(default_factory=list)  # prefill positions to snapshot
     track_slot: int | None = None  # latest grid-aligned state copy during decode
     track_pos: int = 0
+    # speculative decoding
+    draft_ids: list[int] = field(default_factory=list)  # proposed, verified in the next step
+    num_drafted: int = 0
+    num_accepted: int = 0
 
     @property
     def all_ids(self) -> list[int]:

@@ -20,10 +20,12 @@ from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.sampler import Sampler
-from kdaserve.engine.scheduler import Scheduler
+from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
 from kdaserve.kernels import resolve_kernels
 from kdaserve.models.loader import build_model
 from kdaserve.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from kdaserve.spec.ngram import NgramDrafter
+from kdaserve.spec.verify import Speculator
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
@@ -69,6 +71,10 @@ class LLMEngine:
                                    config.max_num_batched_tokens, self.cache,
                                    config.snapshot_interval, self._num_snapshots())
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device)
+        self.spec = None
+        if config.speculative_algorithm == "ngram":
+            self.spec = Speculator(NgramDrafter(config.speculative_num_draft_tokens),
+                                   self.states, self.cache)
         self.sampler = Sampler()
         self.groups: dict[str, list[Request]] = {}
         self.detok: dict[int, IncrementalDetokenizer] = {}
@@ -199,6 +205,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns an update for every request that progressed or finished."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
@@ -206,17 +214,44 @@ class LLMEngine:
             if req.num_computed_tokens < len(req.prompt_ids):
                 self.counters["prompt_tokens"] += min(n, len(req.prompt_ids)
                                                       - req.num_computed_tokens)
+        saved = self.spec.save(batch) if self.spec is not None else {}
         logits, to_sample = self.runner.run(batch)
         self.counters["num_steps"] += 1
-        self.scheduler.take_snapshots(batch.reqs)
         touched: dict[str, None] = {}
-        if to_sample:
-            result = self.sampler(logits, to_sample)
-            for i, req in enumerate(to_sample):
+        # logits rows: one per sampled request, 1 + k for a request verifying k drafts
+        row, plain, plain_rows, replay = 0, [], [], ScheduledBatch()
+        for req in to_sample:
+            if id(req) not in saved:
+                plain.append(req)
+                plain_rows.append(row)
+                row += 1
+                continue
+            k = len(req.draft_ids)
+            scratch, start = saved[id(req)]
+            tokens, rollback = self.spec.accept(req, logits[row:row + 1 + k], start)  # type: ignore[union-attr]
+            row += 1 + k
+            for t in tokens:
+                self._append(req, t, None, None)
+                if req.is_finished:
+                    break
+            touched[self._group_id(req)] = None
+            if rollback and not req.is_finished:
+                accepted = req.num_computed_tokens - start
+                self.spec.restore(req, scratch, start)  # type: ignore[union-attr]
+                replay.reqs.append(req)
+                replay.num_new_tokens.append(accepted)
+        if not replay.is_empty:
+            self.runner.run(replay)  # the accepted tokens only, from the saved states
+        if self.spec is not None:
+            self.spec.release(saved)
+        if plain:
+            result = self.sampler(logits[plain_rows], plain)
+            for i, req in enumerate(plain):
                 self._append(req, result.token_ids[i],
                              result.logprobs[i] if result.logprobs else None,
                              result.top_logprobs[i] if result.top_logprobs else None)
                 touched[self._group_id(req)] = None
+        self.scheduler.take_snapshots(batch.reqs)
         for rid in touched:
             out = self._group_output(rid)
             outputs.append(out)
@@ -283,6 +318,7 @@ class LLMEngine:
             "cached_blocks": len(cache.tree_blocks()) if cache else 0,
             "cached_snapshots": cache.num_snapshots if cache else 0,
             "evictable_blocks": cache.evictable_blocks() if cache else 0,
+            **(self.spec.metrics() if self.spec is not None else {}),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "free_blocks": self.blocks.num_free,

@@ -23,16 +23,17 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request]]:
         """Packs the batch; also returns the requests whose next token is sampled this step
         (decodes and final prefill chunks), in logits-row order."""
-        new_tokens, num_cached, sample = [], [], []
+        new_tokens, num_cached, sample, num_logits = [], [], [], []
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             start = req.num_computed_tokens
-            ids = req.all_ids
+            ids = req.all_ids + req.draft_ids  # drafted tokens are verified in this forward
             new_tokens.append(ids[start:start + n])
             num_cached.append(start)
             sample.append(start + n == len(ids))
+            num_logits.append(1 + len(req.draft_ids))
         fb = ForwardBatch.build(new_tokens, num_cached, [r.state_slot for r in batch.reqs],
                                 [r.block_ids for r in batch.reqs], self.blocks.block_size,
-                                sample=sample, device=self.device)
+                                sample=sample, num_logits=num_logits, device=self.device)
         return fb, [r for r, s in zip(batch.reqs, sample, strict=True) if s]
 
     @torch.inference_mode()

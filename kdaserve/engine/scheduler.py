@@ -95,6 +95,7 @@ class Scheduler:
             self.states.free(req.track_slot)
             req.track_slot = None
         req.snapshot_points = []
+        req.draft_ids = []
         if req.block_ids:
             self.blocks.free(req.block_ids)
             req.block_ids = []
@@ -210,8 +211,12 @@ class Scheduler:
         req.snapshot_points = sorted(p for p in points if p > req.num_computed_tokens)
 
     def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens to run now: the budget, cut at the next snapshot point."""
+        """Tokens to run now: the budget, cut at the next snapshot point; a decode with
+        drafts runs its last token and the drafts (as many as the budget allows)."""
         start = req.num_computed_tokens
+        if req.draft_ids and req.num_tokens - start == 1:
+            del req.draft_ids[max(budget - 1, 0):]
+            return min(1 + len(req.draft_ids), budget)
         n = min(req.num_tokens - start, budget)
         for p in req.snapshot_points:
             if start < p < start + n:

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters and verification with KDA state rollback."""

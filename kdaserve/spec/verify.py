@@ -1,0 +1,91 @@
+"""Verification of drafted tokens with KDA state rollback (greedy requests).
+
+A decode with k drafts runs its last token plus the drafts in one forward (mixed with the
+other requests' normal decodes), with logits at all 1 + k positions. Accepting j < k drafts
+leaves the KDA recurrent and conv states k - j tokens too far, and a recurrent state cannot be
+truncated. Before the forward the request's slot is copied to a scratch slot; after it, the
+state is restored and only the accepted 1 + j tokens are replayed (the other measured option,
+keeping every intermediate state in scratch, needs per-step state output from every kernel).
+The rejected tokens' MLA latents need no rollback: the context length simply stops before them
+and later tokens overwrite them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.cache.radix_cache import RadixCache
+from kdaserve.cache.state_pool import StatePool
+from kdaserve.engine.scheduler import ScheduledBatch
+from kdaserve.request import Request
+from kdaserve.spec.ngram import NgramDrafter
+
+
+class Speculator:
+    def __init__(self, drafter: NgramDrafter, states: StatePool,
+                 cache: RadixCache | None) -> None:
+        self.drafter, self.states, self.cache = drafter, states, cache
+        self.num_verifies = 0
+        self.num_drafted = 0
+        self.num_accepted = 0
+
+    def propose(self, running: list[Request]) -> None:
+        """Drafts for decoding greedy requests (sampled ones and logprob requests decode
+        normally: lossless rejection sampling is not implemented yet)."""
+        for req in running:
+            req.draft_ids = []
+            p = req.params
+            if req.is_prefilling or not p.is_greedy or p.logprobs is not None:
+                continue
+            room = p.max_tokens - len(req.output_ids) - 1
+            if room > 0:
+                req.draft_ids = self.drafter.propose(req.all_ids, min(self.drafter.k, room))
+
+    def save(self, batch: ScheduledBatch) -> dict[int, tuple[int, int]]:
+        """Scratch copies of the verifying requests' states: id(req) -> (scratch, start)."""
+        saved = {}
+        for i, req in enumerate(batch.reqs):
+            if not req.draft_ids:
+                continue
+            if self.states.num_free == 0 and not (self.cache and self.cache.evict_snapshots(1)):
+                req.draft_ids = []  # no room to roll back: decode normally this step
+                batch.num_new_tokens[i] = 1
+                continue
+            scratch = self.states.allocate(zero=False)
+            assert req.state_slot is not None
+            self.states.copy(req.state_slot, scratch)
+            saved[id(req)] = (scratch, req.num_computed_tokens)
+        return saved
+
+    def accept(self, req: Request, rows: torch.Tensor, start: int) -> tuple[list[int], bool]:
+        """Greedy acceptance: drafts are kept while they equal the target's argmax; the
+        target's token at the first mismatch (or after the last draft) is the bonus. Returns
+        the new tokens and whether states must be rolled back."""
+        targets = rows.argmax(-1).tolist()
+        drafts, req.draft_ids = req.draft_ids, []
+        j = 0
+        while j < len(drafts) and drafts[j] == targets[j]:
+            j += 1
+        req.num_computed_tokens = start + 1 + j
+        req.num_drafted += len(drafts)
+        req.num_accepted += j
+        self.num_verifies += 1
+        self.num_drafted += len(drafts)
+        self.num_accepted += j
+        return drafts[:j] + [targets[j]], j < len(drafts)
+
+    def restore(self, req: Request, scratch: int, start: int) -> None:
+        """Back to the state before the verify forward, ready to replay the accepted tokens."""
+        assert req.state_slot is not None
+        self.states.copy(scratch, req.state_slot)
+        req.num_computed_tokens = start
+
+    def release(self, saved: dict[int, tuple[int, int]]) -> None:
+        for scratch, _ in saved.values():
+            self.states.free(scratch)
+
+    def metrics(self) -> dict[str, float]:
+        return {"spec_num_verifies": self.num_verifies, "spec_num_drafted": self.num_drafted,
+                "spec_num_accepted": self.num_accepted,
+                "spec_mean_acceptance_length": (self.num_accepted + self.num_verifies)
+                / self.num_verifies if self.num_verifies else 0.0}
