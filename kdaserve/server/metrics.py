@@ -20,6 +20,9 @@ ENGINE_GAUGES = {
     "prefix_cache_hit_rate": "Prefix cache hit tokens / queried tokens",
     "cached_blocks": "MLA latent blocks held by the prefix cache",
     "cached_snapshots": "KDA state snapshots held by the prefix cache",
+    "spec_num_drafted": "Speculative tokens drafted (total)",
+    "spec_num_accepted": "Speculative tokens accepted (total)",
+    "spec_mean_acceptance_length": "Tokens emitted per verify step (accepted + bonus)",
 }
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -1,4 +1,5 @@
-"""Verification of drafted tokens with KDA state rollback (greedy requests).
+"""Verification of drafted tokens with KDA state rollback (greedy acceptance, and lossless
+rejection sampling when temperature > 0).
 
 A decode with k drafts runs its last token plus the drafts in one forward (mixed with the
 other requests' normal decodes), with logits at all 1 + k positions. Accepting j < k drafts
@@ -16,9 +17,28 @@ import torch
 
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
+from kdaserve.engine.sampler import apply_filters
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.request import Request
 from kdaserve.spec.ngram import NgramDrafter
+
+
+def reject_sample(probs: torch.Tensor, drafts: list[int],
+                  generator: torch.Generator | None) -> tuple[int, int]:
+    """Lossless speculative sampling for point-mass drafts (the n-gram drafter proposes one
+    token, q = 1 on it): accept draft i with probability p_i(d_i); on the first rejection
+    sample from the residual max(p_i - q_i, 0), i.e. p_i without d_i, renormalised; after k
+    acceptances sample the bonus from p_k. Emitted tokens are then distributed exactly as
+    sampling from p step by step. probs: [1 + k, V]. Returns (accepted, next token)."""
+    for i, d in enumerate(drafts):
+        u = torch.rand(1, generator=generator).item()
+        residual = probs[i].clone()
+        residual[d] = 0.0
+        # (an empty residual means p is a point mass on d: accepting is the only choice)
+        if u < probs[i, d].item() or residual.sum() <= 0:
+            continue
+        return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+    return len(drafts), int(torch.multinomial(probs[len(drafts)], 1, generator=generator))
 
 
 class Speculator:
@@ -30,12 +50,13 @@ class Speculator:
         self.num_accepted = 0
 
     def propose(self, running: list[Request]) -> None:
-        """Drafts for decoding greedy requests (sampled ones and logprob requests decode
-        normally: lossless rejection sampling is not implemented yet)."""
+        """Drafts for decoding requests. Requests with penalties or logprobs decode normally
+        (their target distribution at draft i would depend on drafts before i)."""
         for req in running:
             req.draft_ids = []
             p = req.params
-            if req.is_prefilling or not p.is_greedy or p.logprobs is not None:
+            if req.is_prefilling or p.logprobs is not None or p.repetition_penalty != 1.0 \
+                    or p.presence_penalty or p.frequency_penalty:
                 continue
             room = p.max_tokens - len(req.output_ids) - 1
             if room > 0:
@@ -61,18 +82,23 @@ class Speculator:
         """Greedy acceptance: drafts are kept while they equal the target's argmax; the
         target's token at the first mismatch (or after the last draft) is the bonus. Returns
         the new tokens and whether states must be rolled back."""
-        targets = rows.argmax(-1).tolist()
         drafts, req.draft_ids = req.draft_ids, []
-        j = 0
-        while j < len(drafts) and drafts[j] == targets[j]:
-            j += 1
+        if req.params.is_greedy:
+            targets = rows.argmax(-1).tolist()
+            j = 0
+            while j < len(drafts) and drafts[j] == targets[j]:
+                j += 1
+            bonus = targets[j]
+        else:
+            probs = apply_filters(rows.float(), [req] * rows.shape[0])
+            j, bonus = reject_sample(probs, drafts, req.generator)
         req.num_computed_tokens = start + 1 + j
         req.num_drafted += len(drafts)
         req.num_accepted += j
         self.num_verifies += 1
         self.num_drafted += len(drafts)
         self.num_accepted += j
-        return drafts[:j] + [targets[j]], j < len(drafts)
+        return drafts[:j] + [bonus], j < len(drafts)
 
     def restore(self, req: Request, scratch: int, start: int) -> None:
         """Back to the state before the verify forward, ready to replay the accepted tokens."""

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 from kdaserve import LLM, SamplingParams
 from kdaserve.spec.ngram import NgramDrafter
 
@@ -124,4 +126,47 @@ def test_speculation_respects_max_tokens_and_stops(tiny_ckpt: Path, plain: LLM,
     short = llm.generate(prompt_token_ids=[prompts[-1]], sampling_params=SamplingParams(
         temperature=0.0, max_tokens=5, ignore_eos=True))[0]
     assert short.token_ids == ref[:5]
+    llm.check_integrity()
+
+
+def test_rejection_sampling_preserves_the_target_distribution() -> None:
+    """Point-mass drafts (as the n-gram drafter proposes): the first emitted token must be
+    distributed as p_0 whatever is drafted, and the second, given the first accepted draft,
+    as p_1 (a chi-square-free check: max |freq - p| over a 5-token vocabulary, fixed seed)."""
+    from kdaserve.spec.verify import reject_sample
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05],
+                          [0.1, 0.6, 0.1, 0.1, 0.1],
+                          [0.2, 0.2, 0.2, 0.2, 0.2]])
+    trials = 20000
+    for drafts in ([0, 1], [3, 4], [4, 0]):
+        first = torch.zeros(5)
+        second = torch.zeros(5)
+        for _ in range(trials):
+            j, nxt = reject_sample(probs, drafts, g)
+            tokens = drafts[:j] + [nxt]
+            first[tokens[0]] += 1
+            if tokens[0] == drafts[0] and len(tokens) > 1:
+                second[tokens[1]] += 1
+        assert (first / trials - probs[0]).abs().max() < 0.015, (drafts, first / trials)
+        assert (second / second.sum() - probs[1]).abs().max() < 0.03, (drafts, second)
+
+
+def test_sampled_requests_with_drafts_are_reproducible(tiny_ckpt: Path,
+                                                       prompts: list[list[int]]) -> None:
+    llm = LLM(tiny_ckpt, speculative_algorithm="ngram")
+
+    class Fixed:  # always proposes three tokens: every step verifies by rejection sampling
+        k = 3
+
+        def propose(self, ids: list[int], k: int | None = None) -> list[int]:
+            return ids[-7:-4][: self.k if k is None else k]
+
+    llm.engine.spec.drafter = Fixed()
+    p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=NEW, seed=11, ignore_eos=True)
+    a = llm.generate(prompt_token_ids=[prompts[-1]], sampling_params=p)[0].token_ids
+    b = llm.generate(prompt_token_ids=[prompts[-1]], sampling_params=p)[0].token_ids
+    assert a == b and len(a) == NEW
+    assert llm.get_metrics()["spec_num_verifies"] > 0
     llm.check_integrity()
