@@ -67,10 +67,9 @@ class EngineClient:
         self._calls.clear()
 
     # ---- API ----
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       rid: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs as tokens arrive; the last has finished=True. Raises
-        EngineError (status 400 for a bad request). Leaving early aborts the request."""
+    async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                          rid: str | None = None) -> tuple[str, AsyncIterator[RequestOutput]]:
+        """Submits a request now; returns its id and its output stream (see `generate`)."""
         self.loop = asyncio.get_running_loop()
         rid = rid or uuid.uuid4().hex
         if rid in self._streams:
@@ -78,6 +77,20 @@ class EngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         self._send(("add", rid, prompt, params or SamplingParams()))
+        return rid, self._stream(rid, q)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       rid: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs as tokens arrive; the last has finished=True. Raises
+        EngineError (status 400 for a bad request). Leaving early aborts the request."""
+        _, stream = await self.add_request(prompt, params, rid)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined] - runs its abort-on-exit now
+
+    async def _stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:

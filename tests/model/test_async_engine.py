@@ -77,3 +77,16 @@ def test_bad_request_raises_and_engine_stays_healthy(engine: AsyncLLM) -> None:
 
     assert len(run(main())) == 12
     run(engine.call("check_integrity"))
+
+
+def test_add_request_submits_at_once_and_streams(engine: AsyncLLM) -> None:
+    async def main() -> tuple[int, list[int]]:
+        rid, stream = await engine.add_request([3, 4, 5], GREEDY, rid="explicit")
+        assert rid == "explicit"
+        await asyncio.sleep(0.3)  # the engine runs it although nobody reads yet
+        running = (await engine.get_metrics())["generation_tokens"]
+        outs = [o async for o in stream]
+        return running, outs[-1].token_ids
+
+    generated_before_reading, tokens = run(main())
+    assert generated_before_reading > 0 and len(tokens) == 12
