@@ -5,7 +5,7 @@ PY := .venv/bin/python
 STAMP := .venv/.installed
 MODEL ?= bench
 
-.PHONY: serve test venv clean
+.PHONY: serve test lint venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,9 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+lint: $(STAMP)
+	.venv/bin/ruff check kdaserve tests
 
 clean:
 	rm -rf .venv build *.egg-info

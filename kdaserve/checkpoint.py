@@ -31,13 +31,14 @@ def _layers(n: int) -> tuple[str, ...]:
 
 
 def _preset(num_base: int, layers: int, **kw: Any) -> dict[str, Any]:
-    base = dict(
-        vocab_size=num_base + NUM_SPECIAL, num_hidden_layers=layers, layer_types=_layers(layers),
-        mlp_types=(DENSE,) + (MOE,) * (layers - 1), rms_norm_eps=1e-5, tie_word_embeddings=False,
-        kda_conv_size=4, router_activation="sigmoid", moe_renormalize=True,
-        routed_scaling_factor=2.446, num_shared_experts=1, bos_token_id=num_base,
-        eos_token_ids=(num_base + 2,), pad_token_id=num_base + 255,
-    )
+    base = {
+        "vocab_size": num_base + NUM_SPECIAL, "num_hidden_layers": layers,
+        "layer_types": _layers(layers), "mlp_types": (DENSE,) + (MOE,) * (layers - 1),
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "kda_conv_size": 4, "router_activation": "sigmoid", "moe_renormalize": True,
+        "routed_scaling_factor": 2.446, "num_shared_experts": 1, "bos_token_id": num_base,
+        "eos_token_ids": (num_base + 2,), "pad_token_id": num_base + 255,
+    }
     base.update(kw)
     return base
 

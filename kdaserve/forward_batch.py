@@ -82,7 +82,7 @@ class ForwardBatch:
             input_ids=t(ids),
             positions=t(positions),
             cu_seqlens=t(cu),
-            context_lens=t([s + len(n) for s, n in zip(num_cached, new_tokens)]),
+            context_lens=t([s + len(n) for s, n in zip(num_cached, new_tokens, strict=False)]),
             state_slots=t(state_slots),
             block_table=table_t.to(device),
             slot_mapping=t(slot_mapping),

@@ -125,7 +125,8 @@ class RadixCache:
         while i < len(chunks):
             child = node.children.get(chunks[i])
             if child is None:
-                new = Node(key=tuple(t for c in chunks[i:] for t in c), blocks=blocks[i:len(chunks)],
+                new = Node(key=tuple(t for c in chunks[i:] for t in c),
+                           blocks=blocks[i:len(chunks)],
                            parent=node, depth=node.depth + (len(chunks) - i) * self.bs,
                            last_access=stamp)
                 self.pool.share(new.blocks)

@@ -4,7 +4,6 @@ batch; leaving a stream early aborts its request."""
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import threading
 from typing import Any

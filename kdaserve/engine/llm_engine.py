@@ -62,7 +62,8 @@ class LLMEngine:
         self.kernels = resolve_kernels(self.device, config.kernel_backend)
         self.model = build_model(self.model_config, self.kernels, self.dtype, self.device,
                                  self.path, config.load_format, config.seed)
-        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_pretrained(self.path)
+        self.tokenizer = (None if config.skip_tokenizer_init
+                          else Tokenizer.from_pretrained(self.path))
         self.blocks, self.states = self._make_pools()
         self.cache = None if config.disable_prefix_cache else RadixCache(self.blocks, self.states)
         # running requests: at most one per working state slot

@@ -20,7 +20,8 @@ class MLAttention(nn.Module):
         super().__init__()
         D, H = config.hidden_size, config.num_attention_heads
         self.num_heads = H
-        self.dn, self.dr, self.dv = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.dn, self.dr = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.dv = config.v_head_dim
         self.rank = config.kv_lora_rank
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(D, H * config.qk_head_dim, bias=False)
@@ -47,7 +48,10 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """x: [T, D]; kv_cache: [NB, BS, R + Dr] block pool of this layer."""
         T, H = x.shape[0], self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.use_q_lora else self.q_proj(x)
+        if self.use_q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
         q = q.view(T, H, self.dn + self.dr)
         ckv = self.kv_a_proj_with_mqa(x)
         latent = torch.cat([self.kv_a_layernorm(ckv[:, : self.rank]), ckv[:, self.rank:]], dim=-1)

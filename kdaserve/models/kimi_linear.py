@@ -26,7 +26,8 @@ class DecoderLayer(nn.Module):
         )
         self.is_moe = config.mlp_types[idx] == MOE
         self.mlp: MoE | MLP = (
-            MoE(config, kernels) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+            MoE(config, kernels) if self.is_moe
+            else MLP(config.hidden_size, config.intermediate_size)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -324,11 +324,11 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
 
 
 async def last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
-    out = None
+    final = None
     async for out in gen:
-        pass
-    assert out is not None
-    return out
+        final = out
+    assert final is not None
+    return final
 
 
 def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> dict[str, int]:

@@ -57,7 +57,7 @@ def test_mla_decode_batch(block_size: int) -> None:
     nb = sum(-(-c // block_size) for c in ctx) + 3
     cache = torch.randn(nb, block_size, R + Dr, generator=g)
     order = torch.randperm(nb, generator=g).tolist()
-    tables, start = [], 0
+    _tables, start = [], 0
     width = max(-(-c // block_size) for c in ctx)
     table = torch.zeros(B, width, dtype=torch.int64)
     for b, c in enumerate(ctx):

@@ -80,16 +80,16 @@ def test_text_prompt_round_trip(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("bad", [
-    dict(prompt_token_ids=[[]]),
-    dict(prompt_token_ids=[[10**9]]),
-    dict(prompts=["a"], prompt_token_ids=[[1]]),
+    {"prompt_token_ids": [[]]},
+    {"prompt_token_ids": [[10**9]]},
+    {"prompts": ["a"], "prompt_token_ids": [[1]]},
 ])
 def test_bad_input_is_a_value_error(llm: LLM, bad: dict) -> None:
     with pytest.raises(ValueError):
         llm.generate(**bad)
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(max_tokens=0)])
+@pytest.mark.parametrize("kw", [{"temperature": -1}, {"top_p": 0}, {"max_tokens": 0}])
 def test_bad_sampling_params(kw: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kw)

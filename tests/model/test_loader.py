@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import make_checkpoint
-from kdaserve.models.loader import read_header, random_tensor
+from kdaserve.models.loader import random_tensor, read_header
 
 FP32_ON_DISK = ("A_log", "dt_bias")  # fp32 in Moonshot's checkpoints whatever the rest is
 FP32_IN_MODEL = ("A_log", "dt_bias", "gate.weight", "gate.e_score_correction_bias")

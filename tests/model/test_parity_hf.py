@@ -9,6 +9,7 @@ from kdaserve import LLM, SamplingParams
 
 from .conftest import clear_prompt, hf_greedy
 
+
 @pytest.fixture(params=["tiny", "small"])
 def pair(request: pytest.FixtureRequest) -> tuple[LLM, torch.nn.Module]:
     ckpt = request.getfixturevalue(f"{request.param}_ckpt")

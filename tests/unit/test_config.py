@@ -188,18 +188,20 @@ def test_eos_list_and_missing_eos() -> None:
 
 def transformers_config(**overrides: Any) -> Any:
     transformers = pytest.importorskip("transformers")
-    kw: dict[str, Any] = dict(
-        vocab_size=4096, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32,
-        q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-        num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
-        topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=False, linear_num_heads=2,
-        linear_head_dim=32, linear_conv_kernel_dim=3, bos_token_id=1, eos_token_id=[2, 3],
-        pad_token_id=0,
-        layer_types=["linear_attention", "full_attention", "linear_attention",
+    kw: dict[str, Any] = {
+        "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_hidden_layers": 6, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "kv_lora_rank": 32, "q_lora_rank": None,
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
+        "num_local_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2,
+        "topk_group": 1, "routed_scaling_factor": 1.5, "norm_topk_prob": False,
+        "linear_num_heads": 2, "linear_head_dim": 32, "linear_conv_kernel_dim": 3,
+        "bos_token_id": 1, "eos_token_id": [2, 3],
+        "pad_token_id": 0,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention",
                      "linear_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "dense", "sparse", "sparse", "dense", "sparse"],
-    )
+        "mlp_layer_types": ["dense", "dense", "sparse", "sparse", "dense", "sparse"],
+    }
     kw.update(overrides)
     return transformers.KimiLinearConfig(**kw)
 

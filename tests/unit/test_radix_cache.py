@@ -777,7 +777,8 @@ class FakeEngine:
         return batches
 
     def chunks_of(self, req: Request, batches: list[ScheduledBatch]) -> list[int]:
-        return [n for b in batches for r, n in zip(b.reqs, b.num_new_tokens) if r is req]
+        return [n for b in batches
+                for r, n in zip(b.reqs, b.num_new_tokens, strict=True) if r is req]
 
 
 def prompt(seed: str, n: int) -> list[int]:

@@ -32,7 +32,8 @@ def l2norm_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def _activate(q, k, g, beta, A_log, dt_bias):
-    return l2norm_ref(q), l2norm_ref(k), kda_gate_ref(g, A_log, dt_bias), torch.sigmoid(beta.float())
+    gate = kda_gate_ref(g, A_log, dt_bias)
+    return l2norm_ref(q), l2norm_ref(k), gate, torch.sigmoid(beta.float())
 
 
 def _pad(x: torch.Tensor, cu: list[int], length: int) -> torch.Tensor:
