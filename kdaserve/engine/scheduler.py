@@ -27,6 +27,7 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.request import Request, RequestStatus
 
 LPM_MAX_QUEUE = 128
+DEDUP_LEADERS = 16  # prefilling requests a waiting one is compared with for in-batch dedup
 
 
 @dataclass(slots=True)
@@ -152,10 +153,13 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         self._order_waiting()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        for req in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if self._defer_for_shared_prefix(req, batch):
+                continue
             if self.states.num_free == 0 and not (self.cache and self.cache.evict_snapshots(1)):
                 break
-            req = self.waiting[0]
             req.state_slot = self.states.allocate()
             self._resume_from_cache(req)
             n = self._chunk(req, budget)
@@ -165,7 +169,7 @@ class Scheduler:
             if self.cache is not None:
                 self.cache.queried_tokens += len(req.prompt_ids)
                 self.cache.hit_tokens += min(req.num_cached_prompt, len(req.prompt_ids))
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.reqs.append(req)
@@ -186,6 +190,36 @@ class Scheduler:
             return (0 if r.num_preemptions else 1, -hit)
 
         self.waiting = deque(sorted(self.waiting, key=key))
+
+    def _defer_for_shared_prefix(self, req: Request, batch: ScheduledBatch) -> bool:
+        """In-batch dedup: a request sharing a long prefix with one still prefilling waits
+        until that one has snapshotted the shared part (the leader is told to snapshot there),
+        then resumes from it instead of computing the same prefix twice."""
+        if self.cache is None or req.num_preemptions:
+            return False
+        grid = self.snapshot_interval
+        ids = req.all_ids
+        hit = self.cache.match(ids[:-1], touch=False).num_tokens
+        for leader in self.running[-DEDUP_LEADERS:]:
+            if not leader.is_prefilling:
+                continue
+            other = leader.all_ids
+            shared = 0
+            limit = min(len(ids) - 1, len(other))
+            while shared < limit and ids[shared] == other[shared]:
+                shared += 1
+            point = shared // grid * grid
+            if point - hit >= grid and point > leader.num_computed_tokens:
+                if point not in leader.snapshot_points:
+                    leader.snapshot_points = sorted([*leader.snapshot_points, point])
+                # a leader already scheduled past the point this step stops there instead
+                if leader in batch.reqs:
+                    i = batch.reqs.index(leader)
+                    start = leader.num_computed_tokens
+                    if start + batch.num_new_tokens[i] > point:
+                        batch.num_new_tokens[i] = point - start
+                return True
+        return False
 
     def _resume_from_cache(self, req: Request) -> None:
         """Takes the deepest cached snapshot of req's prefix: shares its blocks, copies the

@@ -130,3 +130,15 @@ def test_prefill_chunk_ends_leave_snapshots(tiny_ckpt: Path, plain: LLM) -> None
     llm.check_integrity()
     assert outs == expected(plain, waves)
     assert llm.get_metrics()["prefix_cache_hit_tokens"] - before == 256
+
+
+def test_in_batch_dedup_first_wave_hits(tiny_ckpt: Path, plain: LLM, gsm8k_file: Path) -> None:
+    """Requests submitted together that share a long prefix: one computes it (and is told to
+    snapshot where they fork), the others wait for it and resume from that snapshot."""
+    llm = cached(tiny_ckpt)
+    prompts = gsm8k_prompts(llm.tokenizer, gsm8k_file, 4)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    llm.check_integrity()
+    assert [o.token_ids for o in outs] == expected(plain, [prompts])
+    shared = next(i for i, col in enumerate(zip(*prompts, strict=False)) if len(set(col)) > 1)
+    assert llm.get_metrics()["prefix_cache_hit_tokens"] >= 3 * (shared // 64 * 64)
