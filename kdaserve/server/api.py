@@ -48,6 +48,13 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def stream_error(e: Exception) -> str:
+    """The last event of a stream that failed after it started (its HTTP status is already
+    sent): an OpenAI-style error object, and no [DONE], so clients see it did not finish."""
+    status = e.status if isinstance(e, EngineError) else 500
+    return sse(error_body(str(e), status))
+
+
 async def timed(state: ServerState, prompt_ids: list[int], params: SamplingParams,
                 rid: str) -> AsyncIterator[RequestOutput]:
     """The engine stream of one request, recording TTFT / ITL / E2E and finish reasons."""
@@ -286,7 +293,8 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
             while done < len(tasks):
                 i, out = await queue.get()
                 if isinstance(out, Exception):
-                    raise out
+                    yield stream_error(out)
+                    return
                 if out is None:
                     done += 1
                     continue
@@ -392,6 +400,8 @@ async def _generate(state: ServerState, req: GenerateRequest) -> Response:
                                "meta_info": _meta(state.tokenizer, rids[0], len(prompts[0]), o,
                                                   req.return_logprob)})
                 yield "data: [DONE]\n\n"
+            except EngineError as e:
+                yield stream_error(e)
             finally:
                 await rest.aclose()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from kdaserve.engine.client import EngineError
 from kdaserve.request import CompletionOutput, RequestOutput
 from kdaserve.server.chat_template import ChatTemplate, validate_tools
 from kdaserve.server.protocol import ChatCompletionRequest
@@ -135,7 +135,7 @@ class ChatHandler:
     async def _stream(self, rest: AsyncIterator[RequestOutput], head: dict[str, Any],
                       ids: list[int], use_tools: bool, req: ChatCompletionRequest,
                       include_usage: bool) -> AsyncIterator[str]:
-        from kdaserve.server.api import sse
+        from kdaserve.server.api import sse, stream_error
 
         chunk = {**head, "object": "chat.completion.chunk"}
         sent_text: dict[int, int] = {}
@@ -182,8 +182,8 @@ class ChatHandler:
                     "prompt_tokens": len(ids), "completion_tokens": completion,
                     "total_tokens": len(ids) + completion}})
             yield "data: [DONE]\n\n"
-        except asyncio.CancelledError:
-            raise
+        except EngineError as e:
+            yield stream_error(e)
         finally:
             await rest.aclose()  # type: ignore[attr-defined]
 

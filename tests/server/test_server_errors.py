@@ -269,8 +269,11 @@ def test_engine_crash_gives_503_not_a_hang(tiny_ckpt: Path,
         t0 = time.monotonic()
         assert_error(blocking.result(timeout=10), 503, "engine")
         for future in streaming:
-            # ends, and is not passed off as a complete answer
-            assert "[DONE]" not in future.result(timeout=10)
+            # ends with an error event, and is not passed off as a complete answer
+            text = future.result(timeout=10)
+            assert "[DONE]" not in text
+            last = [ln for ln in text.splitlines() if ln.startswith("data: ")][-1]
+            assert '"code": 503' in last and "engine" in last, last
         assert time.monotonic() - t0 < 10
 
         t0 = time.monotonic()
