@@ -53,3 +53,14 @@ def test_gsm8k_prompt_format_and_scoring() -> None:
     assert prompts[2] == shot + "Question: q2?\nAnswer:"
     assert labels == [0, 1000, 2000]
     assert answer_value("so 3 + 4 = 7 apples") == 7 and answer_value("none") == INVALID
+
+
+def test_bench_spec_smoke(tiny_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> None:
+    out = tmp_path / "s.json"
+    cli_main(["bench", "spec", "--model", str(tiny_ckpt), "--data", str(gsm8k_file),
+              "--num-shots", "1", "--num-prompts", "2", "--max-tokens", "6", "--k", "2",
+              "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["drafter"], r["k"]) for r in rows] == [("none", 0), ("ngram", 2), ("self", 2)]
+    # the self-draft proposes the target's own tokens: everything is accepted
+    assert rows[2]["acceptance_length"] > 2
