@@ -23,6 +23,7 @@ from kdaserve.models.loader import random_tensor
 from kdaserve.tokenizer import write_hf_tokenizer_json, write_kimi_tokenizer
 
 NUM_SPECIAL = 256
+RANDOM_MARKER = "RANDOM_WEIGHTS.txt"  # so servers can say so at start-up
 
 
 def _layers(n: int) -> tuple[str, ...]:
@@ -103,6 +104,9 @@ def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: i
     if num_shards > 1:
         with open(out / "model.safetensors.index.json", "w") as f:
             json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    (out / RANDOM_MARKER).write_text(
+        f"Random weights written by `kdaserve make-checkpoint` (preset/config above, seed "
+        f"{seed}): for tests and benchmarks; the text this model generates is meaningless.\n")
     hub = config.to_hub_dict()
     if with_tokenizer:
         write_kimi_tokenizer(out, config.vocab_size - NUM_SPECIAL)

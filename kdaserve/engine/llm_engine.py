@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from pathlib import Path
 
 import torch
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.checkpoint import PRESETS, default_model_path
+from kdaserve.checkpoint import PRESETS, RANDOM_MARKER, default_model_path
 from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.model_runner import ModelRunner
@@ -35,8 +36,6 @@ DEFAULT_MAX_KV_TOKENS = 131072
 
 def resolve_model_path(model: str | os.PathLike) -> os.PathLike:
     """A checkpoint folder, or a preset name for the built-in random-weight checkpoints."""
-    from pathlib import Path
-
     path = Path(model)
     if path.is_dir():
         return path
@@ -139,8 +138,7 @@ class LLMEngine:
                 f"{self.device}), {mc.num_hidden_layers} layers ({len(mc.kda_layers)} KDA + "
                 f"{len(mc.mla_layers)} MLA), {mc.num_experts} experts top-"
                 f"{mc.num_experts_per_token}, vocab {mc.vocab_size}")
-        if self.config.load_format == "dummy" or str(self.config.model) in PRESETS or \
-                "kdaserve" in str(self.path) and "-seed" in str(self.path):
+        if self.config.load_format == "dummy" or (Path(self.path) / RANDOM_MARKER).is_file():
             text += "; RANDOM WEIGHTS (a built-in test model: its text is meaningless)"
         return text
 

@@ -105,3 +105,10 @@ def test_cli_make_checkpoint_and_generate(tmp_path: Path, capsys: pytest.Capture
     captured = capsys.readouterr()
     assert captured.out.startswith("Hi")
     assert "4 tokens" in captured.err
+
+
+def test_random_checkpoints_say_so(tiny_ckpt: Path) -> None:
+    from kdaserve.checkpoint import RANDOM_MARKER
+
+    assert (tiny_ckpt / RANDOM_MARKER).is_file()
+    assert "RANDOM WEIGHTS" in LLM(tiny_ckpt).engine.summary()
