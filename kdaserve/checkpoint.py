@@ -20,7 +20,7 @@ from kdaserve.config import DENSE, KDA, MLA, MOE, ModelConfig
 from kdaserve.kernels import resolve_kernels
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.models.loader import random_tensor
-from kdaserve.tokenizer import write_hf_tokenizer_json, write_kimi_tokenizer
+from kdaserve.tokenizer_writer import write_hf_tokenizer_json, write_kimi_tokenizer
 
 NUM_SPECIAL = 256
 RANDOM_MARKER = "RANDOM_WEIGHTS.txt"  # so servers can say so at start-up

@@ -66,13 +66,7 @@ class RadixCache:
             child = node.children.get(chunks[i])
             if child is None:
                 break
-            n_child = len(child.key) // self.bs
-            k = 0
-            while k < n_child and i + k < len(chunks) and \
-                    child.key[k * self.bs:(k + 1) * self.bs] == chunks[i + k]:
-                k += 1
-            if k < n_child:
-                child = self._split(child, k)
+            child, k, partial = self._descend(child, chunks, i)
             path_blocks.extend(child.blocks)
             i += k
             node = child
@@ -80,7 +74,7 @@ class RadixCache:
                 node.last_access = stamp
             if node.state_slot is not None:
                 best, best_blocks = node, list(path_blocks)
-            if k < n_child:
+            if partial:
                 break
         if touch:
             # ancestors look older than descendants, so thin shallow snapshots go first
@@ -94,6 +88,19 @@ class RadixCache:
             out.append(node)
             node = node.parent  # type: ignore[assignment]
         return out
+
+    def _descend(self, child: Node, chunks: list[tuple[int, ...]],
+                 i: int) -> tuple[Node, int, bool]:
+        """Matches chunks[i:] along child's edge: (node covering the matched blocks, blocks
+        matched, whether the edge was left part-way — then it is split there)."""
+        n_child = len(child.key) // self.bs
+        k = 0
+        while k < n_child and i + k < len(chunks) and \
+                child.key[k * self.bs:(k + 1) * self.bs] == chunks[i + k]:
+            k += 1
+        if k < n_child:
+            return self._split(child, k), k, True
+        return child, k, False
 
     def _split(self, node: Node, k: int) -> Node:
         """Cuts node's edge after k blocks; returns the new upper node (which has no snapshot:
@@ -133,13 +140,7 @@ class RadixCache:
                 node.children[chunks[i]] = new
                 node, i = new, len(chunks)
                 break
-            n_child = len(child.key) // self.bs
-            k = 0
-            while k < n_child and i + k < len(chunks) and \
-                    child.key[k * self.bs:(k + 1) * self.bs] == chunks[i + k]:
-                k += 1
-            if k < n_child:
-                child = self._split(child, k)
+            child, k, _ = self._descend(child, chunks, i)
             child.last_access = stamp
             node, i = child, i + k
         if state_slot is None:

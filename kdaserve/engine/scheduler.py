@@ -199,7 +199,7 @@ class Scheduler:
             return False
         grid = self.snapshot_interval
         ids = req.all_ids
-        hit = self.cache.match(ids[:-1], touch=False).num_tokens
+        hit: int | None = None  # matched only when some leader shares a grid's worth
         for leader in self.running[-DEDUP_LEADERS:]:
             if not leader.is_prefilling:
                 continue
@@ -209,7 +209,11 @@ class Scheduler:
             while shared < limit and ids[shared] == other[shared]:
                 shared += 1
             point = shared // grid * grid
-            if point - hit >= grid and point > leader.num_computed_tokens:
+            if point < grid or point <= leader.num_computed_tokens:
+                continue
+            if hit is None:
+                hit = self.cache.match(ids[:-1], touch=False).num_tokens
+            if point - hit >= grid:
                 if point not in leader.snapshot_points:
                     leader.snapshot_points = sorted([*leader.snapshot_points, point])
                 # a leader already scheduled past the point this step stops there instead

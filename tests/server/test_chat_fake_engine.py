@@ -18,7 +18,8 @@ from kdaserve.server.api import ServerState, create_app
 from kdaserve.server.chat import ChatHandler
 from kdaserve.server.chat_template import ChatTemplate
 from kdaserve.server.metrics import ServerMetrics
-from kdaserve.tokenizer import Tokenizer, write_kimi_tokenizer
+from kdaserve.tokenizer import Tokenizer
+from kdaserve.tokenizer_writer import write_kimi_tokenizer
 
 CALL = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
         '<|tool_call_argument_begin|>{"city": "Paris", "unit": "C"}<|tool_call_end|>'

@@ -142,8 +142,6 @@ def test_disconnect_mid_stream_frees_blocks_and_slot(server: ServerProc, http: h
 def test_prefix_cache_hit_keeps_outputs(http: httpx.Client, llm: LLM) -> None:
     """Two prompts sharing a 150-token prefix: the second reuses cached prefix state through
     the server and still decodes exactly like the reference."""
-    if "kdaserve_prefix_cache_hit_tokens" not in metrics(http):
-        pytest.skip("this server exports no prefix-cache metrics")
     g = torch.Generator().manual_seed(99)
     for _ in range(10):
         prefix = torch.randint(0, llm.config.vocab_size - 256, (150,), generator=g).tolist()

@@ -14,7 +14,8 @@ from kdaserve.server.chat_template import (
     DEFAULT_SYSTEM_PROMPT,
     ChatTemplate,
 )
-from kdaserve.tokenizer import Tokenizer, write_kimi_tokenizer
+from kdaserve.tokenizer import Tokenizer
+from kdaserve.tokenizer_writer import write_kimi_tokenizer
 
 SYS = f"<|im_system|>system<|im_middle|>{DEFAULT_SYSTEM_PROMPT}<|im_end|>"
 GEN = "<|im_assistant|>assistant<|im_middle|>"

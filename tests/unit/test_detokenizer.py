@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from kdaserve.detokenizer import IncrementalDetokenizer, complete_utf8_prefix
-from kdaserve.tokenizer import Tokenizer, write_kimi_tokenizer
+from kdaserve.tokenizer import Tokenizer
+from kdaserve.tokenizer_writer import write_kimi_tokenizer
 
 MIXED_TEXT = "Hello 世界! 🎉👍🏽 naïve café — 你好，Kimi。"
 

@@ -12,11 +12,9 @@ from typing import TYPE_CHECKING
 import pytest
 import tiktoken
 
-from kdaserve.tokenizer import (
-    KIMI_PAT_STR,
-    Tokenizer,
+from kdaserve.tokenizer import KIMI_PAT_STR, Tokenizer, _split_for_tiktoken
+from kdaserve.tokenizer_writer import (
     _byte_level_bpe,
-    _split_for_tiktoken,
     write_hf_tokenizer_json,
     write_kimi_tokenizer,
 )
