@@ -1,8 +1,10 @@
 """Public kernel ops, one function signature per op, resolved once at model build.
 
-Ops (shapes in kernels/ref): `kda_chunk` (prefill), `kda_recurrent` (decode), `short_conv`,
-`mla_attention`, `moe_route`, `moe_experts`. Every op has a `ref` backend; faster backends
-register with a higher priority. Importing this package never imports triton or CUDA code.
+Ops (shapes in kernels/ref): `kda_chunk` (prefill), `kda_recurrent` (token by token: the
+oracle of the chunk form), `kda_decode` (a whole KDA decode step, conv to gated norm),
+`short_conv`, `mla_attention`, `moe_route`, `moe_experts`. Every op has a `ref` backend
+(plain torch, the oracle); `cpu` is batched torch for decode shapes; `native` is C++ compiled
+for the host on first use. Importing this package never imports triton or CUDA code.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from typing import NamedTuple
 import torch
 
 from kdaserve.kernels import registry
-from kdaserve.kernels.ref.kda import kda_chunk_ref, kda_recurrent_ref, short_conv_ref
+from kdaserve.kernels.ref.kda import (
+    kda_chunk_ref,
+    kda_decode_ref,
+    kda_recurrent_ref,
+    short_conv_ref,
+)
 from kdaserve.kernels.ref.mla import mla_attention_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.registry import use_backend
@@ -22,22 +29,40 @@ from kdaserve.kernels.registry import use_backend
 def _cpu_only(device: torch.device) -> tuple[bool, str]:
     return (device.type == "cpu", "" if device.type == "cpu" else "cpu backend needs a CPU")
 
-OPS = ("kda_chunk", "kda_recurrent", "short_conv", "mla_attention", "moe_route", "moe_experts")
+OPS = ("kda_chunk", "kda_recurrent", "kda_decode", "short_conv", "mla_attention", "moe_route",
+       "moe_experts")
 
 registry.register("kda_chunk", "ref", kda_chunk_ref)
 registry.register("kda_recurrent", "ref", kda_recurrent_ref)
+registry.register("kda_decode", "ref", kda_decode_ref)
 registry.register("short_conv", "ref", short_conv_ref)
 registry.register("mla_attention", "ref", mla_attention_ref)
 registry.register("moe_route", "ref", moe_route_ref)
 registry.register("moe_experts", "ref", moe_experts_ref)
 
 from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the references
+    kda_decode_cpu,
     kda_recurrent_cpu,
     mla_attention_cpu,
     short_conv_cpu,
 )
+from kdaserve.kernels.native import build as native_build  # noqa: E402
+from kdaserve.kernels.native.ops import (  # noqa: E402
+    kda_decode_native,
+    mla_attention_native,
+)
+
+
+def _native(device: torch.device) -> tuple[bool, str]:
+    # Compiling happens here, once, when the first model is built on a CPU.
+    return native_build.available() if device.type == "cpu" else (False, "needs a CPU")
+
 
 registry.register("kda_recurrent", "cpu", kda_recurrent_cpu, priority=10, supports=_cpu_only)
+registry.register("kda_decode", "cpu", kda_decode_cpu, priority=10, supports=_cpu_only)
+registry.register("kda_decode", "native", kda_decode_native, priority=20, supports=_native)
+registry.register("mla_attention", "native", mla_attention_native, priority=20,
+                  supports=_native)
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)
 registry.register("mla_attention", "cpu", mla_attention_cpu, priority=10, supports=_cpu_only)
 
@@ -45,6 +70,7 @@ registry.register("mla_attention", "cpu", mla_attention_cpu, priority=10, suppor
 class Kernels(NamedTuple):
     kda_chunk: Callable
     kda_recurrent: Callable
+    kda_decode: Callable
     short_conv: Callable
     mla_attention: Callable
     moe_route: Callable

@@ -12,7 +12,7 @@ from torch import nn
 from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
-from kdaserve.layers.norm import gated_rmsnorm
+from kdaserve.kernels.ref.kda import gated_rmsnorm
 
 
 class KDAttention(nn.Module):
@@ -57,14 +57,18 @@ class KDAttention(nn.Module):
         """x: [T, D]; recurrent_state: [N, H, K, V] fp32 pool; conv_state: [N, W-1, 3P] pool."""
         T, H, K = x.shape[0], self.num_heads, self.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)
+        beta = self.b_proj(x)
+        z = self.g_b_proj(self.g_a_proj(x)).view(T, H, K)
+        if batch.is_decode:
+            o = self.kernels.kda_decode(qkv, f, beta, z, self.conv_weight, self.A_log,
+                                        self.dt_bias, self.o_norm_weight, self.eps,
+                                        recurrent_state, conv_state, batch.state_slots)
+            return self.o_proj(o.reshape(T, H * K))
         qkv = self.kernels.short_conv(qkv, self.conv_weight, conv_state, batch.state_slots,
                                       batch.cu_seqlens)
         q, k, v = (t.view(T, H, K) for t in qkv.chunk(3, dim=-1))
-        f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)
-        beta = self.b_proj(x)
-        kda = self.kernels.kda_recurrent if batch.is_decode else self.kernels.kda_chunk
-        o = kda(q, k, v, f, beta, self.A_log, self.dt_bias, recurrent_state, batch.state_slots,
-                batch.cu_seqlens)
-        z = self.g_b_proj(self.g_a_proj(x)).view(T, H, K)
+        o = self.kernels.kda_chunk(q, k, v, f, beta, self.A_log, self.dt_bias, recurrent_state,
+                                   batch.state_slots, batch.cu_seqlens)
         o = gated_rmsnorm(o, z, self.o_norm_weight, self.eps)
         return self.o_proj(o.reshape(T, H * K))

@@ -18,14 +18,3 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def gated_rmsnorm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
-                  eps: float) -> torch.Tensor:
-    """fla's FusedRMSNormGated with sigmoid gate, all in fp32: w * o / rms(o) * sigmoid(gate).
-
-    o, gate: [T, H, K]; weight: [K] shared by all heads.
-    """
-    of = o.float()
-    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * of * torch.sigmoid(gate.float())).to(o.dtype)

@@ -47,6 +47,14 @@ def test_batch_equals_alone_equals_transformers(base: LLM, cases) -> None:
     base.check_integrity()
 
 
+@pytest.mark.parametrize("backend", ["ref", "cpu", "native"])
+def test_kernel_backends_give_transformers_tokens(tiny_ckpt: Path, cases, backend: str) -> None:
+    """Every kernel backend, end to end through batched prefill and decode."""
+    for llm in make_llm(tiny_ckpt, kernel_backend=backend):
+        outs = llm.generate(prompt_token_ids=[p for p, _ in cases], sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == [r for _, r in cases]
+
+
 @pytest.mark.parametrize("budget", [1, 7, 64], ids=lambda b: f"budget{b}")
 @pytest.mark.parametrize("block_size", [1, 16], ids=lambda b: f"block{b}")
 def test_chunk_budget_and_block_size(tiny_ckpt: Path, cases, budget: int,

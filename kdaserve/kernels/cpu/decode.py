@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kdaserve.kernels.ref.kda import (
+    gated_rmsnorm,
     kda_gate_ref,
     kda_recurrent_ref,
     l2norm_ref,
@@ -38,6 +39,20 @@ def kda_recurrent_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     o = (qn.unsqueeze(-2) * q.shape[-1] ** -0.5 @ S).squeeze(-2)
     state.index_copy_(0, state_slots, S.to(state.dtype))
     return o.to(v.dtype)
+
+
+def kda_decode_cpu(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: torch.Tensor,
+                   conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                   norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
+                   conv_state: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
+    """`kda_decode_ref`'s composition with the batched decode ops above."""
+    B, H, K = f.shape
+    cu = torch.arange(B + 1, device=qkv.device)
+    x = short_conv_cpu(qkv, conv_weight, conv_state, state_slots, cu)
+    q, k, v = x[:, :H * K].view(B, H, K), x[:, H * K:2 * H * K].view(B, H, K), \
+        x[:, 2 * H * K:].view(B, H, -1)
+    o = kda_recurrent_cpu(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu)
+    return gated_rmsnorm(o, z, norm_weight, eps)
 
 
 def short_conv_cpu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

@@ -129,6 +129,37 @@ def kda_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return _unpad(out.transpose(1, 2), cu).to(v.dtype)
 
 
+def gated_rmsnorm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """fla's FusedRMSNormGated with sigmoid gate, all in fp32: w * o / rms(o) * sigmoid(gate).
+
+    o, gate: [T, H, V]; weight: [V] shared by all heads.
+    """
+    of = o.float()
+    of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * of * torch.sigmoid(gate.float())).to(o.dtype)
+
+
+def kda_decode_ref(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: torch.Tensor,
+                   conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                   norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
+                   conv_state: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
+    """A whole KDA decode step for B sequences (one token each) between the projections:
+    short conv of the concatenated q|k|v, delta rule, gated RMSNorm.
+
+    qkv: [B, 2HK + HV] pre-conv projections; f: [B, H, K] raw gate; beta: [B, H] logits;
+    z: [B, H, V] output gate; conv_weight: [2HK + HV, W]; norm_weight: [V]; state and
+    conv_state: this layer's pools (updated in place). Returns [B, H, V] in qkv.dtype.
+    """
+    B, H, K = f.shape
+    cu = torch.arange(B + 1, device=qkv.device)
+    x = short_conv_ref(qkv, conv_weight, conv_state, state_slots, cu)
+    q, k, v = x[:, :H * K].view(B, H, K), x[:, H * K:2 * H * K].view(B, H, K), \
+        x[:, 2 * H * K:].view(B, H, -1)
+    o = kda_recurrent_ref(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu)
+    return gated_rmsnorm(o, z, norm_weight, eps)
+
+
 def short_conv_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                    state_slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Causal depthwise conv + SiLU over packed sequences, continuing from and updating the cache.

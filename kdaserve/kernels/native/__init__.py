@@ -1,0 +1,1 @@
+"""C++ kernels compiled for the host (see build.py), with torch fallbacks for other shapes."""

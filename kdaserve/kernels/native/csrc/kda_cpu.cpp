@@ -1,0 +1,152 @@
+// Fused CPU kernels for decode (one new token per sequence), fp32 throughout.
+//
+// Built for the host by kdaserve/kernels/native/build.py (g++ -O3 -march=native -fopenmp) and
+// called through ctypes with raw pointers to contiguous tensors; the plain-torch references in
+// kdaserve/kernels/ref are the oracle they are tested against. The library links the same
+// libgomp soname torch loaded, so both share one OpenMP thread pool.
+//
+// Inner loops run over the contiguous value / channel dimension with `__restrict` pointers so
+// gcc vectorises them; outer work is split over (sequence, head) pairs.
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int kMaxDim = 512;  // head dims above this are refused on the Python side
+
+inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// torch.nn.functional.softplus(beta=1, threshold=20): identity above the threshold.
+inline float softplusf(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+// One channel group of one head through the causal depthwise conv + SiLU, shifting the
+// conv window in place. cs: the slot's [W-1, C] window (time-major), x: this token's [C] row.
+void conv_silu(const float* __restrict x, const float* __restrict w, float* __restrict cs,
+               int64_t C, int64_t W, int64_t first, int64_t n, float* __restrict y) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t c = first + i;
+    const float* wc = w + c * W;
+    float acc = wc[W - 1] * x[c];
+    for (int64_t j = 0; j < W - 1; ++j) acc += wc[j] * cs[j * C + c];
+    for (int64_t j = 0; j + 1 < W - 1; ++j) cs[j * C + c] = cs[(j + 1) * C + c];
+    if (W > 1) cs[(W - 2) * C + c] = x[c];
+    y[i] = acc * sigmoidf(acc);
+  }
+}
+
+// fla's l2norm (eps added to the sum of squares), times an extra scale.
+void l2norm(float* __restrict x, int64_t n, float scale) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = scale / std::sqrt(ss + 1e-6f);
+  for (int64_t i = 0; i < n; ++i) x[i] *= r;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Fused KDA decode for B sequences: conv (+ window update), L2 norm, decay gate, beta, the
+// gated delta-rule update of the fp32 state in place in the pool, the output and the gated
+// RMSNorm.  qkv [B, 2HK+HV] pre-conv; f [B, H, K] raw gate; beta [B, H] logits; z [B, H, V]
+// output gate; conv_w [2HK+HV, W]; A_log [H]; dt_bias [H*K]; norm_w [V];
+// state [N, H, K, V]; conv_state [N, W-1, 2HK+HV]; slots [B]; out [B, H, V].
+void kda_decode_f32(const float* qkv, const float* f, const float* beta, const float* z,
+                    const float* conv_w, const float* A_log, const float* dt_bias,
+                    const float* norm_w, float* state, float* conv_state, const int64_t* slots,
+                    float* out, int64_t B, int64_t H, int64_t K, int64_t V, int64_t W,
+                    float eps) {
+  const int64_t C = 2 * H * K + H * V;
+  const float qscale = 1.0f / std::sqrt(static_cast<float>(K));
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < B * H; ++task) {
+    const int64_t b = task / H, h = task % H, slot = slots[b];
+    float q[kMaxDim], k[kMaxDim], v[kMaxDim], decay[kMaxDim], pred[kMaxDim], o[kMaxDim];
+    const float* x = qkv + b * C;
+    float* cs = conv_state + slot * (W - 1) * C;
+    conv_silu(x, conv_w, cs, C, W, h * K, K, q);
+    conv_silu(x, conv_w, cs, C, W, H * K + h * K, K, k);
+    conv_silu(x, conv_w, cs, C, W, 2 * H * K + h * V, V, v);
+    l2norm(q, K, qscale);
+    l2norm(k, K, 1.0f);
+    const float a = std::exp(A_log[h]);
+    const float* fr = f + (b * H + h) * K;
+    for (int64_t i = 0; i < K; ++i) decay[i] = std::exp(-a * softplusf(fr[i] + dt_bias[h * K + i]));
+    const float bt = sigmoidf(beta[b * H + h]);
+
+    float* __restrict S = state + (slot * H + h) * K * V;
+    // Pass 1: decay the state and predict v from it (k^T S).
+    for (int64_t j = 0; j < V; ++j) pred[j] = 0.0f;
+    for (int64_t i = 0; i < K; ++i) {
+      float* __restrict row = S + i * V;
+      const float d = decay[i], ki = k[i];
+      for (int64_t j = 0; j < V; ++j) {
+        row[j] *= d;
+        pred[j] += ki * row[j];
+      }
+    }
+    for (int64_t j = 0; j < V; ++j) pred[j] = (v[j] - pred[j]) * bt;  // the delta
+    // Pass 2 (the head's state is still in L2): rank-1 update, then read out with q.
+    for (int64_t j = 0; j < V; ++j) o[j] = 0.0f;
+    for (int64_t i = 0; i < K; ++i) {
+      float* __restrict row = S + i * V;
+      const float ki = k[i], qi = q[i];
+      for (int64_t j = 0; j < V; ++j) {
+        row[j] += ki * pred[j];
+        o[j] += qi * row[j];
+      }
+    }
+    float ms = 0.0f;
+#pragma omp simd reduction(+ : ms)
+    for (int64_t j = 0; j < V; ++j) ms += o[j] * o[j];
+    const float r = 1.0f / std::sqrt(ms / static_cast<float>(V) + eps);
+    const float* zr = z + (b * H + h) * V;
+    float* dst = out + (b * H + h) * V;
+    for (int64_t j = 0; j < V; ++j) dst[j] = norm_w[j] * (o[j] * r) * sigmoidf(zr[j]);
+  }
+}
+
+// Weight-absorbed MLA decode straight from the paged latent cache.  q_lat [B, H, R] (q_nope
+// already multiplied by W_UK); q_pe [B, H, Dr]; kv [NB*BS, R+Dr] rows; block_table [B, M];
+// context_lens [B]; out [B, H, R] attention-weighted latents (W_UV is applied by the caller).
+void mla_decode_f32(const float* q_lat, const float* q_pe, const float* kv,
+                    const int64_t* block_table, const int64_t* context_lens, float* out,
+                    int64_t B, int64_t H, int64_t R, int64_t Dr, int64_t BS, int64_t M,
+                    float scale) {
+  const int64_t D = R + Dr;
+  // (b, h) tasks: a thread takes consecutive heads of one sequence, whose latents then stay
+  // in its cache between heads.
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < B * H; ++task) {
+    const int64_t b = task / H, L = context_lens[b];
+    const float* __restrict ql = q_lat + task * R;
+    const float* __restrict qp = q_pe + task * Dr;
+    const int64_t* table = block_table + b * M;
+    std::vector<float> p(static_cast<size_t>(L));
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < L; ++t) {
+      const float* __restrict row = kv + (table[t / BS] * BS + t % BS) * D;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t r = 0; r < R; ++r) s += ql[r] * row[r];
+#pragma omp simd reduction(+ : s)
+      for (int64_t r = 0; r < Dr; ++r) s += qp[r] * row[R + r];
+      p[t] = s * scale;
+      mx = p[t] > mx ? p[t] : mx;
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < L; ++t) sum += (p[t] = std::exp(p[t] - mx));
+    float* __restrict o = out + task * R;
+    for (int64_t r = 0; r < R; ++r) o[r] = 0.0f;
+    for (int64_t t = 0; t < L; ++t) {
+      const float* __restrict row = kv + (table[t / BS] * BS + t % BS) * D;
+      const float w = p[t] / sum;
+      for (int64_t r = 0; r < R; ++r) o[r] += w * row[r];
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,67 @@
+"""The `native` backend: C++ decode kernels (csrc/kda_cpu.cpp) behind the op signatures.
+
+Each wrapper checks what the kernel handles (fp32, contiguous, one token per sequence, head
+dims up to MAX_HEAD_DIM) and otherwise hands the call to the torch `cpu` backend, so forcing
+`native` is always safe.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu
+from kdaserve.kernels.native.build import MAX_HEAD_DIM, library
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def _f32(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+
+
+def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: torch.Tensor,
+                      conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
+                      conv_state: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
+    """Same contract as `kda_decode_ref`; the state pools are updated in place by the kernel,
+    so they must be contiguous (they are: slices of the pool along its first dimension)."""
+    B, H, K = f.shape
+    V = z.shape[-1]
+    if not (_f32(qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight, state, conv_state)
+            and state.is_contiguous() and conv_state.is_contiguous()
+            and max(K, V) <= MAX_HEAD_DIM):
+        return kda_decode_cpu(qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight, eps,
+                              state, conv_state, state_slots)
+    qkv, f, beta, z, conv_weight = (t.contiguous() for t in (qkv, f, beta, z, conv_weight))
+    slots = state_slots.to(torch.int64).contiguous()
+    out = torch.empty(B, H, V, dtype=torch.float32)
+    library().kda_decode_f32(
+        _ptr(qkv), _ptr(f), _ptr(beta), _ptr(z), _ptr(conv_weight), _ptr(A_log.contiguous()),
+        _ptr(dt_bias.contiguous()), _ptr(norm_weight.contiguous()), _ptr(state),
+        _ptr(conv_state), _ptr(slots), _ptr(out), B, H, K, V, conv_weight.shape[1], eps)
+    return out
+
+
+def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, cu_seqlens: torch.Tensor,
+                         context_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Decode attention computed against the compressed latents where they lie in the block
+    pool (no gather copy); the W_UK / W_UV absorptions stay batched matmuls in torch."""
+    B, H = q_nope.shape[0], q_nope.shape[1]
+    if cu_seqlens.shape[0] - 1 != B or not _f32(q_nope, q_pe, kv_cache, w_uk, w_uv) \
+            or not kv_cache.is_contiguous():
+        return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens, context_lens,
+                                 w_uk, w_uv, scale)
+    R, Dr = w_uk.shape[-1], q_pe.shape[-1]
+    q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk).contiguous()
+    q_pe = q_pe.contiguous()
+    table = block_table.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
+    o_lat = torch.empty(B, H, R, dtype=torch.float32)
+    library().mla_decode_f32(
+        _ptr(q_lat), _ptr(q_pe), _ptr(kv_cache), _ptr(table), _ptr(lens), _ptr(o_lat),
+        B, H, R, Dr, kv_cache.shape[1], table.shape[1], scale)
+    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)

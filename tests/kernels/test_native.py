@@ -1,0 +1,120 @@
+"""The C++ `native` decode kernels against the plain-torch references: random state slots and
+block tables, initial states, ragged contexts of 1..200 tokens, several consecutive steps (so
+the conv window shift is checked too), and the fallbacks for what they do not handle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdaserve.kernels import resolve_kernels
+from kdaserve.kernels.cpu.decode import kda_decode_cpu
+from kdaserve.kernels.native import build
+from kdaserve.kernels.native.ops import kda_decode_native, mla_attention_native
+from kdaserve.kernels.ref.kda import kda_decode_ref
+from kdaserve.kernels.ref.mla import mla_attention_ref
+
+W = 4
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_native_library_builds_here() -> None:
+    ok, reason = build.available()
+    assert ok, reason
+    kernels = resolve_kernels(torch.device("cpu"))
+    assert kernels.kda_decode is kda_decode_native
+    assert kernels.mla_attention is mla_attention_native
+
+
+def decode_inputs(B: int, H: int, K: int, N: int, seed: int) -> dict:
+    g = gen(seed)
+    C = 3 * H * K
+    return {
+        "conv_weight": torch.randn(C, W, generator=g), "A_log": torch.rand(H, generator=g) * 2,
+        "dt_bias": torch.randn(H * K, generator=g), "norm_weight": torch.randn(K, generator=g),
+        "eps": 1e-5, "state": torch.randn(N, H, K, K, generator=g),
+        "conv_state": torch.randn(N, W - 1, C, generator=g),
+        "state_slots": torch.randperm(N, generator=g)[:B]}
+
+
+def step_inputs(B: int, H: int, K: int, seed: int) -> dict:
+    g = gen(seed)
+    # gate logits up to +-8: both strong and negligible decay occur
+    return {"qkv": torch.randn(B, 3 * H * K, generator=g),
+            "f": torch.randn(B, H, K, generator=g) * 4, "beta": torch.randn(B, H, generator=g),
+            "z": torch.randn(B, H, K, generator=g)}
+
+
+@pytest.mark.parametrize("fn", [kda_decode_native, kda_decode_cpu], ids=["native", "cpu"])
+@pytest.mark.parametrize("B,H,K", [(1, 1, 16), (9, 3, 16), (33, 2, 64), (4, 2, 128)])
+def test_kda_decode_matches_reference(fn, B: int, H: int, K: int) -> None:
+    N = B + 5
+    ours, ref = decode_inputs(B, H, K, N, seed=B), decode_inputs(B, H, K, N, seed=B)
+    untouched = [i for i in range(N) if i not in ours["state_slots"].tolist()]
+    before = ours["state"][untouched].clone(), ours["conv_state"][untouched].clone()
+    for step in range(3):
+        x = step_inputs(B, H, K, seed=100 + step)
+        o = fn(**x, **ours)
+        o_ref = kda_decode_ref(**x, **ref)
+        torch.testing.assert_close(o, o_ref, atol=3e-5, rtol=1e-4)
+        torch.testing.assert_close(ours["state"], ref["state"], atol=3e-5, rtol=1e-4)
+        torch.testing.assert_close(ours["conv_state"], ref["conv_state"])
+    assert torch.equal(ours["state"][untouched], before[0]), "wrote to slots it does not own"
+    assert torch.equal(ours["conv_state"][untouched], before[1])
+
+
+def test_kda_decode_native_falls_back_for_bf16() -> None:
+    B, H, K, N = 3, 2, 16, 6
+    ours, ref = decode_inputs(B, H, K, N, seed=7), decode_inputs(B, H, K, N, seed=7)
+    x = {k: v.bfloat16() for k, v in step_inputs(B, H, K, seed=8).items()}
+    for d in (ours, ref):
+        d["conv_state"] = d["conv_state"].bfloat16()
+    o = kda_decode_native(**x, **ours)
+    assert o.dtype == torch.bfloat16
+    torch.testing.assert_close(o, kda_decode_ref(**x, **ref), atol=2e-2, rtol=2e-2)
+
+
+def paged_cache(ctx: list[int], block_size: int, R: int, Dr: int, seed: int):
+    """A latent pool with every sequence's blocks scattered at random, plus spare blocks."""
+    g = gen(seed)
+    nb = sum(-(-c // block_size) for c in ctx) + 3
+    cache = torch.randn(nb, block_size, R + Dr, generator=g)
+    order = torch.randperm(nb, generator=g).tolist()
+    table = torch.zeros(len(ctx), max(-(-c // block_size) for c in ctx), dtype=torch.int64)
+    start = 0
+    for b, c in enumerate(ctx):
+        n = -(-c // block_size)
+        table[b, :n] = torch.tensor(order[start:start + n])
+        start += n
+    return cache, table
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_mla_decode_native_matches_reference(block_size: int) -> None:
+    H, Dn, Dr, Dv, R = 3, 16, 8, 16, 32
+    ctx = [1, 200, 7, 64, 65, 13, 130]
+    B = len(ctx)
+    g = gen(block_size)
+    cache, table = paged_cache(ctx, block_size, R, Dr, seed=block_size)
+    q_nope, q_pe = torch.randn(B, H, Dn, generator=g), torch.randn(B, H, Dr, generator=g)
+    w_uk, w_uv = torch.randn(H, Dn, R, generator=g) * 0.3, torch.randn(H, Dv, R, generator=g)
+    args = (q_nope, q_pe, cache, table, torch.arange(B + 1), torch.tensor(ctx), w_uk, w_uv,
+            0.2)
+    torch.testing.assert_close(mla_attention_native(*args), mla_attention_ref(*args),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_mla_native_falls_back_for_prefill() -> None:
+    """A mixed batch (one sequence with 3 new tokens) is not a decode: the reference runs."""
+    H, Dn, Dr, Dv, R = 2, 8, 4, 8, 12
+    ctx = [5, 9]
+    g = gen(3)
+    cache, table = paged_cache(ctx, 4, R, Dr, seed=3)
+    q_nope, q_pe = torch.randn(4, H, Dn, generator=g), torch.randn(4, H, Dr, generator=g)
+    w_uk, w_uv = torch.randn(H, Dn, R, generator=g), torch.randn(H, Dv, R, generator=g)
+    args = (q_nope, q_pe, cache, table, torch.tensor([0, 1, 4]), torch.tensor(ctx), w_uk,
+            w_uv, 0.3)
+    torch.testing.assert_close(mla_attention_native(*args), mla_attention_ref(*args))
