@@ -341,8 +341,11 @@ class EngineConfig:
     disable_prefix_cache: bool = False
     snapshot_interval: int = 64  # prefix-cache state snapshot grid (tokens), multiple of block
     num_snapshot_slots: int | None = None  # KDA state snapshots the prefix cache may hold
-    speculative_algorithm: str | None = None  # "ngram": prompt-lookup drafts, greedy requests
+    # "ngram" (prompt lookup), "draft" (a smaller checkpoint with the same vocabulary) or
+    # "block" (a DSpark-style block drafter); the last two load speculative_draft_model
+    speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
+    speculative_draft_model: str | None = None  # checkpoint folder (or preset, for "draft")
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -351,9 +354,12 @@ class EngineConfig:
         if self.snapshot_interval < 1 or self.snapshot_interval % self.block_size:
             raise ValueError(f"snapshot_interval={self.snapshot_interval} must be a positive "
                              f"multiple of block_size={self.block_size}")
-        if self.speculative_algorithm not in (None, "ngram"):
+        if self.speculative_algorithm not in (None, "ngram", "draft", "block"):
             raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} is not "
-                             "supported (ngram)")
+                             "supported (ngram, draft or block)")
+        if self.speculative_algorithm in ("draft", "block") and not self.speculative_draft_model:
+            raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} needs "
+                             "speculative_draft_model (a checkpoint folder)")
         if self.speculative_num_draft_tokens < 1:
             raise ValueError("speculative_num_draft_tokens must be >= 1")
         if not 0 < self.mem_fraction <= 1:

@@ -97,6 +97,7 @@ class Request:
     draft_ids: list[int] = field(default_factory=list)  # proposed, verified in the next step
     num_drafted: int = 0
     num_accepted: int = 0
+    num_verifies: int = 0  # steps that verified drafts
 
     @property
     def all_ids(self) -> list[int]:
@@ -125,6 +126,17 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # speculative decoding: drafts verified / accepted, over spec_num_verifies steps
+    spec_num_drafted: int = 0
+    spec_num_accepted: int = 0
+    spec_num_verifies: int = 0
+
+    @property
+    def spec_acceptance_length(self) -> float:
+        """Mean tokens emitted per verify step (accepted drafts + the target's token); 0
+        when nothing was verified."""
+        v = self.spec_num_verifies
+        return (self.spec_num_accepted + v) / v if v else 0.0
 
 
 @dataclass(slots=True)

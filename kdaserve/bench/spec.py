@@ -15,15 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from kdaserve.bench.gsm8k import build_prompts, load_data
+from kdaserve.spec.drafter import TokenDrafter
 
 
-class SelfDrafter:
+class SelfDrafter(TokenDrafter):
     """Proposes the target's recorded greedy continuation of each prompt."""
 
     def __init__(self, k: int, futures: dict[tuple[int, ...], list[int]]) -> None:
         self.k, self.futures = k, futures
 
-    def propose(self, ids: list[int], k: int | None = None) -> list[int]:
+    def propose_ids(self, ids: list[int], k: int | None = None) -> list[int]:
         k = self.k if k is None else k
         for prompt, future in self.futures.items():
             if tuple(ids[:len(prompt)]) == prompt:

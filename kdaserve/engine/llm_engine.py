@@ -25,6 +25,9 @@ from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
 from kdaserve.kernels import resolve_kernels
 from kdaserve.models.loader import build_model
 from kdaserve.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from kdaserve.spec.block import BlockDrafter
+from kdaserve.spec.draft_model import DraftModelDrafter
+from kdaserve.spec.drafter import Drafter
 from kdaserve.spec.ngram import NgramDrafter
 from kdaserve.spec.verify import Speculator
 from kdaserve.tokenizer import Tokenizer
@@ -72,9 +75,10 @@ class LLMEngine:
                                    config.snapshot_interval, self._num_snapshots())
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device)
         self.spec = None
-        if config.speculative_algorithm == "ngram":
-            self.spec = Speculator(NgramDrafter(config.speculative_num_draft_tokens),
-                                   self.states, self.cache)
+        if config.speculative_algorithm is not None:
+            self.spec = Speculator(self._make_drafter(max_running), self.states, self.cache,
+                                   max_running)
+            self.scheduler.hooks = self.spec
         self.sampler = Sampler()
         self.groups: dict[str, list[Request]] = {}
         self.detok: dict[int, IncrementalDetokenizer] = {}
@@ -94,6 +98,20 @@ class LLMEngine:
         # a snapshot per running request's fork point and prompt end, and some history
         return max(2 * c.max_num_seqs, 16) if c.num_snapshot_slots is None \
             else c.num_snapshot_slots
+
+    def _make_drafter(self, max_running: int) -> Drafter:
+        c = self.config
+        k = c.speculative_num_draft_tokens
+        if c.speculative_algorithm == "ngram":
+            return NgramDrafter(k)
+        assert c.speculative_draft_model is not None  # EngineConfig checks
+        path = Path(resolve_model_path(c.speculative_draft_model))
+        if c.speculative_algorithm == "block":
+            return BlockDrafter.load(path, self.model_config, k, self.dtype, self.device)
+        return DraftModelDrafter.load(
+            path, self.model_config, self.kernels, self.dtype, self.device, k, max_running,
+            self.blocks.num_blocks * self.blocks.block_size, c.block_size,
+            c.max_num_batched_tokens)
 
     def _make_pools(self) -> tuple[BlockPool, StatePool]:
         c, mc = self.config, self.model_config
@@ -213,21 +231,27 @@ class LLMEngine:
             if req.num_computed_tokens < len(req.prompt_ids):
                 self.counters["prompt_tokens"] += min(n, len(req.prompt_ids)
                                                       - req.num_computed_tokens)
-        saved = self.spec.save(batch) if self.spec is not None else {}
-        logits, to_sample = self.runner.run(batch)
+        spec = self.spec
+        saved = spec.save(batch) if spec is not None else {}
+        wants_hidden = spec is not None and spec.drafter.wants_hidden
+        logits, to_sample, hidden = self.runner.run(batch, wants_hidden)
         self.counters["num_steps"] += 1
         touched: dict[str, None] = {}
         # logits rows: one per sampled request, 1 + k for a request verifying k drafts
         row, plain, plain_rows, replay = 0, [], [], ScheduledBatch()
+        accepted: list[tuple[Request, int, int]] = []  # (req, drafts kept, its hidden row)
         for req in to_sample:
             if id(req) not in saved:
                 plain.append(req)
                 plain_rows.append(row)
+                accepted.append((req, 0, row))
                 row += 1
                 continue
+            assert spec is not None
             k = len(req.draft_ids)
             scratch, start = saved[id(req)]
-            tokens, rollback = self.spec.accept(req, logits[row:row + 1 + k], start)  # type: ignore[union-attr]
+            tokens, rollback = spec.accept(req, logits[row:row + 1 + k], start)
+            accepted.append((req, len(tokens) - 1, row + len(tokens) - 1))
             row += 1 + k
             for t in tokens:
                 self._append(req, t, None, None)
@@ -235,14 +259,14 @@ class LLMEngine:
                     break
             touched[self._group_id(req)] = None
             if rollback and not req.is_finished:
-                accepted = req.num_computed_tokens - start
-                self.spec.restore(req, scratch, start)  # type: ignore[union-attr]
+                num_replay = req.num_computed_tokens - start
+                spec.restore(req, scratch, start)
                 replay.reqs.append(req)
-                replay.num_new_tokens.append(accepted)
+                replay.num_new_tokens.append(num_replay)
         if not replay.is_empty:
             self.runner.run(replay)  # the accepted tokens only, from the saved states
-        if self.spec is not None:
-            self.spec.release(saved)
+        if spec is not None:
+            spec.release(saved)
         if plain:
             result = self.sampler(logits[plain_rows], plain)
             for i, req in enumerate(plain):
@@ -250,6 +274,10 @@ class LLMEngine:
                              result.logprobs[i] if result.logprobs else None,
                              result.top_logprobs[i] if result.top_logprobs else None)
                 touched[self._group_id(req)] = None
+        if spec is not None:  # drafter state follows what each request kept
+            for req, j, r in accepted:
+                if not req.is_finished:
+                    spec.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)
         self.scheduler.take_snapshots(batch.reqs)
         for rid in touched:
             out = self._group_output(rid)
@@ -294,7 +322,8 @@ class LLMEngine:
                 finish_reason=r.finish_reason, stop_reason=r.stop_reason,
                 logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
                 cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None
-                else None))
+                else None, spec_num_drafted=r.num_drafted, spec_num_accepted=r.num_accepted,
+                spec_num_verifies=r.num_verifies))
         return RequestOutput(rid, children[0].prompt_ids, outs,
                              finished=all(r.is_finished for r in children))
 
@@ -332,6 +361,8 @@ class LLMEngine:
         """Pool invariants; when idle, every block and state slot is free again or held by
         the prefix cache alone (and free after a flush)."""
         self.scheduler.check_integrity()
+        if self.spec is not None:
+            self.spec.drafter.check_integrity()
         if not self.has_unfinished():
             cached_blocks = len(self.cache.tree_blocks()) if self.cache else 0
             cached_slots = self.cache.num_snapshots if self.cache else 0

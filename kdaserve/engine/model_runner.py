@@ -37,9 +37,13 @@ class ModelRunner:
         return fb, [r for r, s in zip(batch.reqs, sample, strict=True) if s]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
+    def run(self, batch: ScheduledBatch,
+            return_hidden: bool = False) -> tuple[torch.Tensor, list[Request], torch.Tensor | None]:
+        """logits [L, vocab] of the rows to sample, those requests, and with return_hidden
+        their final hidden states [L, D] (the same forward: results do not change)."""
         fb, to_sample = self.prepare(batch)
-        logits = self.model(fb, self.states, self.blocks)
+        hidden = self.model.forward_hidden(fb, self.states, self.blocks)
+        logits = self.model.compute_logits(hidden)
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
-        return logits, to_sample
+        return logits, to_sample, hidden if return_hidden else None

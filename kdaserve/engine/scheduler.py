@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
@@ -28,6 +29,16 @@ from kdaserve.request import Request, RequestStatus
 
 LPM_MAX_QUEUE = 128
 DEDUP_LEADERS = 16  # prefilling requests a waiting one is compared with for in-batch dedup
+
+
+class RequestHooks(Protocol):
+    """Told when a request enters or leaves the running batch (a drafter's per-request state
+    follows the request's caches)."""
+
+    def on_admit(self, req: Request) -> None: ...
+    def on_finish(self, req: Request) -> None: ...
+    def on_abort(self, req: Request) -> None: ...
+    def on_preempt(self, req: Request) -> None: ...
 
 
 @dataclass(slots=True)
@@ -57,6 +68,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.hooks: RequestHooks | None = None
 
     # ---- queue management ----
     def max_request_tokens(self) -> int:
@@ -83,6 +95,8 @@ class Scheduler:
         self._release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        if self.hooks is not None:
+            (self.hooks.on_abort if reason == "abort" else self.hooks.on_finish)(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -113,6 +127,8 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        if self.hooks is not None:
+            self.hooks.on_preempt(req)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Ensures req's block table covers num_tokens; False if the pool is short."""
@@ -172,6 +188,8 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if self.hooks is not None:
+                self.hooks.on_admit(req)
             batch.reqs.append(req)
             batch.num_new_tokens.append(n)
             budget -= n

@@ -71,6 +71,12 @@ class KimiLinearForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, states: StatePool, blocks: BlockPool) -> torch.Tensor:
         """Runs the new tokens of every sequence; returns fp32 logits [L, vocab] for the rows in
         `batch.logits_indices`. Caches are read and updated in place."""
+        return self.compute_logits(self.forward_hidden(batch, states, blocks))
+
+    def forward_hidden(self, batch: ForwardBatch, states: StatePool,
+                       blocks: BlockPool) -> torch.Tensor:
+        """As `forward`, but returns the final-normed hidden states [L, D] of the logits rows
+        (what the LM head sees; block drafters condition on them)."""
         h = self.embed_tokens(batch.input_ids)
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
@@ -81,6 +87,9 @@ class KimiLinearForCausalLM(nn.Module):
                 x = layer.self_attn(x, batch, blocks.kv[j])
             h = h + x
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.norm(h[batch.logits_indices])
+        return self.norm(h[batch.logits_indices])
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[L, D] final hidden states -> fp32 logits [L, vocab]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(h, weight).float()

@@ -20,7 +20,7 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.engine.sampler import apply_filters
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.request import Request
-from kdaserve.spec.ngram import NgramDrafter
+from kdaserve.spec.drafter import Drafter
 
 
 def reject_sample(probs: torch.Tensor, drafts: list[int],
@@ -42,9 +42,14 @@ def reject_sample(probs: torch.Tensor, drafts: list[int],
 
 
 class Speculator:
-    def __init__(self, drafter: NgramDrafter, states: StatePool,
-                 cache: RadixCache | None) -> None:
+    """Drives one `Drafter`: proposes before scheduling, saves and restores the target's KDA
+    states around verification, accepts drafts, and relays request lifecycle events (the
+    scheduler's hooks) to the drafter."""
+
+    def __init__(self, drafter: Drafter, states: StatePool, cache: RadixCache | None,
+                 max_num_seqs: int = 1) -> None:
         self.drafter, self.states, self.cache = drafter, states, cache
+        self.max_num_seqs = max_num_seqs
         self.num_verifies = 0
         self.num_drafted = 0
         self.num_accepted = 0
@@ -52,15 +57,32 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Drafts for decoding requests. Requests with penalties or logprobs decode normally
         (their target distribution at draft i would depend on drafts before i)."""
+        eligible = []
         for req in running:
             req.draft_ids = []
             p = req.params
             if req.is_prefilling or p.logprobs is not None or p.repetition_penalty != 1.0 \
                     or p.presence_penalty or p.frequency_penalty:
                 continue
-            room = p.max_tokens - len(req.output_ids) - 1
-            if room > 0:
-                req.draft_ids = self.drafter.propose(req.all_ids, min(self.drafter.k, room))
+            if self.drafter.max_draft_tokens(req) > 0:
+                eligible.append(req)
+        if eligible:
+            self.drafter.propose(eligible, len(running) / self.max_num_seqs)
+        for req in eligible:  # a drafter's contract, enforced: never past max_tokens
+            del req.draft_ids[self.drafter.max_draft_tokens(req):]
+
+    # ---- lifecycle: the scheduler's hooks, relayed (tests swap the drafter) ----
+    def on_admit(self, req: Request) -> None:
+        self.drafter.on_admit(req)
+
+    def on_finish(self, req: Request) -> None:
+        self.drafter.on_finish(req)
+
+    def on_abort(self, req: Request) -> None:
+        self.drafter.on_abort(req)
+
+    def on_preempt(self, req: Request) -> None:
+        self.drafter.on_preempt(req)
 
     def save(self, batch: ScheduledBatch) -> dict[int, tuple[int, int]]:
         """Scratch copies of the verifying requests' states: id(req) -> (scratch, start)."""
@@ -95,6 +117,7 @@ class Speculator:
         req.num_computed_tokens = start + 1 + j
         req.num_drafted += len(drafts)
         req.num_accepted += j
+        req.num_verifies += 1
         self.num_verifies += 1
         self.num_drafted += len(drafts)
         self.num_accepted += j

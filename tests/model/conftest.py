@@ -101,3 +101,32 @@ def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
     assert out.shape[1] == len(prompt) + n
     return out[0, len(prompt):].tolist()
+
+
+# ---- speculative decoding ----
+SPEC_NEW = 20  # tokens generated per request in the speculation tests
+
+
+def greedy_outputs(llm, prompts: list[list[int]]) -> list[list[int]]:
+    from kdaserve import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=SPEC_NEW, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+@pytest.fixture(scope="session")
+def spec_plain(tiny_ckpt: Path):  # noqa: ANN201 - LLM
+    """The reference engine: no speculation, no prefix cache."""
+    from kdaserve import LLM
+
+    return LLM(tiny_ckpt, disable_prefix_cache=True)
+
+
+@pytest.fixture(scope="session")
+def spec_prompts(spec_plain) -> list[list[int]]:  # noqa: ANN001
+    """Margin-checked prompts, the last with a repeated span so n-gram drafts get accepted."""
+    out = [clear_prompt(spec_plain, n, seed=500 + i, continuation=SPEC_NEW)
+           for i, n in enumerate((5, 12, 30, 47, 70, 90))]
+    rep = greedy_outputs(spec_plain, [out[2]])[0]
+    out.append(out[2] + rep + out[2][-8:])  # the continuation is in the context: drafts hit
+    return out

@@ -10,98 +10,59 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
+from kdaserve.spec.drafter import TokenDrafter
 from kdaserve.spec.ngram import NgramDrafter
 
-from .conftest import clear_prompt
+from .conftest import SPEC_NEW as NEW
+from .conftest import greedy_outputs as reference
+from .spec_helpers import ScriptedDrafter
 
-NEW = 20
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
 
 def test_ngram_drafter_proposes_what_followed_the_last_occurrence() -> None:
     d = NgramDrafter(3, max_n=3)
-    assert d.propose([1, 2, 3, 4, 5, 9, 2, 3]) == [4, 5, 9]  # "2 3" seen before, then 4 5 9
-    assert d.propose([7, 8, 9]) == []  # nothing recurs
-    assert d.propose([5, 6, 5, 6], k=1) == [5]
-    assert d.propose([1, 2, 1]) == [2, 1]  # runs up to the end of the history
+    assert d.propose_ids([1, 2, 3, 4, 5, 9, 2, 3]) == [4, 5, 9]  # "2 3" seen before, then 4 5 9
+    assert d.propose_ids([7, 8, 9]) == []  # nothing recurs
+    assert d.propose_ids([5, 6, 5, 6], k=1) == [5]
+    assert d.propose_ids([1, 2, 1]) == [2, 1]  # runs up to the end of the history
     with pytest.raises(ValueError):
         NgramDrafter(0)
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_ckpt: Path) -> LLM:
-    return LLM(tiny_ckpt, disable_prefix_cache=True)
-
-
-@pytest.fixture(scope="module")
-def prompts(plain: LLM) -> list[list[int]]:
-    """Margin-checked prompts, some with a repeated span so n-gram drafts get accepted."""
-    out = []
-    for i, n in enumerate((5, 12, 30, 47, 70, 90)):
-        p = clear_prompt(plain, n, seed=500 + i, continuation=NEW)
-        out.append(p)
-    rep = plain.generate(prompt_token_ids=[out[2]], sampling_params=GREEDY)[0].token_ids
-    looped = out[2] + rep + out[2][-8:]  # the continuation is in the context: drafts hit
-    out.append(looped)
-    return out
-
-
-def reference(plain: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
 
 
 @pytest.mark.parametrize("kw", [
     {}, {"max_num_batched_tokens": 16}, {"disable_prefix_cache": True},
     {"speculative_num_draft_tokens": 1}, {"block_size": 1},
 ], ids=["default", "chunked", "no_cache", "k1", "block1"])
-def test_ngram_speculation_keeps_greedy_outputs(tiny_ckpt: Path, plain: LLM,
-                                                prompts: list[list[int]], kw: dict) -> None:
+def test_ngram_speculation_keeps_greedy_outputs(tiny_ckpt: Path, spec_plain: LLM,
+                                                spec_prompts: list[list[int]], kw: dict) -> None:
     llm = LLM(tiny_ckpt, speculative_algorithm="ngram", **kw)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert [o.token_ids for o in outs] == reference(plain, prompts)
+    outs = llm.generate(prompt_token_ids=spec_prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == reference(spec_plain, spec_prompts)
     m = llm.get_metrics()
     # the looped prompt recurs, so drafts are verified (random weights rarely accept them;
     # acceptance itself is forced in test_forced_acceptance_patterns)
     assert m["spec_num_verifies"] > 0 and m["spec_num_drafted"] > 0
     llm.check_integrity()
     # a second round hits the prefix cache and still matches
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert [o.token_ids for o in outs] == reference(plain, prompts)
+    outs = llm.generate(prompt_token_ids=spec_prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == reference(spec_plain, spec_prompts)
     llm.check_integrity()
 
 
-class OracleDrafter:
-    """Proposes the target's own greedy tokens, corrupted at chosen draft positions, so the
-    test controls how many drafts are accepted."""
-
-    def __init__(self, k: int, futures: dict[tuple[int, ...], list[int]], corrupt: set[int],
-                 vocab: int) -> None:
-        self.k, self.futures, self.corrupt, self.vocab = k, futures, corrupt, vocab
-
-    def propose(self, ids: list[int], k: int | None = None) -> list[int]:
-        k = self.k if k is None else k
-        for prompt, future in self.futures.items():
-            if tuple(ids[:len(prompt)]) == prompt:
-                done = len(ids) - len(prompt)
-                drafts = future[done:done + k]
-                return [(t + 1) % self.vocab if i in self.corrupt else t
-                        for i, t in enumerate(drafts)]
-        return []
-
-
 @pytest.mark.parametrize("corrupt,accepts", [(set(), "all"), ({0}, "none"), ({2}, "some")])
-def test_forced_acceptance_patterns(tiny_ckpt: Path, plain: LLM, prompts: list[list[int]],
+def test_forced_acceptance_patterns(tiny_ckpt: Path, spec_plain: LLM, spec_prompts: list[list[int]],
                                     corrupt: set[int], accepts: str) -> None:
     k = 4
     llm = LLM(tiny_ckpt, speculative_algorithm="ngram", speculative_num_draft_tokens=k)
-    refs = reference(plain, prompts[:4])
-    futures = {tuple(p): r for p, r in zip(prompts[:4], refs, strict=True)}
-    llm.engine.spec.drafter = OracleDrafter(k, futures, corrupt, llm.config.vocab_size)
+    refs = reference(spec_plain, spec_prompts[:4])
+    futures = {tuple(p): r for p, r in zip(spec_prompts[:4], refs, strict=True)}
+    llm.engine.spec.drafter = ScriptedDrafter(None, k, llm.config.vocab_size, futures, corrupt)
     sampled = SamplingParams(temperature=1.0, max_tokens=NEW, seed=3, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids=prompts[:4] + [prompts[4]],
+    outs = llm.generate(prompt_token_ids=spec_prompts[:4] + [spec_prompts[4]],
                         sampling_params=[GREEDY] * 4 + [sampled])  # a mixed batch
     assert [o.token_ids for o in outs[:4]] == refs
-    alone = plain.generate(prompt_token_ids=[prompts[4]], sampling_params=sampled)[0]
+    alone = spec_plain.generate(prompt_token_ids=[spec_prompts[4]], sampling_params=sampled)[0]
     assert outs[4].token_ids == alone.token_ids  # the sampled request is unaffected
     m = llm.get_metrics()
     rate = m["spec_num_accepted"] / m["spec_num_drafted"]
@@ -114,15 +75,15 @@ def test_forced_acceptance_patterns(tiny_ckpt: Path, plain: LLM, prompts: list[l
     llm.check_integrity()
 
 
-def test_speculation_respects_max_tokens_and_stops(tiny_ckpt: Path, plain: LLM,
-                                                   prompts: list[list[int]]) -> None:
+def test_speculation_respects_max_tokens_and_stops(tiny_ckpt: Path, spec_plain: LLM,
+                                                   spec_prompts: list[list[int]]) -> None:
     llm = LLM(tiny_ckpt, speculative_algorithm="ngram")
-    ref = reference(plain, [prompts[-1]])[0]
+    ref = reference(spec_plain, [spec_prompts[-1]])[0]
     stop_at = ref[7]
     params = SamplingParams(temperature=0.0, max_tokens=NEW, stop_token_ids=[stop_at])
-    out = llm.generate(prompt_token_ids=[prompts[-1]], sampling_params=params)[0]
+    out = llm.generate(prompt_token_ids=[spec_prompts[-1]], sampling_params=params)[0]
     assert out.token_ids == ref[: ref.index(stop_at) + 1] and out.finish_reason == "stop"
-    short = llm.generate(prompt_token_ids=[prompts[-1]], sampling_params=SamplingParams(
+    short = llm.generate(prompt_token_ids=[spec_prompts[-1]], sampling_params=SamplingParams(
         temperature=0.0, max_tokens=5, ignore_eos=True))[0]
     assert short.token_ids == ref[:5]
     llm.check_integrity()
@@ -153,19 +114,19 @@ def test_rejection_sampling_preserves_the_target_distribution() -> None:
 
 
 def test_sampled_requests_with_drafts_are_reproducible(tiny_ckpt: Path,
-                                                       prompts: list[list[int]]) -> None:
+                                                       spec_prompts: list[list[int]]) -> None:
     llm = LLM(tiny_ckpt, speculative_algorithm="ngram")
 
-    class Fixed:  # always proposes three tokens: every step verifies by rejection sampling
+    class Fixed(TokenDrafter):  # always three tokens: every step verifies by rejection sampling
         k = 3
 
-        def propose(self, ids: list[int], k: int | None = None) -> list[int]:
+        def propose_ids(self, ids: list[int], k: int | None = None) -> list[int]:
             return ids[-7:-4][: self.k if k is None else k]
 
     llm.engine.spec.drafter = Fixed()
     p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=NEW, seed=11, ignore_eos=True)
-    a = llm.generate(prompt_token_ids=[prompts[-1]], sampling_params=p)[0].token_ids
-    b = llm.generate(prompt_token_ids=[prompts[-1]], sampling_params=p)[0].token_ids
+    a = llm.generate(prompt_token_ids=[spec_prompts[-1]], sampling_params=p)[0].token_ids
+    b = llm.generate(prompt_token_ids=[spec_prompts[-1]], sampling_params=p)[0].token_ids
     assert a == b and len(a) == NEW
     assert llm.get_metrics()["spec_num_verifies"] > 0
     llm.check_integrity()

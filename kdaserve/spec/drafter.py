@@ -1,0 +1,68 @@
+"""The drafter interface: every speculative drafter (n-gram, draft model, block) is a `Drafter`.
+
+The engine calls `propose` once per step with the decoding requests that may speculate; a
+drafter fills `req.draft_ids` (at most `max_draft_tokens(req)` tokens; fewer or none is fine).
+Drafts must be a deterministic function of the context: verification treats each draft as a
+point mass, which keeps rejection sampling lossless. Drafters with per-request state (a draft
+model's KDA slot and KV blocks, the block drafter's target hidden state) keep it in sync
+through the lifecycle hooks, all no-ops by default.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from kdaserve.request import Request
+
+
+class Drafter:
+    k: int  # most drafts per request and step
+    # the engine then passes each sampled request's final hidden state row to on_accept
+    wants_hidden: ClassVar[bool] = False
+
+    def propose(self, reqs: list[Request], load: float = 0.0) -> None:
+        """Fills req.draft_ids for each request. load: running requests / max_num_seqs, so a
+        drafter may draft less when the batch is busy."""
+        raise NotImplementedError
+
+    def max_draft_tokens(self, req: Request) -> int:
+        """Drafts worth proposing: k, but never past max_tokens (the bonus token counts)."""
+        return max(min(self.k, req.params.max_tokens - len(req.output_ids) - 1), 0)
+
+    # ---- lifecycle (per-request drafter state) ----
+    def on_admit(self, req: Request) -> None:
+        """req was admitted to the running batch (fresh, or again after a preemption)."""
+
+    def on_accept(self, req: Request, num_accepted: int,
+                  hidden: torch.Tensor | None = None) -> None:
+        """req sampled its next token(s) this step: num_accepted of its drafts were kept, plus
+        one target token. hidden: [D] target final hidden state at the last computed position
+        (the one whose logits gave the newest token), when `wants_hidden`."""
+
+    def on_finish(self, req: Request) -> None:
+        """req finished (stop or length): release its drafter state."""
+
+    def on_abort(self, req: Request) -> None:
+        self.on_finish(req)
+
+    def on_preempt(self, req: Request) -> None:
+        """req lost its caches and will be recomputed: drafter state must go too."""
+        self.on_finish(req)
+
+    def check_integrity(self) -> None:
+        """Asserts the drafter's own pools are consistent (drafters that have some)."""
+
+
+class TokenDrafter(Drafter):
+    """A drafter that looks only at each request's token ids (`propose_ids`)."""
+
+    def propose(self, reqs: list[Request], load: float = 0.0) -> None:
+        for req in reqs:
+            k = self.max_draft_tokens(req)
+            req.draft_ids = self.propose_ids(req.all_ids, k) if k else []
+
+    def propose_ids(self, ids: list[int], k: int | None = None) -> list[int]:
+        raise NotImplementedError

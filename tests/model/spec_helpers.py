@@ -1,0 +1,70 @@
+"""A drafter wrapper for the speculation tests: forces how many drafts get accepted."""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.request import Request
+from kdaserve.spec.drafter import Drafter
+
+
+class ScriptedDrafter(Drafter):
+    """Wraps a drafter (or none). After the inner drafter proposes, each request's drafts are
+    optionally replaced by the target's own greedy tokens (`futures`: prompt -> greedy
+    continuation; same length as the inner drafter chose, or k without one) and then corrupted
+    at the `corrupt` positions, so the number accepted is known: min(first corrupt position,
+    number drafted). Every verification is logged as (drafted, accepted)."""
+
+    def __init__(self, inner: Drafter | None, k: int, vocab: int,
+                 futures: dict[tuple[int, ...], list[int]] | None = None,
+                 corrupt: set[int] | frozenset[int] = frozenset()) -> None:
+        self.inner, self.k, self.vocab = inner, k, vocab
+        self.futures, self.corrupt = futures, corrupt
+        self.wants_hidden = inner is not None and inner.wants_hidden  # type: ignore[misc]
+        self.proposed: dict[int, list[int]] = {}
+        self.log: list[tuple[int, int]] = []
+
+    def propose(self, reqs: list[Request], load: float = 0.0) -> None:
+        if self.inner is not None:
+            self.inner.propose(reqs, load)
+        for req in reqs:
+            if self.futures is not None:
+                n = len(req.draft_ids) if self.inner is not None else self.max_draft_tokens(req)
+                req.draft_ids = self._future(req.all_ids)[:n]
+            req.draft_ids = [(t + 1) % self.vocab if i in self.corrupt else t
+                             for i, t in enumerate(req.draft_ids)]
+            self.proposed[id(req)] = list(req.draft_ids)
+
+    def _future(self, ids: list[int]) -> list[int]:
+        assert self.futures is not None
+        for prompt, future in self.futures.items():
+            if tuple(ids[:len(prompt)]) == prompt:
+                return future[len(ids) - len(prompt):]
+        return []
+
+    def expected_accepts(self, num_drafted: int) -> int:
+        return min([num_drafted, *self.corrupt])
+
+    def on_accept(self, req: Request, num_accepted: int,
+                  hidden: torch.Tensor | None = None) -> None:
+        self.log.append((len(self.proposed.pop(id(req), [])), num_accepted))
+        if self.inner is not None:
+            self.inner.on_accept(req, num_accepted, hidden)
+
+    def on_admit(self, req: Request) -> None:
+        if self.inner is not None:
+            self.inner.on_admit(req)
+
+    def on_finish(self, req: Request) -> None:
+        self.proposed.pop(id(req), None)
+        if self.inner is not None:
+            self.inner.on_finish(req)
+
+    def on_preempt(self, req: Request) -> None:
+        self.proposed.pop(id(req), None)
+        if self.inner is not None:
+            self.inner.on_preempt(req)
+
+    def check_integrity(self) -> None:
+        if self.inner is not None:
+            self.inner.check_integrity()

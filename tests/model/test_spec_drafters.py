@@ -1,0 +1,150 @@
+"""The draft-model and block drafters: greedy outputs identical to plain decoding in mixed
+batches, with chunked prefill, prefix-cache hits and preemption, and when 0, some or all drafts
+are accepted; the draft model's own KDA state rolled back exactly (a self-draft then keeps
+proposing the target's tokens); target and draft pools consistent after every test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kdaserve import LLM, SamplingParams
+from kdaserve.checkpoint import make_checkpoint, preset_config
+from kdaserve.config import DENSE, KDA, MLA, MOE, EngineConfig
+from kdaserve.spec.block import BlockDrafter, choose_verify_length, make_block_drafter
+
+from .conftest import SPEC_NEW as NEW
+from .conftest import greedy_outputs as reference
+from .spec_helpers import ScriptedDrafter
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def small_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A different, smaller random checkpoint with the tiny target's vocabulary."""
+    config = preset_config("tiny", num_hidden_layers=2, layer_types=(KDA, MLA),
+                           mlp_types=(DENSE, MOE))
+    return make_checkpoint(tmp_path_factory.mktemp("draft"), config, seed=7)
+
+
+@pytest.fixture(scope="module")
+def block_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_block_drafter(tmp_path_factory.mktemp("block"), preset_config("tiny"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_ckpt: Path, small_draft: Path, block_drafter: Path) -> dict[str, dict]:
+    return {
+        "self": {"speculative_algorithm": "draft", "speculative_draft_model": str(tiny_ckpt)},
+        "small": {"speculative_algorithm": "draft", "speculative_draft_model": str(small_draft)},
+        "block": {"speculative_algorithm": "block",
+                  "speculative_draft_model": str(block_drafter)},
+    }
+
+
+@pytest.mark.parametrize("drafter", ["self", "small", "block"])
+@pytest.mark.parametrize("kw", [
+    {}, {"max_num_batched_tokens": 16}, {"max_total_tokens": 192, "max_num_seqs": 4},
+], ids=["default", "chunked", "preempt"])
+def test_drafters_keep_greedy_outputs(tiny_ckpt: Path, spec_plain: LLM,
+                                      spec_prompts: list[list[int]], drafters: dict,
+                                      drafter: str, kw: dict) -> None:
+    llm = LLM(tiny_ckpt, **drafters[drafter], **kw)
+    refs = reference(spec_plain, spec_prompts)
+    # a mixed batch: one request with a penalty never drafts (its output is compared with the
+    # plain engine's under the same penalty)
+    penalised = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True,
+                               repetition_penalty=1.3)
+    for _ in range(2):  # the second round hits the prefix cache
+        outs = llm.generate(prompt_token_ids=spec_prompts + [spec_prompts[0]],
+                            sampling_params=[GREEDY] * len(spec_prompts) + [penalised])
+        assert [o.token_ids for o in outs[:-1]] == refs
+        alone = spec_plain.generate(prompt_token_ids=[spec_prompts[0]],
+                                    sampling_params=penalised)[0]
+        assert outs[-1].token_ids == alone.token_ids and outs[-1].outputs[0].spec_num_drafted == 0
+        llm.check_integrity()
+    m = llm.get_metrics()
+    assert m["spec_num_verifies"] > 0 and m["spec_num_drafted"] > 0
+    if drafter == "self":  # the draft computes the target's function: every draft accepted
+        assert m["spec_num_accepted"] == m["spec_num_drafted"]
+    if "max_total_tokens" in kw:
+        assert m["num_preemptions"] > 0
+    if drafter != "block":  # a draft model verifies k drafts wherever max_tokens allows
+        c = outs[1].outputs[0]
+        assert c.spec_num_verifies > 0 and c.spec_num_drafted >= c.spec_num_verifies
+
+
+@pytest.mark.parametrize("corrupt", [set(), {0}, {2}], ids=["all", "none", "some"])
+@pytest.mark.parametrize("drafter", ["self", "block"])
+def test_forced_acceptance_rolls_back_exactly(tiny_ckpt: Path, spec_plain: LLM,
+                                              spec_prompts: list[list[int]], drafters: dict,
+                                              drafter: str, corrupt: set[int]) -> None:
+    """Self-draft: the draft model's own tokens, corrupted at a position; any error in its
+    state rollback would make later drafts miss, so acceptance must be exactly the corrupt
+    position every step. Block: the block drafter's confidence-chosen lengths, filled with the
+    target's tokens and corrupted the same way."""
+    k = 4
+    llm = LLM(tiny_ckpt, speculative_num_draft_tokens=k, **drafters[drafter])
+    prompts = spec_prompts[:4]
+    refs = reference(spec_plain, prompts)
+    futures = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
+    spec = llm.engine.spec
+    assert spec is not None
+    if drafter == "block":
+        assert isinstance(spec.drafter, BlockDrafter)
+        spec.drafter.idle = spec.drafter.busy = 0.05  # verify something most steps
+    scripted = ScriptedDrafter(spec.drafter, k, llm.config.vocab_size,
+                               futures if drafter == "block" else None, corrupt)
+    spec.drafter = scripted
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    verified = [(n, j) for n, j in scripted.log if n]
+    assert verified and all(j == scripted.expected_accepts(n) for n, j in verified), verified
+    m = llm.get_metrics()
+    if not corrupt and drafter == "self":
+        assert m["spec_mean_acceptance_length"] > 3  # k + 1 but where max_tokens cuts
+    for o in outs:  # per-request acceptance adds up to the engine's
+        c = o.outputs[0]
+        assert c.spec_num_accepted <= c.spec_num_drafted
+        assert c.spec_acceptance_length == 0 or c.spec_acceptance_length >= 1
+    assert sum(o.outputs[0].spec_num_accepted for o in outs) == m["spec_num_accepted"]
+    llm.check_integrity()
+
+
+def test_block_drafter_lengths_vary(tiny_ckpt: Path, spec_prompts: list[list[int]],
+                                    drafters: dict) -> None:
+    llm = LLM(tiny_ckpt, **drafters["block"])
+    llm.generate(prompt_token_ids=spec_prompts, sampling_params=GREEDY)
+    drafter = llm.engine.spec.drafter  # type: ignore[union-attr]
+    assert isinstance(drafter, BlockDrafter)
+    assert len(set(drafter.lengths)) >= 3, drafter.lengths  # confidences differ per request
+    llm.check_integrity()
+
+
+def test_choose_verify_length() -> None:
+    conf = [0.9, 0.8, 0.5, 0.9]  # cumulative 0.9, 0.72, 0.36, 0.324
+    assert choose_verify_length(conf, 0.0, idle=0.1, busy=0.6) == 4
+    assert choose_verify_length(conf, 0.5, idle=0.1, busy=0.6) == 3  # threshold 0.35
+    assert choose_verify_length(conf, 1.0, idle=0.1, busy=0.6) == 2  # threshold 0.6
+    assert choose_verify_length(conf, 5.0, idle=0.1, busy=0.95) == 0  # load clamps at 1
+    assert choose_verify_length([0.05, 1.0], 0.0) == 0  # the first position decides
+    assert choose_verify_length([], 0.0) == 0
+    busy = [choose_verify_length(conf, load) for load in (0.0, 0.25, 0.5, 0.75, 1.0)]
+    assert busy == sorted(busy, reverse=True) and busy[0] > busy[-1]
+
+
+def test_drafters_reject_mismatched_checkpoints(tiny_ckpt: Path, small_ckpt: Path,
+                                                tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="vocab"):
+        LLM(tiny_ckpt, speculative_algorithm="draft", speculative_draft_model=str(small_ckpt))
+    other = make_block_drafter(tmp_path / "b", preset_config("small"))
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLM(tiny_ckpt, speculative_algorithm="block", speculative_draft_model=str(other))
+    with pytest.raises(ValueError, match="not a block drafter"):
+        LLM(tiny_ckpt, speculative_algorithm="block", speculative_draft_model=str(tiny_ckpt))
+    with pytest.raises(ValueError, match="speculative_draft_model"):
+        EngineConfig(speculative_algorithm="draft")
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        EngineConfig(speculative_algorithm="eagle")
