@@ -36,6 +36,18 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
     print(f"wrote random-weight '{args.preset}' checkpoint to {path}")
 
 
+def _make_block_drafter(args: argparse.Namespace) -> None:
+    from kdaserve.config import ModelConfig
+    from kdaserve.engine.llm_engine import resolve_model_path
+    from kdaserve.spec.block import make_block_drafter
+
+    target = ModelConfig.from_pretrained(resolve_model_path(args.target))
+    path = make_block_drafter(args.out, target, block_size=args.block_size,
+                              hidden_size=args.hidden_size, num_layers=args.num_layers,
+                              seed=args.seed)
+    print(f"wrote random-weight block drafter for {args.target} to {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="[kdaserve] %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -62,6 +74,16 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--shards", type=int, default=1)
     m.add_argument("--no-tokenizer", action="store_true")
     m.set_defaults(func=_make_checkpoint)
+
+    d = sub.add_parser("make-block-drafter",
+                       help="write a random-weight block drafter (speculative_algorithm=block)")
+    d.add_argument("--target", default="bench", help="target checkpoint folder or preset")
+    d.add_argument("--out", required=True)
+    d.add_argument("--block-size", type=int, default=4, help="tokens drafted per forward")
+    d.add_argument("--hidden-size", type=int, default=64)
+    d.add_argument("--num-layers", type=int, default=1)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=_make_block_drafter)
 
     b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = b.add_subparsers(dest="bench", required=True)

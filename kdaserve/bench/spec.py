@@ -1,21 +1,29 @@
 """`kdaserve bench spec`: single-stream speculative decoding on GSM8K-style prompts.
 
-For each prompt and draft length K: tokens/s and mean acceptance length without speculation,
-with the n-gram drafter, and with a self-draft (the drafts are the target's own greedy tokens,
-recorded from the plain run): the ceiling of the verify-and-rollback mechanism, since random
-weights give the n-gram drafter few acceptances.
+For each draft length K: tokens/s and mean acceptance length without speculation and with each
+drafter: `ngram`; `self`, the target's own greedy tokens recorded from the plain run (the
+ceiling of the verify-and-rollback mechanism, drafting free); `draft-self`, the draft-model
+drafter with the target itself as draft (full acceptance, paying a real draft model);
+`draft-small`, a 2-layer random draft with the target's vocabulary; `block`, a random block
+drafter (random weights: acceptance near 0, the cost of the mechanism). Outputs are checked
+identical to the plain run.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kdaserve.bench.gsm8k import build_prompts, load_data
 from kdaserve.spec.drafter import TokenDrafter
+
+DRAFTERS = ("ngram", "self", "draft-self", "draft-small", "block")
 
 
 class SelfDrafter(TokenDrafter):
@@ -42,6 +50,30 @@ def _timed(llm: Any, prompts: list[list[int]], params: Any) -> tuple[float, list
     return sum(map(len, outs)) / total, outs
 
 
+def _drafter_kwargs(name: str, plain: Any, k: int, workdir: Path) -> dict[str, Any]:
+    """EngineConfig fields for one drafter; random draft checkpoints are written to workdir
+    (once) with the target's vocabulary and hidden size."""
+    from kdaserve.checkpoint import make_checkpoint
+    from kdaserve.config import DENSE, KDA, MLA, MOE
+    from kdaserve.spec.block import make_block_drafter
+
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r} ({', '.join(DRAFTERS)})")
+    if name in ("ngram", "self"):
+        return {"speculative_algorithm": "ngram"}
+    if name == "draft-self":
+        return {"speculative_algorithm": "draft", "speculative_draft_model": str(plain.path)}
+    path = workdir / f"{name}-{k}"
+    if name == "draft-small" and not path.is_dir():
+        config = replace(plain.config, num_hidden_layers=2, layer_types=(KDA, MLA),
+                         mlp_types=(DENSE, MOE))
+        make_checkpoint(path, config, seed=1, with_tokenizer=False)
+    if name == "block" and not path.is_dir():
+        make_block_drafter(path, plain.config, block_size=k, seed=1)
+    return {"speculative_algorithm": "draft" if name == "draft-small" else "block",
+            "speculative_draft_model": str(path)}
+
+
 def main(args: argparse.Namespace) -> None:
     from kdaserve import LLM, SamplingParams
 
@@ -52,15 +84,32 @@ def main(args: argparse.Namespace) -> None:
     prompts = [plain.tokenizer.encode(t) for t in texts]
     _timed(plain, prompts[:1], params)  # warm-up
     base_tps, refs = _timed(plain, prompts, params)
-    futures = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
     results: list[dict[str, Any]] = [{"drafter": "none", "k": 0, "tok_s": base_tps,
                                       "acceptance_length": 1.0, "speedup": 1.0}]
-    print(f"{'drafter':>10} {'K':>3} {'tok/s':>8} {'accept len':>11} {'speedup':>8}")
-    print(f"{'none':>10} {0:>3} {base_tps:>8.1f} {1.0:>11.2f} {1.0:>7.2f}x", flush=True)
+    print(f"{'drafter':>11} {'K':>3} {'tok/s':>8} {'accept len':>11} {'speedup':>8}")
+    print(f"{'none':>11} {0:>3} {base_tps:>8.1f} {1.0:>11.2f} {1.0:>7.2f}x", flush=True)
+    workdir = Path(tempfile.mkdtemp(prefix="kdaserve-spec-"))  # random draft checkpoints
+    try:
+        _run_drafters(args, plain, prompts, params, refs, base_tps, results, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
+                                          "num_prompts": len(prompts), "rows": results},
+                                         indent=2))
+    print(f"wrote {args.out}")
+
+
+def _run_drafters(args: argparse.Namespace, plain: Any, prompts: list[list[int]], params: Any,
+                  refs: list[list[int]], base_tps: float, results: list[dict[str, Any]],
+                  workdir: Path) -> None:
+    from kdaserve import LLM
+
+    futures = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
     for k in [int(x) for x in args.k.split(",")]:
         for name in args.drafters.split(","):
-            llm = LLM(args.model, disable_prefix_cache=True, speculative_algorithm="ngram",
-                      speculative_num_draft_tokens=k)
+            llm = LLM(args.model, disable_prefix_cache=True, speculative_num_draft_tokens=k,
+                      **_drafter_kwargs(name, plain, k, workdir))
             if name == "self":
                 llm.engine.spec.drafter = SelfDrafter(k, futures)  # type: ignore[union-attr]
             tps, outs = _timed(llm, prompts, params)
@@ -69,23 +118,19 @@ def main(args: argparse.Namespace) -> None:
             acc = llm.get_metrics()["spec_mean_acceptance_length"] or 1.0
             results.append({"drafter": name, "k": k, "tok_s": tps, "acceptance_length": acc,
                             "speedup": tps / base_tps})
-            print(f"{name:>10} {k:>3} {tps:>8.1f} {acc:>11.2f} {tps / base_tps:>7.2f}x",
+            print(f"{name:>11} {k:>3} {tps:>8.1f} {acc:>11.2f} {tps / base_tps:>7.2f}x",
                   flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
-                                          "num_prompts": len(prompts), "rows": results},
-                                         indent=2))
-    print(f"wrote {args.out}")
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("spec", help="single-stream speculative decoding: n-gram and self-draft")
+    p = sub.add_parser("spec", help="single-stream speculative decoding, per drafter")
     p.add_argument("--model", default="bench")
     p.add_argument("--data", default=None)
     p.add_argument("--num-shots", type=int, default=5)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", default="2,4,8", help="draft lengths")
-    p.add_argument("--drafters", default="ngram,self")
+    p.add_argument("--drafters", default="ngram,self",
+                   help=f"comma-separated, from {','.join(DRAFTERS)}")
     p.add_argument("--out", default="bench_results/spec.json")
     p.set_defaults(func=main)

@@ -156,6 +156,11 @@ class LLMEngine:
                 f"{self.device}), {mc.num_hidden_layers} layers ({len(mc.kda_layers)} KDA + "
                 f"{len(mc.mla_layers)} MLA), {mc.num_experts} experts top-"
                 f"{mc.num_experts_per_token}, vocab {mc.vocab_size}")
+        c = self.config
+        if self.spec is not None:
+            src = f", {c.speculative_draft_model}" if c.speculative_draft_model else ""
+            text += (f"; speculation {c.speculative_algorithm} (up to {self.spec.drafter.k} "
+                     f"drafts{src})")
         if self.config.load_format == "dummy" or (Path(self.path) / RANDOM_MARKER).is_file():
             text += "; RANDOM WEIGHTS (a built-in test model: its text is meaningless)"
         return text

@@ -20,6 +20,7 @@ ENGINE_GAUGES = {
     "prefix_cache_hit_rate": "Prefix cache hit tokens / queried tokens",
     "cached_blocks": "MLA latent blocks held by the prefix cache",
     "cached_snapshots": "KDA state snapshots held by the prefix cache",
+    "spec_num_verifies": "Speculative verify steps, one per request with drafts (total)",
     "spec_num_drafted": "Speculative tokens drafted (total)",
     "spec_num_accepted": "Speculative tokens accepted (total)",
     "spec_mean_acceptance_length": "Tokens emitted per verify step (accepted + bonus)",

@@ -59,8 +59,10 @@ def test_bench_spec_smoke(tiny_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> 
     out = tmp_path / "s.json"
     cli_main(["bench", "spec", "--model", str(tiny_ckpt), "--data", str(gsm8k_file),
               "--num-shots", "1", "--num-prompts", "2", "--max-tokens", "6", "--k", "2",
-              "--out", str(out)])
+              "--drafters", "ngram,self,draft-self,draft-small,block", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["drafter"], r["k"]) for r in rows] == [("none", 0), ("ngram", 2), ("self", 2)]
-    # the self-draft proposes the target's own tokens: everything is accepted
-    assert rows[2]["acceptance_length"] > 2
+    assert [(r["drafter"], r["k"]) for r in rows] == [
+        ("none", 0), ("ngram", 2), ("self", 2), ("draft-self", 2), ("draft-small", 2),
+        ("block", 2)]
+    # the self-drafts propose the target's own tokens: everything is accepted
+    assert rows[2]["acceptance_length"] > 2 and rows[3]["acceptance_length"] > 2
