@@ -367,7 +367,7 @@ class LLMEngine:
         the prefix cache alone (and free after a flush)."""
         self.scheduler.check_integrity()
         if self.spec is not None:
-            self.spec.drafter.check_integrity()
+            self.spec.drafter.check_integrity(idle=not self.has_unfinished())
         if not self.has_unfinished():
             cached_blocks = len(self.cache.tree_blocks()) if self.cache else 0
             cached_slots = self.cache.num_snapshots if self.cache else 0

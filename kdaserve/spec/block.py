@@ -132,6 +132,9 @@ class BlockDrafter(Drafter):
     def on_finish(self, req: Request) -> None:
         self.hidden.pop(id(req), None)
 
+    def check_integrity(self, idle: bool = False) -> None:
+        assert not (idle and self.hidden), "hidden states of finished requests not released"
+
 
 def make_block_drafter(out: str | Path, target: ModelConfig, block_size: int = 4,
                        hidden_size: int = 64, num_layers: int = 1, seed: int = 0,

@@ -189,8 +189,9 @@ class DraftModelDrafter(Drafter):
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, idle: bool = False) -> None:
         """The draft pools hold exactly what the tracked requests own."""
+        assert not (idle and self.seqs), "draft caches of finished requests not released"
         self.states.check_integrity()
         self.blocks.check_integrity()
         slots = [s.slot for s in self.seqs.values()]

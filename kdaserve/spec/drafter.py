@@ -52,8 +52,9 @@ class Drafter:
         """req lost its caches and will be recomputed: drafter state must go too."""
         self.on_finish(req)
 
-    def check_integrity(self) -> None:
-        """Asserts the drafter's own pools are consistent (drafters that have some)."""
+    def check_integrity(self, idle: bool = False) -> None:
+        """Asserts the drafter's own state is consistent; idle: no request is running, so
+        it must hold nothing."""
 
 
 class TokenDrafter(Drafter):

@@ -65,6 +65,7 @@ class ScriptedDrafter(Drafter):
         if self.inner is not None:
             self.inner.on_preempt(req)
 
-    def check_integrity(self) -> None:
+    def check_integrity(self, idle: bool = False) -> None:
+        assert not (idle and self.proposed), "drafts of finished requests still tracked"
         if self.inner is not None:
-            self.inner.check_integrity()
+            self.inner.check_integrity(idle)

@@ -148,3 +148,30 @@ def test_drafters_reject_mismatched_checkpoints(tiny_ckpt: Path, small_ckpt: Pat
         EngineConfig(speculative_algorithm="draft")
     with pytest.raises(ValueError, match="speculative_algorithm"):
         EngineConfig(speculative_algorithm="eagle")
+
+
+@pytest.mark.parametrize("drafter", ["self", "block"])
+def test_sampled_requests_and_aborts(tiny_ckpt: Path, spec_prompts: list[list[int]],
+                                     drafters: dict, drafter: str) -> None:
+    """Sampled requests verify drafts by rejection sampling (reproducible under a seed); an
+    abort mid-generation releases the draft caches too."""
+    llm = LLM(tiny_ckpt, **drafters[drafter])
+    if drafter == "block":
+        llm.engine.spec.drafter.idle = llm.engine.spec.drafter.busy = 0.0  # type: ignore
+    p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NEW, seed=5, ignore_eos=True)
+    a = llm.generate(prompt_token_ids=spec_prompts[:3], sampling_params=p)
+    b = llm.generate(prompt_token_ids=spec_prompts[:3], sampling_params=p)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == NEW for o in a)
+    assert llm.get_metrics()["spec_num_verifies"] > 0
+    engine = llm.engine
+    rid = engine.add_request(spec_prompts[3], GREEDY)
+    keep = engine.add_request(spec_prompts[4], GREEDY)
+    for _ in range(4):
+        engine.step()
+    assert engine.abort(rid)
+    engine.check_integrity()
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
+    assert not engine.groups and keep
