@@ -48,6 +48,7 @@ from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the r
 )
 from kdaserve.kernels.native import build as native_build  # noqa: E402
 from kdaserve.kernels.native.ops import (  # noqa: E402
+    kda_chunk_native,
     kda_decode_native,
     mla_attention_native,
 )
@@ -61,6 +62,7 @@ def _native(device: torch.device) -> tuple[bool, str]:
 registry.register("kda_recurrent", "cpu", kda_recurrent_cpu, priority=10, supports=_cpu_only)
 registry.register("kda_decode", "cpu", kda_decode_cpu, priority=10, supports=_cpu_only)
 registry.register("kda_decode", "native", kda_decode_native, priority=20, supports=_native)
+registry.register("kda_chunk", "native", kda_chunk_native, priority=20, supports=_native)
 registry.register("mla_attention", "native", mla_attention_native, priority=20,
                   supports=_native)
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)

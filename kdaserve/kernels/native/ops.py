@@ -11,6 +11,7 @@ import torch
 
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, library
+from kdaserve.kernels.ref.kda import kda_chunk_ref
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -41,6 +42,28 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
         _ptr(qkv), _ptr(f), _ptr(beta), _ptr(z), _ptr(conv_weight), _ptr(A_log.contiguous()),
         _ptr(dt_bias.contiguous()), _ptr(norm_weight.contiguous()), _ptr(state),
         _ptr(conv_state), _ptr(slots), _ptr(out), B, H, K, V, conv_weight.shape[1], eps)
+    return out
+
+
+def kda_chunk_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     state: torch.Tensor, state_slots: torch.Tensor,
+                     cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Same contract as `kda_chunk_ref` (packed ragged sequences, states in place); computed
+    as a token-serial scan per (sequence, head), see csrc/kda_cpu.cpp for why."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    if not (_f32(q, k, v, g, beta, A_log, dt_bias, state) and state.is_contiguous()
+            and max(K, V) <= MAX_HEAD_DIM):
+        return kda_chunk_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    slots = state_slots.to(torch.int64).contiguous()
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    out = torch.empty(T, H, V, dtype=torch.float32)
+    library().kda_prefill_f32(
+        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(A_log.contiguous()),
+        _ptr(dt_bias.contiguous()), _ptr(state), _ptr(slots), _ptr(cu), _ptr(out),
+        cu.shape[0] - 1, H, K, V)
     return out
 
 

@@ -45,6 +45,41 @@ void l2norm(float* __restrict x, int64_t n, float scale) {
   for (int64_t i = 0; i < n; ++i) x[i] *= r;
 }
 
+// One gated delta-rule step on a head's [K, V] fp32 state, in place; q and k already
+// L2-normalised (q also scaled). Writes the output row o [V]; tmp is [V] scratch.
+void delta_step(float* __restrict S, const float* __restrict q, const float* __restrict k,
+                const float* __restrict v, const float* __restrict decay, float beta, int64_t K,
+                int64_t V, float* __restrict tmp, float* __restrict o) {
+  // Pass 1: decay the state and predict v from it (k^T S).
+  for (int64_t j = 0; j < V; ++j) tmp[j] = 0.0f;
+  for (int64_t i = 0; i < K; ++i) {
+    float* __restrict row = S + i * V;
+    const float d = decay[i], ki = k[i];
+    for (int64_t j = 0; j < V; ++j) {
+      row[j] *= d;
+      tmp[j] += ki * row[j];
+    }
+  }
+  for (int64_t j = 0; j < V; ++j) tmp[j] = (v[j] - tmp[j]) * beta;  // the delta
+  // Pass 2 (the head's state is still in L2): rank-1 update, then read out with q.
+  for (int64_t j = 0; j < V; ++j) o[j] = 0.0f;
+  for (int64_t i = 0; i < K; ++i) {
+    float* __restrict row = S + i * V;
+    const float ki = k[i], qi = q[i];
+    for (int64_t j = 0; j < V; ++j) {
+      row[j] += ki * tmp[j];
+      o[j] += qi * row[j];
+    }
+  }
+}
+
+// decay = exp(-exp(A_log) * softplus(f + dt_bias)) for one head's K channels.
+void decay_gate(const float* __restrict f, const float* __restrict dt_bias, float A_log,
+                int64_t K, float* __restrict decay) {
+  const float a = std::exp(A_log);
+  for (int64_t i = 0; i < K; ++i) decay[i] = std::exp(-a * softplusf(f[i] + dt_bias[i]));
+}
+
 }  // namespace
 
 extern "C" {
@@ -72,33 +107,10 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
     conv_silu(x, conv_w, cs, C, W, 2 * H * K + h * V, V, v);
     l2norm(q, K, qscale);
     l2norm(k, K, 1.0f);
-    const float a = std::exp(A_log[h]);
-    const float* fr = f + (b * H + h) * K;
-    for (int64_t i = 0; i < K; ++i) decay[i] = std::exp(-a * softplusf(fr[i] + dt_bias[h * K + i]));
+    decay_gate(f + (b * H + h) * K, dt_bias + h * K, A_log[h], K, decay);
     const float bt = sigmoidf(beta[b * H + h]);
 
-    float* __restrict S = state + (slot * H + h) * K * V;
-    // Pass 1: decay the state and predict v from it (k^T S).
-    for (int64_t j = 0; j < V; ++j) pred[j] = 0.0f;
-    for (int64_t i = 0; i < K; ++i) {
-      float* __restrict row = S + i * V;
-      const float d = decay[i], ki = k[i];
-      for (int64_t j = 0; j < V; ++j) {
-        row[j] *= d;
-        pred[j] += ki * row[j];
-      }
-    }
-    for (int64_t j = 0; j < V; ++j) pred[j] = (v[j] - pred[j]) * bt;  // the delta
-    // Pass 2 (the head's state is still in L2): rank-1 update, then read out with q.
-    for (int64_t j = 0; j < V; ++j) o[j] = 0.0f;
-    for (int64_t i = 0; i < K; ++i) {
-      float* __restrict row = S + i * V;
-      const float ki = k[i], qi = q[i];
-      for (int64_t j = 0; j < V; ++j) {
-        row[j] += ki * pred[j];
-        o[j] += qi * row[j];
-      }
-    }
+    delta_step(state + (slot * H + h) * K * V, q, k, v, decay, bt, K, V, pred, o);
     float ms = 0.0f;
 #pragma omp simd reduction(+ : ms)
     for (int64_t j = 0; j < V; ++j) ms += o[j] * o[j];
@@ -106,6 +118,34 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
     const float* zr = z + (b * H + h) * V;
     float* dst = out + (b * H + h) * V;
     for (int64_t j = 0; j < V; ++j) dst[j] = norm_w[j] * (o[j] * r) * sigmoidf(zr[j]);
+  }
+}
+
+// The delta rule over packed prefill sequences (`kda_chunk`'s contract): q, k [T, H, K] post
+// conv, v [T, H, V], f [T, H, K] raw gate, beta [T, H] logits; sequence b is rows
+// cu[b]..cu[b+1] and continues from state slot slots[b]; out [T, H, V] (before the norm).
+// A token-serial scan per (sequence, head): the head's 64 KB state stays in L2 and each
+// token costs 4KV flops, less than the chunk form's [C, C, K] pairwise decays cost here.
+void kda_prefill_f32(const float* q_in, const float* k_in, const float* v_in, const float* f,
+                     const float* beta, const float* A_log, const float* dt_bias, float* state,
+                     const int64_t* slots, const int64_t* cu, float* out, int64_t B, int64_t H,
+                     int64_t K, int64_t V) {
+  const float qscale = 1.0f / std::sqrt(static_cast<float>(K));
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t task = 0; task < B * H; ++task) {
+    const int64_t b = task / H, h = task % H;
+    float q[kMaxDim], k[kMaxDim], decay[kMaxDim], tmp[kMaxDim];
+    float* S = state + (slots[b] * H + h) * K * V;
+    for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
+      const int64_t row = t * H + h;
+      for (int64_t i = 0; i < K; ++i) q[i] = q_in[row * K + i];
+      for (int64_t i = 0; i < K; ++i) k[i] = k_in[row * K + i];
+      l2norm(q, K, qscale);
+      l2norm(k, K, 1.0f);
+      decay_gate(f + row * K, dt_bias + h * K, A_log[h], K, decay);
+      delta_step(S, q, k, v_in + row * V, decay, sigmoidf(beta[row]), K, V, tmp,
+                 out + row * V);
+    }
   }
 }
 
