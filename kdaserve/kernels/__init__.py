@@ -46,11 +46,13 @@ from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the r
     mla_attention_cpu,
     short_conv_cpu,
 )
+from kdaserve.kernels.cpu.moe import moe_experts_cpu  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
 from kdaserve.kernels.native.ops import (  # noqa: E402
     kda_chunk_native,
     kda_decode_native,
     mla_attention_native,
+    moe_experts_native,
 )
 
 
@@ -65,6 +67,8 @@ registry.register("kda_decode", "native", kda_decode_native, priority=20, suppor
 registry.register("kda_chunk", "native", kda_chunk_native, priority=20, supports=_native)
 registry.register("mla_attention", "native", mla_attention_native, priority=20,
                   supports=_native)
+registry.register("moe_experts", "cpu", moe_experts_cpu, priority=10, supports=_cpu_only)
+registry.register("moe_experts", "native", moe_experts_native, priority=20, supports=_native)
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)
 registry.register("mla_attention", "cpu", mla_attention_cpu, priority=10, supports=_cpu_only)
 

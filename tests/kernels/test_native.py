@@ -9,10 +9,16 @@ import torch
 
 from kdaserve.kernels import resolve_kernels
 from kdaserve.kernels.cpu.decode import kda_decode_cpu
+from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native import build
-from kdaserve.kernels.native.ops import kda_decode_native, mla_attention_native
+from kdaserve.kernels.native.ops import (
+    kda_decode_native,
+    mla_attention_native,
+    moe_experts_native,
+)
 from kdaserve.kernels.ref.kda import kda_decode_ref
 from kdaserve.kernels.ref.mla import mla_attention_ref
+from kdaserve.kernels.ref.moe import moe_experts_ref
 
 W = 4
 
@@ -27,6 +33,7 @@ def test_native_library_builds_here() -> None:
     kernels = resolve_kernels(torch.device("cpu"))
     assert kernels.kda_decode is kda_decode_native
     assert kernels.mla_attention is mla_attention_native
+    assert kernels.moe_experts is moe_experts_native
 
 
 def decode_inputs(B: int, H: int, K: int, N: int, seed: int) -> dict:
@@ -118,3 +125,23 @@ def test_mla_native_falls_back_for_prefill() -> None:
     args = (q_nope, q_pe, cache, table, torch.tensor([0, 1, 4]), torch.tensor(ctx), w_uk,
             w_uv, 0.3)
     torch.testing.assert_close(mla_attention_native(*args), mla_attention_ref(*args))
+
+
+@pytest.mark.parametrize("T", [1, 5, 40, 200])
+@pytest.mark.parametrize("backend", ["native", "cpu"])
+def test_moe_experts_match_reference(T: int, backend: str, monkeypatch) -> None:
+    """Each token's k choices hit distinct experts, some experts get no token, and (T=200)
+    the native kernel runs above its usual size limit too."""
+    import kdaserve.kernels.native.ops as native_ops
+
+    monkeypatch.setattr(native_ops, "MOE_NATIVE_MAX_TOKENS", 10**6)
+    E, inter, D, k = 12, 24, 40, 3
+    g = gen(T)
+    x = torch.randn(T, D, generator=g)
+    w13 = torch.randn(E, 2 * inter, D, generator=g)
+    w2 = torch.randn(E, D, inter, generator=g)
+    ids = torch.stack([torch.randperm(E - 2, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    fn = native_ops.moe_experts_native if backend == "native" else moe_experts_cpu
+    torch.testing.assert_close(fn(x, weights, ids, w13, w2),
+                               moe_experts_ref(x, weights, ids, w13, w2), atol=1e-4, rtol=1e-4)

@@ -31,6 +31,7 @@ SIGNATURES = {
     "kda_decode_f32": [_P] * 12 + [_I] * 5 + [_F],
     "kda_prefill_f32": [_P] * 11 + [_I] * 4,
     "mla_decode_f32": [_P] * 6 + [_I] * 6 + [_F],
+    "moe_decode_f32": [_P] * 6 + [_I] * 5,
 }
 
 

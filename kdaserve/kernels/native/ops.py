@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu
+from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, library
 from kdaserve.kernels.ref.kda import kda_chunk_ref
 
@@ -88,3 +89,24 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
         _ptr(q_lat), _ptr(q_pe), _ptr(kv_cache), _ptr(table), _ptr(lens), _ptr(o_lat),
         B, H, R, Dr, kv_cache.shape[1], table.shape[1], scale)
     return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+
+
+# Above this many tokens the per-expert GEMMs of the `cpu` backend (oneDNN/MKL) win: the
+# kernel below reuses each weight row across an expert's tokens but is not a blocked GEMM.
+MOE_NATIVE_MAX_TOKENS = 128
+
+
+def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Same contract as `moe_experts_ref`; decode-sized batches in one C++ call."""
+    T, k = ids.shape
+    if T > MOE_NATIVE_MAX_TOKENS or not _f32(x, w13, w2) or not w13.is_contiguous() \
+            or not w2.is_contiguous():
+        return moe_experts_cpu(x, weights, ids, w13, w2)
+    x = x.contiguous()
+    ids = ids.to(torch.int64).contiguous()
+    weights = weights.float().contiguous()
+    out = torch.empty_like(x)
+    library().moe_decode_f32(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2), _ptr(out),
+                             T, k, w13.shape[0], w2.shape[-1], x.shape[1])
+    return out

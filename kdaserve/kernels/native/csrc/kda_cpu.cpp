@@ -8,6 +8,7 @@
 // Inner loops run over the contiguous value / channel dimension with `__restrict` pointers so
 // gcc vectorises them; outer work is split over (sequence, head) pairs.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -145,6 +146,75 @@ void kda_prefill_f32(const float* q_in, const float* k_in, const float* v_in, co
       decay_gate(f + row * K, dt_bias + h * K, A_log[h], K, decay);
       delta_step(S, q, k, v_in + row * V, decay, sigmoidf(beta[row]), K, V, tmp,
                  out + row * V);
+    }
+  }
+}
+
+// Routed experts for a few tokens (decode): E_e(x) = W2 (SiLU(W1 x) * W3 x), weighted and
+// summed over each token's k choices.  x [T, D]; ids, weights [T, k]; w13 [E, 2I, D] (gate
+// rows then up rows); w2 [E, D, I]; out [T, D].  Choices are grouped by expert (a counting
+// sort) so each weight row is read once for all tokens that chose its expert; work is split
+// over (expert, block of rows), which keeps both cores busy even for one token.
+void moe_decode_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
+                    const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
+                    int64_t D) {
+  const int64_t n = T * k;
+  std::vector<int64_t> offset(E + 1, 0), order(n);
+  for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
+  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
+  {
+    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+    for (int64_t c = 0; c < n; ++c) order[fill[ids[c]]++] = c;  // sorted position -> choice
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (offset[e + 1] > offset[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+  std::vector<float> act(n * I), ys(n * D);
+  constexpr int64_t kRows = 32;
+  const int64_t iblocks = (I + kRows - 1) / kRows, dblocks = (D + kRows - 1) / kRows;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < A * iblocks; ++task) {
+      const int64_t e = active[task / iblocks], r0 = (task % iblocks) * kRows;
+      for (int64_t r = r0; r < std::min(I, r0 + kRows); ++r) {
+        const float* __restrict wg = w13 + (e * 2 * I + r) * D;
+        const float* __restrict wu = wg + I * D;
+        for (int64_t s = offset[e]; s < offset[e + 1]; ++s) {
+          const float* __restrict xt = x + (order[s] / k) * D;
+          float g = 0.0f, u = 0.0f;
+#pragma omp simd reduction(+ : g, u)
+          for (int64_t d = 0; d < D; ++d) {
+            g += wg[d] * xt[d];
+            u += wu[d] * xt[d];
+          }
+          act[s * I + r] = g * sigmoidf(g) * u;
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < A * dblocks; ++task) {
+      const int64_t e = active[task / dblocks], d0 = (task % dblocks) * kRows;
+      for (int64_t d = d0; d < std::min(D, d0 + kRows); ++d) {
+        const float* __restrict wd = w2 + (e * D + d) * I;
+        for (int64_t s = offset[e]; s < offset[e + 1]; ++s) {
+          const float* __restrict a = act.data() + s * I;
+          float y = 0.0f;
+#pragma omp simd reduction(+ : y)
+          for (int64_t i = 0; i < I; ++i) y += wd[i] * a[i];
+          ys[order[s] * D + d] = y * weights[order[s]];  // ys is indexed by choice
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      float* __restrict o = out + t * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        const float* __restrict y = ys.data() + (t * k + j) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += y[d];
+      }
     }
   }
 }
