@@ -25,7 +25,7 @@ from kdaserve.spec.drafter import Drafter
 
 def reject_sample(probs: torch.Tensor, drafts: list[int],
                   generator: torch.Generator | None) -> tuple[int, int]:
-    """Lossless speculative sampling for point-mass drafts (the n-gram drafter proposes one
+    """Lossless speculative sampling for point-mass drafts (every drafter proposes one
     token, q = 1 on it): accept draft i with probability p_i(d_i); on the first rejection
     sample from the residual max(p_i - q_i, 0), i.e. p_i without d_i, renormalised; after k
     acceptances sample the bonus from p_k. Emitted tokens are then distributed exactly as
