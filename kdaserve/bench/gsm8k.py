@@ -122,12 +122,12 @@ class KdaserveBackend:
 
 
 class OpenAIBackend:
-    name = "openai"
-
-    def __init__(self, url: str, model: str | None, tokenizer: Any) -> None:
+    def __init__(self, url: str, model: str | None, tokenizer: Any,
+                 name: str = "openai") -> None:
         self.url = url.rstrip("/")
         self.model = model
         self.tokenizer = tokenizer
+        self.name = name
 
     def run(self, prompts: list[str], params: dict[str, Any], parallel: int,
             progress: Any) -> tuple[list[str], list[int], int]:
@@ -143,7 +143,7 @@ class OpenAIBackend:
         if self.model:
             body["model"] = self.model
         async with httpx.AsyncClient(timeout=None) as client:
-            await client.post(f"{self.url}/flush_cache")  # a cold start, where supported
+            await self._cold_start(client)
             before = await self._computed(client)
 
             async def one(p: str) -> tuple[str, int, int]:
@@ -153,8 +153,10 @@ class OpenAIBackend:
                     data = r.json()
                 progress.update(1)
                 usage = data.get("usage") or {}
+                # llama-server counts its prompt-cache hits in prompt_tokens
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 return (data["choices"][0]["text"], usage.get("completion_tokens", 0),
-                        usage.get("prompt_tokens", 0))
+                        usage.get("prompt_tokens", 0) - cached)
 
             res = await asyncio.gather(*(one(p) for p in prompts))
             after = await self._computed(client)
@@ -163,6 +165,20 @@ class OpenAIBackend:
         computed = after - before if before is not None and after is not None \
             else sum(r[2] for r in res)
         return [r[0] for r in res], [r[1] for r in res], computed
+
+    async def _cold_start(self, client: Any) -> None:
+        """Empty the server's prompt cache so every run starts cold: kdaserve and SGLang have
+        /flush_cache; llama-server erases its slots (started with --slot-save-path)."""
+        if (await client.post(f"{self.url}/flush_cache")).status_code == 200:
+            return
+        props = await client.get(f"{self.url}/props")
+        slots = props.json().get("total_slots", 0) if props.status_code == 200 else 0
+        ok = slots > 0
+        for i in range(slots):
+            r = await client.post(f"{self.url}/slots/{i}", params={"action": "erase"})
+            ok = ok and r.status_code == 200
+        if not ok:
+            print(f"warning: could not empty {self.url}'s prompt cache; this run may start warm")
 
     async def _computed(self, client: Any) -> int | None:
         try:
@@ -248,6 +264,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def parse_urls(spec: str) -> list[tuple[str, str]]:
+    """`URL` or a comma list of `LABEL=URL` (one `openai` backend per server, named by its
+    label in the table): `server=http://127.0.0.1:30000,llama.cpp=http://127.0.0.1:30300`."""
+    out = []
+    for item in spec.split(","):
+        label, sep, url = item.partition("=")
+        out.append((label, url) if sep and "://" not in label else ("openai", item))
+    return out
+
+
 def main(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
@@ -270,7 +296,8 @@ def main(args: argparse.Namespace) -> None:
         elif name == "openai":
             if not args.url:
                 raise ValueError("--backend openai needs --url")
-            backends.append(OpenAIBackend(args.url, args.served_model, tokenizer))
+            for label, url in parse_urls(args.url):
+                backends.append(OpenAIBackend(url, args.served_model, tokenizer, label))
         elif name == "hf":
             backends.append(HFBackend(str(path), tokenizer))
         else:
@@ -338,7 +365,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("gsm8k", help="GSM8K k-shot accuracy and throughput (bench_sglang.py)")
     p.add_argument("--model", default="bench", help="checkpoint (tokenizer, hf and kdaserve)")
     p.add_argument("--backend", default="kdaserve", help="comma list: kdaserve,openai,hf")
-    p.add_argument("--url", default=None, help="server URL for the openai backend")
+    p.add_argument("--url", default=None,
+                   help="server URL for the openai backend, or LABEL=URL,LABEL=URL,...")
     p.add_argument("--served-model", default=None)
     p.add_argument("--data", default=None)
     p.add_argument("--num-shots", type=int, default=5)
