@@ -1,10 +1,11 @@
 """Public kernel ops, one function signature per op, resolved once at model build.
 
-Ops (shapes in kernels/ref): `kda_chunk` (prefill), `kda_recurrent` (token by token: the
-oracle of the chunk form), `kda_decode` (a whole KDA decode step, conv to gated norm),
-`short_conv`, `mla_attention`, `moe_route`, `moe_experts`. Every op has a `ref` backend
-(plain torch, the oracle); `cpu` is batched torch for decode shapes; `native` is C++ compiled
-for the host on first use. Importing this package never imports triton or CUDA code.
+Ops (shapes in kernels/ref): `linear` (every projection), `kda_chunk` (prefill),
+`kda_recurrent` (token by token: the oracle of the chunk form), `kda_decode` (a whole KDA
+decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `moe_experts`.
+Every op has a `ref` backend (plain torch, the oracle); `cpu` is batched torch for decode
+shapes; `native` is C++ compiled for the host on first use. Importing this package never
+imports triton or CUDA code.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from kdaserve.kernels import registry
 from kdaserve.kernels.ref.kda import (
@@ -29,9 +31,15 @@ from kdaserve.kernels.registry import use_backend
 def _cpu_only(device: torch.device) -> tuple[bool, str]:
     return (device.type == "cpu", "" if device.type == "cpu" else "cpu backend needs a CPU")
 
-OPS = ("kda_chunk", "kda_recurrent", "kda_decode", "short_conv", "mla_attention", "moe_route",
-       "moe_experts")
+def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T without bias: every projection of the model."""
+    return F.linear(x, weight)
 
+
+OPS = ("linear", "kda_chunk", "kda_recurrent", "kda_decode", "short_conv", "mla_attention",
+       "moe_route", "moe_experts")
+
+registry.register("linear", "ref", linear_ref)
 registry.register("kda_chunk", "ref", kda_chunk_ref)
 registry.register("kda_recurrent", "ref", kda_recurrent_ref)
 registry.register("kda_decode", "ref", kda_decode_ref)
@@ -51,6 +59,7 @@ from kdaserve.kernels.native import build as native_build  # noqa: E402
 from kdaserve.kernels.native.ops import (  # noqa: E402
     kda_chunk_native,
     kda_decode_native,
+    linear_native,
     mla_attention_native,
     moe_experts_native,
 )
@@ -69,11 +78,13 @@ registry.register("mla_attention", "native", mla_attention_native, priority=20,
                   supports=_native)
 registry.register("moe_experts", "cpu", moe_experts_cpu, priority=10, supports=_cpu_only)
 registry.register("moe_experts", "native", moe_experts_native, priority=20, supports=_native)
+registry.register("linear", "native", linear_native, priority=20, supports=_native)
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)
 registry.register("mla_attention", "cpu", mla_attention_cpu, priority=10, supports=_cpu_only)
 
 
 class Kernels(NamedTuple):
+    linear: Callable
     kda_chunk: Callable
     kda_recurrent: Callable
     kda_decode: Callable

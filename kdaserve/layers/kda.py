@@ -13,6 +13,7 @@ from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
 from kdaserve.kernels.ref.kda import gated_rmsnorm
+from kdaserve.layers.linear import Linear
 
 
 class KDAttention(nn.Module):
@@ -21,17 +22,17 @@ class KDAttention(nn.Module):
         D, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
         P = H * K
         self.num_heads, self.head_dim, self.eps = H, K, config.rms_norm_eps
-        self.q_proj = nn.Linear(D, P, bias=False)
-        self.k_proj = nn.Linear(D, P, bias=False)
-        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_proj = Linear(D, P, kernels)
+        self.k_proj = Linear(D, P, kernels)
+        self.v_proj = Linear(D, P, kernels)
         self.conv_weight = nn.Parameter(torch.empty(3 * P, config.kda_conv_size))
-        self.f_a_proj = nn.Linear(D, K, bias=False)
-        self.f_b_proj = nn.Linear(K, P, bias=False)
-        self.b_proj = nn.Linear(D, H, bias=False)
-        self.g_a_proj = nn.Linear(D, K, bias=False)
-        self.g_b_proj = nn.Linear(K, P, bias=False)
+        self.f_a_proj = Linear(D, K, kernels)
+        self.f_b_proj = Linear(K, P, kernels)
+        self.b_proj = Linear(D, H, kernels)
+        self.g_a_proj = Linear(D, K, kernels)
+        self.g_b_proj = Linear(K, P, kernels)
         self.o_norm_weight = nn.Parameter(torch.ones(K))
-        self.o_proj = nn.Linear(P, D, bias=False)
+        self.o_proj = Linear(P, D, kernels)
         # Decay parameters stay fp32 whatever the model dtype (as in the checkpoint).
         self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))

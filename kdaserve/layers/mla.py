@@ -8,6 +8,7 @@ from torch import nn
 from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
+from kdaserve.layers.linear import Linear
 from kdaserve.layers.norm import RMSNorm
 
 # transformers and Moonshot's remote code build q_a/kv_a layernorms with the class default
@@ -24,16 +25,16 @@ class MLAttention(nn.Module):
         self.dv = config.v_head_dim
         self.rank = config.kv_lora_rank
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(D, H * config.qk_head_dim, bias=False)
+            self.q_proj = Linear(D, H * config.qk_head_dim, kernels)
         else:
-            self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
+            self.q_a_proj = Linear(D, config.q_lora_rank, kernels)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, H * config.qk_head_dim, bias=False)
+            self.q_b_proj = Linear(config.q_lora_rank, H * config.qk_head_dim, kernels)
         self.use_q_lora = config.q_lora_rank is not None
-        self.kv_a_proj_with_mqa = nn.Linear(D, self.rank + self.dr, bias=False)
+        self.kv_a_proj_with_mqa = Linear(D, self.rank + self.dr, kernels)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.rank, H * (self.dn + self.dv), bias=False)
-        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+        self.kv_b_proj = Linear(self.rank, H * (self.dn + self.dv), kernels)
+        self.o_proj = Linear(H * self.dv, D, kernels)
         self.scale = config.qk_head_dim ** -0.5
         self.kernels = kernels
 

@@ -8,14 +8,15 @@ from torch import nn
 
 from kdaserve.config import ModelConfig
 from kdaserve.kernels import Kernels
+from kdaserve.layers.linear import Linear
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, kernels: Kernels) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, kernels)
+        self.up_proj = Linear(hidden, inter, kernels)
+        self.down_proj = Linear(inter, hidden, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -35,9 +36,8 @@ class MoE(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))
         self.w2 = nn.Parameter(torch.empty(E, D, inter))
-        self.shared_experts = (
-            MLP(D, inter * config.num_shared_experts) if config.num_shared_experts else None
-        )
+        shared = inter * config.num_shared_experts
+        self.shared_experts = MLP(D, shared, kernels) if shared else None
         self.kernels = kernels
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:

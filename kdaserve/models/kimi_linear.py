@@ -12,6 +12,7 @@ from kdaserve.config import KDA, MOE, ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
 from kdaserve.layers.kda import KDAttention
+from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.moe import MLP, MoE
 from kdaserve.layers.norm import RMSNorm
@@ -27,7 +28,7 @@ class DecoderLayer(nn.Module):
         self.is_moe = config.mlp_types[idx] == MOE
         self.mlp: MoE | MLP = (
             MoE(config, kernels) if self.is_moe
-            else MLP(config.hidden_size, config.intermediate_size)
+            else MLP(config.hidden_size, config.intermediate_size, kernels)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -51,8 +52,9 @@ class KimiLinearForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, kernels)
+        self.kernels = kernels
         # layer index -> row in the state pool (KDA) or block pool (MLA)
         self.cache_index = {}
         for kind_layers in (config.kda_layers, config.mla_layers):
@@ -92,4 +94,4 @@ class KimiLinearForCausalLM(nn.Module):
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[L, D] final hidden states -> fp32 logits [L, vocab]."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, weight).float()
+        return self.kernels.linear(h, weight).float()

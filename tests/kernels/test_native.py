@@ -13,6 +13,7 @@ from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native import build
 from kdaserve.kernels.native.ops import (
     kda_decode_native,
+    linear_native,
     mla_attention_native,
     moe_experts_native,
 )
@@ -145,3 +146,14 @@ def test_moe_experts_match_reference(T: int, backend: str, monkeypatch) -> None:
     fn = native_ops.moe_experts_native if backend == "native" else moe_experts_cpu
     torch.testing.assert_close(fn(x, weights, ids, w13, w2),
                                moe_experts_ref(x, weights, ids, w13, w2), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32, 33])
+@pytest.mark.parametrize("K", [16, 40, 768])
+def test_linear_native_matches_torch(rows: int, K: int) -> None:
+    """Row counts around the 4-row tiles and the size limit; K not a multiple of 16 too."""
+    g = gen(rows * K)
+    x, w = torch.randn(2, rows, K, generator=g), torch.randn(70, K, generator=g)
+    torch.testing.assert_close(linear_native(x[1], w), torch.nn.functional.linear(x[1], w),
+                               atol=1e-4, rtol=1e-5)
+    assert linear_native(x, w).shape == (2, rows, 70)

@@ -32,6 +32,7 @@ SIGNATURES = {
     "kda_prefill_f32": [_P] * 11 + [_I] * 4,
     "mla_decode_f32": [_P] * 6 + [_I] * 6 + [_F],
     "moe_decode_f32": [_P] * 6 + [_I] * 5,
+    "linear_small_f32": [_P] * 3 + [_I] * 3,
 }
 
 

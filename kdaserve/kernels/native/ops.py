@@ -8,6 +8,7 @@ dims up to MAX_HEAD_DIM) and otherwise hands the call to the torch `cpu` backend
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
@@ -110,3 +111,21 @@ def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     library().moe_decode_f32(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2), _ptr(out),
                              T, k, w13.shape[0], w2.shape[-1], x.shape[1])
     return out
+
+
+# Up to this many rows the native GEMM streams the weights faster than sgemm, which packs the
+# whole weight on every call (measured crossover between 32 and 64 rows on the bench shapes).
+LINEAR_NATIVE_MAX_ROWS = 32
+
+
+def linear_native(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (`linear_ref`'s contract)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not 0 < rows <= LINEAR_NATIVE_MAX_ROWS or not _f32(x, weight) \
+            or not weight.is_contiguous():
+        return F.linear(x, weight)
+    x2 = x.reshape(rows, x.shape[-1]).contiguous()
+    y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+    library().linear_small_f32(_ptr(x2), _ptr(weight), _ptr(y), rows, weight.shape[0],
+                               weight.shape[1])
+    return y.view(*x.shape[:-1], weight.shape[0])
