@@ -4,8 +4,8 @@ Ops (shapes in kernels/ref): `linear` (every projection), `kda_chunk` (prefill),
 `kda_recurrent` (token by token: the oracle of the chunk form), `kda_decode` (a whole KDA
 decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `moe_experts`.
 Every op has a `ref` backend (plain torch, the oracle); `cpu` is batched torch for decode
-shapes; `native` is C++ compiled for the host on first use. Importing this package never
-imports triton or CUDA code.
+shapes; `native` is C++ compiled for the host on first use; `triton` runs fla-core's Triton
+KDA kernels on CUDA. Importing this package never imports triton or CUDA code.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ from kdaserve.kernels.native.ops import (  # noqa: E402
     mla_attention_native,
     moe_experts_native,
 )
+from kdaserve.kernels.triton import supports as _triton  # noqa: E402
+from kdaserve.kernels.triton.kda import kda_chunk_triton, kda_decode_triton  # noqa: E402
 
 
 def _native(device: torch.device) -> tuple[bool, str]:
@@ -81,6 +83,8 @@ registry.register("moe_experts", "native", moe_experts_native, priority=20, supp
 registry.register("linear", "native", linear_native, priority=20, supports=_native)
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)
 registry.register("mla_attention", "cpu", mla_attention_cpu, priority=10, supports=_cpu_only)
+registry.register("kda_chunk", "triton", kda_chunk_triton, priority=30, supports=_triton)
+registry.register("kda_decode", "triton", kda_decode_triton, priority=30, supports=_triton)
 
 
 class Kernels(NamedTuple):

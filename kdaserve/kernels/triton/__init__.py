@@ -1,0 +1,22 @@
+"""The `triton` backend: fla-core's Triton KDA kernels behind our op signatures (CUDA only).
+
+Nothing here imports triton or fla at module import: `supports` imports them when a model is
+built on a CUDA device, and the ops import them on first call.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+
+def supports(device: torch.device) -> tuple[bool, str]:
+    if device.type != "cuda":
+        return False, f"triton backend needs a CUDA device, got {device.type}"
+    for name in ("triton", "fla.ops.kda"):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # an ImportError, or a triton driver error at import
+            return False, f"{name} is not importable: {e}"
+    return True, ""

@@ -1,0 +1,61 @@
+"""KDA prefill and decode through fla-core's Triton kernels.
+
+fla applies our activations in-kernel with the same numerics as kernels/ref/kda.py: l2norm
+x / sqrt(sum x^2 + 1e-6) on q and k, gate -exp(A_log) * softplus(g + dt_bias) (softplus
+threshold 20), and sigmoid(beta). Packed [T, ...] tensors become fla's varlen [1, T, ...].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdaserve.kernels.cpu.decode import short_conv_cpu
+
+
+def kda_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     state: torch.Tensor, state_slots: torch.Tensor,
+                     cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """`kda_chunk_ref`'s contract: q, k: [T, H, K]; v: [T, H, V]; g: [T, H, K] raw gate;
+    beta: [T, H] logits; state: [N, H, K, V] fp32 pool updated through state_slots [B];
+    cu_seqlens: [B+1]. Returns [T, H, V] in v.dtype."""
+    from fla.ops.kda import chunk_kda
+
+    slots = state_slots.to(device=q.device, dtype=torch.long)
+    o, final = chunk_kda(
+        q[None], k[None], v[None], g[None], beta[None],
+        initial_state=state.index_select(0, slots).float(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        A_log=A_log.float(), dt_bias=dt_bias.float(),
+        cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long))
+    state.index_copy_(0, slots, final.to(state.dtype))
+    return o[0].to(v.dtype)
+
+
+def kda_decode_triton(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: torch.Tensor,
+                      conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
+                      conv_state: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
+    """`kda_decode_ref`'s contract (one token for each of B sequences). The delta rule reads
+    and writes the pool rows in place through fla's `ssm_state_indices` (no gather copy); the
+    conv stays batched torch, since fla's conv cache is [N, D, W] in batch order, not slots."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    B, H, K = f.shape
+    x = short_conv_cpu(qkv, conv_weight, conv_state, state_slots,
+                       torch.arange(B + 1, device=qkv.device))
+    q, k, v = (t.reshape(B, 1, H, -1).contiguous() for t in x.split([H * K, H * K,
+                                                                       x.shape[1] - 2 * H * K], 1))
+    slots = state_slots.to(device=qkv.device, dtype=torch.long)
+    pool = state if state.is_contiguous() and state.dtype == torch.float32 else \
+        state.index_select(0, slots).float()
+    o, _ = fused_recurrent_kda_fwd(
+        q, k, v, f.reshape(B, 1, H, K).contiguous(), beta.reshape(B, 1, H).contiguous(),
+        A_log=A_log.float().contiguous(), dt_bias=dt_bias.float().contiguous(),
+        initial_state=pool, inplace_final_state=True,
+        ssm_state_indices=slots if pool is state else torch.arange(B, device=qkv.device),
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if pool is not state:
+        state.index_copy_(0, slots, pool.to(state.dtype))
+    return rms_norm_gated(o.view(B, H, -1), z, norm_weight, None, activation="sigmoid", eps=eps)

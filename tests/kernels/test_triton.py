@@ -1,0 +1,145 @@
+"""The `triton` backend (fla-core's Triton KDA kernels) against the references on CUDA: ragged
+batches of 1..200 tokens, random state slots and initial states, fp32 and bf16 inputs, several
+decode steps; then a whole model on CUDA against the reference on CPU. Skipped without CUDA
+and triton; the CPU test checks that the backend declines a CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdaserve.kernels import registry, resolve_kernels
+from kdaserve.kernels.ref.kda import kda_chunk_ref, kda_decode_ref
+from kdaserve.kernels.triton import supports
+from kdaserve.kernels.triton.kda import kda_chunk_triton, kda_decode_triton
+
+HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and triton")
+CUDA = torch.device("cuda")
+W = 4
+# Relative RMS error bounds: fla's chunk kernels use TF32 dots on fp32 inputs and keep bf16
+# intermediates for bf16 inputs; the references accumulate in fp32.
+TOL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def assert_rel(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    a, e = actual.double(), expected.double()
+    err = ((a - e).pow(2).mean().sqrt() / e.pow(2).mean().sqrt().clamp_min(1e-12)).item()
+    assert err <= tol, f"relative RMS error {err:.2e} > {tol:.0e}"
+
+
+def test_triton_backend_declines_cpu() -> None:
+    ok, reason = supports(torch.device("cpu"))
+    assert not ok and "CUDA" in reason
+    kernels = resolve_kernels(torch.device("cpu"))
+    assert kernels.kda_chunk is not kda_chunk_triton
+    assert kernels.kda_decode is not kda_decode_triton
+    with pytest.raises(ValueError, match="unsupported"):
+        registry.resolve("kda_chunk", torch.device("cpu"), "triton")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_triton_resolves_on_cuda() -> None:
+    assert supports(CUDA) == (True, "")
+    kernels = resolve_kernels(CUDA)
+    assert kernels.kda_chunk is kda_chunk_triton
+    assert kernels.kda_decode is kda_decode_triton
+
+
+LENGTHS = [[1], [64], [200], [1, 70, 3, 128, 200, 17],
+           torch.randint(1, 201, (12,), generator=gen(7)).tolist()]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("lengths", LENGTHS,
+                         ids=lambda L: "len" + "_".join(map(str, L)))
+@pytest.mark.parametrize("H,K", [(2, 64), (4, 128)], ids=["h2k64", "h4k128"])
+@DTYPES
+def test_kda_chunk_triton_vs_ref(lengths: list[int], H: int, K: int, dtype: torch.dtype) -> None:
+    g = gen(len(lengths) + K)
+    T, B, N = sum(lengths), len(lengths), len(lengths) + 5
+    q, k, v, f = (torch.randn(T, H, K, generator=g) for _ in range(4))
+    f = f * 3  # gate logits up to ~ +-9: strong and negligible decay both occur
+    beta = torch.randn(T, H, generator=g)
+    A_log, dt_bias = torch.rand(H, generator=g) * 2, torch.randn(H * K, generator=g)
+    pool = torch.randn(N, H, K, K, generator=g) * 0.5
+    slots = torch.randperm(N, generator=g)[:B]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k, v, f, beta = (t.to(dtype).to(CUDA) for t in (q, k, v, f, beta))
+    A_log, dt_bias, pool, slots, cu = (t.to(CUDA) for t in (A_log, dt_bias, pool, slots, cu))
+    ref_pool = pool.clone()
+    o_ref = kda_chunk_ref(q, k, v, f, beta, A_log, dt_bias, ref_pool, slots, cu)
+    o = kda_chunk_triton(q, k, v, f, beta, A_log, dt_bias, pool, slots, cu)
+    assert o.shape == (T, H, K) and o.dtype == dtype
+    assert_rel(o, o_ref, TOL[dtype])
+    assert_rel(pool[slots], ref_pool[slots], TOL[dtype])
+    others = torch.ones(N, dtype=torch.bool, device=CUDA).index_fill_(0, slots, False)
+    assert torch.equal(pool[others], ref_pool[others]), "wrote to slots it does not own"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("B", [1, 9, 64])
+@pytest.mark.parametrize("H,K", [(2, 32), (4, 128)], ids=["h2k32", "h4k128"])
+@pytest.mark.parametrize("strided", [False, True], ids=["pool", "strided_pool"])
+@DTYPES
+def test_kda_decode_triton_vs_ref(B: int, H: int, K: int, strided: bool,
+                                  dtype: torch.dtype) -> None:
+    """Three consecutive steps, so the conv window shift and the in-place state update
+    (through fla's ssm_state_indices, or gather/scatter for a strided pool) are both used."""
+    g = gen(B + K)
+    N, C = B + 5, 3 * H * K
+    conv_weight = torch.randn(C, W, generator=g).to(dtype).to(CUDA)
+    A_log = (torch.rand(H, generator=g) * 2).to(CUDA)
+    dt_bias = torch.randn(H * K, generator=g).to(CUDA)
+    norm_weight = torch.randn(K, generator=g).to(dtype).to(CUDA)
+    state = torch.randn(N, H, K, K, generator=g) * 0.5
+    if strided:  # same values, rows no longer contiguous [H, K, V] blocks
+        state = state.transpose(0, 1).contiguous().transpose(0, 1)
+    state = state.to(CUDA)
+    conv_state = torch.randn(N, W - 1, C, generator=g).to(dtype).to(CUDA)
+    slots = torch.randperm(N, generator=g)[:B].to(CUDA)
+    ref_state, ref_conv = state.clone(), conv_state.clone()
+    for _ in range(3):
+        qkv = torch.randn(B, C, generator=g).to(dtype).to(CUDA)
+        f = (torch.randn(B, H, K, generator=g) * 3).to(dtype).to(CUDA)
+        beta = torch.randn(B, H, generator=g).to(dtype).to(CUDA)
+        z = torch.randn(B, H, K, generator=g).to(dtype).to(CUDA)
+        args = (qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight, 1e-5)
+        o_ref = kda_decode_ref(*args, ref_state, ref_conv, slots)
+        o = kda_decode_triton(*args, state, conv_state, slots)
+        assert o.shape == (B, H, K) and o.dtype == dtype
+        assert_rel(o, o_ref, TOL[dtype])
+        assert_rel(state, ref_state, TOL[dtype])
+        torch.testing.assert_close(conv_state, ref_conv)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_llm_on_cuda_matches_ref_on_cpu(tiny_ckpt: Path) -> None:
+    """Greedy tokens of the whole engine (prefill through kda_chunk, decode through
+    kda_decode) on CUDA with the triton backend equal the reference backend's on CPU. fp32
+    on both sides, so only kernel rounding differs."""
+    from kdaserve import LLM, SamplingParams
+
+    prompts = [[(7 * i + 3 * j) % 3000 + 5 for j in range(n)] for i, n in
+               enumerate([1, 9, 70, 130])]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = {}
+    for device, backend in (("cuda", None), ("cpu", "ref")):
+        llm = LLM(tiny_ckpt, device=device, dtype="float32", kernel_backend=backend,
+                  disable_prefix_cache=True)
+        out[device] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
+                                                         sampling_params=params)]
+        del llm
+    assert out["cuda"] == out["cpu"]
