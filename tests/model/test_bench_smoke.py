@@ -66,3 +66,13 @@ def test_bench_spec_smoke(tiny_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> 
         ("block", 2)]
     # the self-drafts propose the target's own tokens: everything is accepted
     assert rows[2]["acceptance_length"] > 2 and rows[3]["acceptance_length"] > 2
+
+
+def test_bench_kernels_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "k.json"
+    cli_main(["bench", "kernels", "--model", str(tiny_ckpt), "--batch-sizes", "1,2",
+              "--prompt-len", "20", "--overhead-model", str(tiny_ckpt), "--out", str(out)])
+    r = json.loads(out.read_text())
+    ops = {(row["op"], row["backend"]) for row in r["rows"]}
+    assert {("kda_decode", "ref"), ("kda_decode", "native"), ("linear", "native")} <= ops
+    assert all(row["vs_ref"] for row in r["rows"]) and r["host_overhead_ms"] > 0
