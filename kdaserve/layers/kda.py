@@ -22,14 +22,13 @@ class KDAttention(nn.Module):
         D, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
         P = H * K
         self.num_heads, self.head_dim, self.eps = H, K, config.rms_norm_eps
-        self.q_proj = Linear(D, P, kernels)
-        self.k_proj = Linear(D, P, kernels)
-        self.v_proj = Linear(D, P, kernels)
+        # Every projection of the layer input in one weight, rows q | k | v | f_a | g_a | b:
+        # one pass over x (one GEMV per decode step instead of six), and q|k|v come out
+        # already concatenated for the short conv.
+        self.in_split = (3 * P, K, K, H)
+        self.in_proj = Linear(D, sum(self.in_split), kernels)
         self.conv_weight = nn.Parameter(torch.empty(3 * P, config.kda_conv_size))
-        self.f_a_proj = Linear(D, K, kernels)
         self.f_b_proj = Linear(K, P, kernels)
-        self.b_proj = Linear(D, H, kernels)
-        self.g_a_proj = Linear(D, K, kernels)
         self.g_b_proj = Linear(K, P, kernels)
         self.o_norm_weight = nn.Parameter(torch.ones(K))
         self.o_proj = Linear(P, D, kernels)
@@ -41,11 +40,12 @@ class KDAttention(nn.Module):
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """Checkpoint name -> destination view for every tensor of this layer."""
         P, W = self.conv_weight.shape[0] // 3, self.conv_weight.shape[1]
-        views = {
-            f"{prefix}{name}.weight": getattr(self, name).weight
-            for name in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj",
-                         "g_a_proj", "g_b_proj", "o_proj")
-        }
+        views = {f"{prefix}{name}.weight": getattr(self, name).weight
+                 for name in ("f_b_proj", "g_b_proj", "o_proj")}
+        rows = self.in_proj.weight.data.split((P, P, P, *self.in_split[1:]))
+        for name, w in zip(("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"),
+                           rows, strict=True):
+            views[f"{prefix}{name}.weight"] = w
         for i, name in enumerate(("q_conv1d", "k_conv1d", "v_conv1d")):
             views[f"{prefix}{name}.weight"] = self.conv_weight.data[i * P:(i + 1) * P].view(P, 1, W)
         views[f"{prefix}o_norm.weight"] = self.o_norm_weight
@@ -57,10 +57,9 @@ class KDAttention(nn.Module):
                 conv_state: torch.Tensor) -> torch.Tensor:
         """x: [T, D]; recurrent_state: [N, H, K, V] fp32 pool; conv_state: [N, W-1, 3P] pool."""
         T, H, K = x.shape[0], self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        f = self.f_b_proj(self.f_a_proj(x)).view(T, H, K)
-        beta = self.b_proj(x)
-        z = self.g_b_proj(self.g_a_proj(x)).view(T, H, K)
+        qkv, f_a, g_a, beta = self.in_proj(x).split(self.in_split, dim=-1)
+        f = self.f_b_proj(f_a).view(T, H, K)
+        z = self.g_b_proj(g_a).view(T, H, K)
         if batch.is_decode:
             o = self.kernels.kda_decode(qkv, f, beta, z, self.conv_weight, self.A_log,
                                         self.dt_bias, self.o_norm_weight, self.eps,

@@ -14,12 +14,18 @@ from kdaserve.layers.linear import Linear
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int, kernels: Kernels) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, inter, kernels)
-        self.up_proj = Linear(hidden, inter, kernels)
+        self.inter = inter
+        self.gate_up_proj = Linear(hidden, 2 * inter, kernels)  # gate rows, then up rows
         self.down_proj = Linear(inter, hidden, kernels)
 
+    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        gate, up = self.gate_up_proj.weight.data.split(self.inter)
+        return {f"{prefix}gate_proj.weight": gate, f"{prefix}up_proj.weight": up,
+                f"{prefix}down_proj.weight": self.down_proj.weight}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MoE(nn.Module):
@@ -49,8 +55,7 @@ class MoE(nn.Module):
             views[f"{prefix}experts.{e}.w3.weight"] = self.w13.data[e, inter:]
             views[f"{prefix}experts.{e}.w2.weight"] = self.w2.data[e]
         if self.shared_experts is not None:
-            for name, p in self.shared_experts.named_parameters():
-                views[f"{prefix}shared_experts.{name}"] = p
+            views.update(self.shared_experts.checkpoint_tensors(f"{prefix}shared_experts."))
         return views
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, MoE):
             views.update(self.mlp.checkpoint_tensors(prefix + "block_sparse_moe."))
         else:
-            views.update({f"{prefix}mlp.{n}": p for n, p in self.mlp.named_parameters()})
+            views.update(self.mlp.checkpoint_tensors(prefix + "mlp."))
         views[prefix + "input_layernorm.weight"] = self.input_layernorm.weight
         views[prefix + "post_attention_layernorm.weight"] = self.post_attention_layernorm.weight
         return views
