@@ -2,7 +2,9 @@
 
 For each draft length K: tokens/s and mean acceptance length without speculation and with each
 drafter: `ngram`; `self`, the target's own greedy tokens recorded from the plain run (the
-ceiling of the verify-and-rollback mechanism, drafting free); `draft-self`, the draft-model
+ceiling of the verify-and-rollback mechanism, drafting free); `self-half`, the same with the
+drafts after the first ceil(K/2) corrupted (a fixed partial acceptance: every verify rolls
+back, which prices the KDA state rollback); `draft-self`, the draft-model
 drafter with the target itself as draft (full acceptance, paying a real draft model);
 `draft-small`, a 2-layer random draft with the target's vocabulary; `block`, a random block
 drafter (random weights: acceptance near 0, the cost of the mechanism). Outputs are checked
@@ -23,21 +25,27 @@ from typing import Any
 from kdaserve.bench.gsm8k import build_prompts, load_data
 from kdaserve.spec.drafter import TokenDrafter
 
-DRAFTERS = ("ngram", "self", "draft-self", "draft-small", "block")
+DRAFTERS = ("ngram", "self", "self-half", "draft-self", "draft-small", "block")
 
 
 class SelfDrafter(TokenDrafter):
-    """Proposes the target's recorded greedy continuation of each prompt."""
+    """Proposes the target's recorded greedy continuation of each prompt; with `accept`, the
+    drafts after the first `accept` are corrupted (shifted by one in the vocabulary)."""
 
-    def __init__(self, k: int, futures: dict[tuple[int, ...], list[int]]) -> None:
-        self.k, self.futures = k, futures
+    def __init__(self, k: int, futures: dict[tuple[int, ...], list[int]],
+                 accept: int | None = None, vocab: int = 1) -> None:
+        self.k, self.futures, self.accept, self.vocab = k, futures, accept, vocab
 
     def propose_ids(self, ids: list[int], k: int | None = None) -> list[int]:
         k = self.k if k is None else k
         for prompt, future in self.futures.items():
             if tuple(ids[:len(prompt)]) == prompt:
                 done = len(ids) - len(prompt)
-                return future[done:done + k]
+                drafts = future[done:done + k]
+                if self.accept is None:
+                    return drafts
+                return drafts[:self.accept] + [(t + 1) % self.vocab
+                                               for t in drafts[self.accept:]]
         return []
 
 
@@ -73,7 +81,7 @@ def _drafter_kwargs(name: str, plain: Any, k: int, workdir: Path) -> dict[str, A
 
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r} ({', '.join(DRAFTERS)})")
-    if name in ("ngram", "self"):
+    if name in ("ngram", "self", "self-half"):
         return {"speculative_algorithm": "ngram"}
     if name == "draft-self":
         return {"speculative_algorithm": "draft", "speculative_draft_model": str(plain.path)}
@@ -126,8 +134,10 @@ def _run_drafters(args: argparse.Namespace, plain: Any, prompts: list[list[int]]
         for name in args.drafters.split(","):
             llm = LLM(args.model, disable_prefix_cache=True, speculative_num_draft_tokens=k,
                       **_drafter_kwargs(name, plain, k, workdir))
-            if name == "self":
-                llm.engine.spec.drafter = SelfDrafter(k, futures)  # type: ignore[union-attr]
+            if name in ("self", "self-half"):
+                accept = -(-k // 2) if name == "self-half" else None
+                llm.engine.spec.drafter = SelfDrafter(  # type: ignore[union-attr]
+                    k, futures, accept, plain.config.vocab_size)
             tps, dec, outs = _timed(llm, prompts, params)
             if outs != refs:
                 raise RuntimeError(f"speculation ({name}, K={k}) changed greedy outputs")

@@ -59,13 +59,15 @@ def test_bench_spec_smoke(tiny_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> 
     out = tmp_path / "s.json"
     cli_main(["bench", "spec", "--model", str(tiny_ckpt), "--data", str(gsm8k_file),
               "--num-shots", "1", "--num-prompts", "2", "--max-tokens", "6", "--k", "2",
-              "--drafters", "ngram,self,draft-self,draft-small,block", "--out", str(out)])
+              "--drafters", "ngram,self,self-half,draft-self,draft-small,block", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["drafter"], r["k"]) for r in rows] == [
-        ("none", 0), ("ngram", 2), ("self", 2), ("draft-self", 2), ("draft-small", 2),
-        ("block", 2)]
-    # the self-drafts propose the target's own tokens: everything is accepted
-    assert rows[2]["acceptance_length"] > 2 and rows[3]["acceptance_length"] > 2
+        ("none", 0), ("ngram", 2), ("self", 2), ("self-half", 2), ("draft-self", 2),
+        ("draft-small", 2), ("block", 2)]
+    # the self-drafts propose the target's own tokens: everything is accepted; self-half
+    # corrupts the second of two drafts, so exactly one is accepted per verify
+    assert rows[2]["acceptance_length"] > 2 and rows[4]["acceptance_length"] > 2
+    assert rows[3]["acceptance_length"] == 2
 
 
 def test_bench_kernels_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
