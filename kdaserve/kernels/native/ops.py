@@ -120,12 +120,15 @@ LINEAR_NATIVE_MAX_ROWS = 32
 
 def linear_native(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (`linear_ref`'s contract)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not 0 < rows <= LINEAR_NATIVE_MAX_ROWS or not _f32(x, weight) \
-            or not weight.is_contiguous():
+    # called ~50 times per decode step: checks kept to attribute reads (no generators)
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if not 0 < rows <= LINEAR_NATIVE_MAX_ROWS or x.dtype != torch.float32 \
+            or weight.dtype != torch.float32 or not x.is_cpu or not weight.is_contiguous():
         return F.linear(x, weight)
-    x2 = x.reshape(rows, x.shape[-1]).contiguous()
-    y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-    library().linear_small_f32(_ptr(x2), _ptr(weight), _ptr(y), rows, weight.shape[0],
-                               weight.shape[1])
-    return y.view(*x.shape[:-1], weight.shape[0])
+    x2 = x.reshape(rows, K).contiguous()
+    N = weight.shape[0]
+    y = torch.empty(rows, N, dtype=torch.float32)
+    library().linear_small_f32(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, N, K)
+    return y.view(*x.shape[:-1], N)
+
