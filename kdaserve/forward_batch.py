@@ -8,8 +8,12 @@ A batch packs the new tokens of B sequences (prefill chunks and decodes alike) i
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kdaserve.spec.record import StepRecord
 
 
 @dataclass(slots=True)
@@ -23,6 +27,8 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, flat cache row (block * block_size + offset)
     logits_indices: torch.Tensor  # [L] int64, rows of [T] whose logits are wanted
     is_decode: bool = False  # every sequence has exactly one new token
+    # set for a verify forward: KDA layers keep their step inputs for the state rollback
+    record: StepRecord | None = None
 
     @property
     def num_seqs(self) -> int:

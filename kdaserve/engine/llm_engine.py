@@ -21,7 +21,7 @@ from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.sampler import Sampler
-from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
+from kdaserve.engine.scheduler import Scheduler
 from kdaserve.kernels import resolve_kernels
 from kdaserve.models.loader import build_model
 from kdaserve.request import CompletionOutput, Request, RequestOutput, SamplingParams
@@ -238,12 +238,14 @@ class LLMEngine:
                                                       - req.num_computed_tokens)
         spec = self.spec
         saved = spec.save(batch) if spec is not None else {}
+        record = spec.record(batch, saved, self.device) if spec is not None and saved else None
         wants_hidden = spec is not None and spec.drafter.wants_hidden
-        logits, to_sample, hidden = self.runner.run(batch, wants_hidden)
+        logits, to_sample, hidden = self.runner.run(batch, wants_hidden, record)
         self.counters["num_steps"] += 1
         touched: dict[str, None] = {}
         # logits rows: one per sampled request, 1 + k for a request verifying k drafts
-        row, plain, plain_rows, replay = 0, [], [], ScheduledBatch()
+        row, plain, plain_rows = 0, [], []
+        replay: list[tuple[Request, int]] = []  # (req, accepted steps to replay)
         accepted: list[tuple[Request, int, int]] = []  # (req, drafts kept, its hidden row)
         for req in to_sample:
             if id(req) not in saved:
@@ -264,12 +266,11 @@ class LLMEngine:
                     break
             touched[self._group_id(req)] = None
             if rollback and not req.is_finished:
-                num_replay = req.num_computed_tokens - start
-                spec.restore(req, scratch, start)
-                replay.reqs.append(req)
-                replay.num_new_tokens.append(num_replay)
-        if not replay.is_empty:
-            self.runner.run(replay)  # the accepted tokens only, from the saved states
+                spec.restore(req, scratch)
+                replay.append((req, req.num_computed_tokens - start))
+        if replay:
+            assert record is not None
+            self.runner.replay(record, replay)  # the accepted KDA steps only
         if spec is not None:
             spec.release(saved)
         if plain:

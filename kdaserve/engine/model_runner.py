@@ -13,6 +13,7 @@ from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.request import Request
+from kdaserve.spec.record import StepRecord
 
 
 class ModelRunner:
@@ -37,13 +38,25 @@ class ModelRunner:
         return fb, [r for r, s in zip(batch.reqs, sample, strict=True) if s]
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch,
-            return_hidden: bool = False) -> tuple[torch.Tensor, list[Request], torch.Tensor | None]:
+    def run(self, batch: ScheduledBatch, return_hidden: bool = False,
+            record: StepRecord | None = None,
+            ) -> tuple[torch.Tensor, list[Request], torch.Tensor | None]:
         """logits [L, vocab] of the rows to sample, those requests, and with return_hidden
-        their final hidden states [L, D] (the same forward: results do not change)."""
+        their final hidden states [L, D] (the same forward: results do not change). With
+        `record`, the KDA layers fill it with their step inputs."""
         fb, to_sample = self.prepare(batch)
+        fb.record = record
         hidden = self.model.forward_hidden(fb, self.states, self.blocks)
         logits = self.model.compute_logits(hidden)
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
         return logits, to_sample, hidden if return_hidden else None
+
+    @torch.inference_mode()
+    def replay(self, record: StepRecord, replays: list[tuple[Request, int]]) -> None:
+        """Advances each request's KDA states by its first n recorded steps (req, n), one
+        kda_chunk per KDA layer for all of them."""
+        rows, cu = record.spans([(record.starts[id(r)], n) for r, n in replays], self.device)
+        slots = torch.tensor([r.state_slot for r, _ in replays], dtype=torch.int64,
+                             device=self.device)
+        self.model.replay_kda(record, rows, cu, slots, self.states)

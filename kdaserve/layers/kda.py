@@ -14,6 +14,7 @@ from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
 from kdaserve.kernels.ref.kda import gated_rmsnorm
 from kdaserve.layers.linear import Linear
+from kdaserve.spec.record import KDASteps
 
 
 class KDAttention(nn.Module):
@@ -61,14 +62,39 @@ class KDAttention(nn.Module):
         f = self.f_b_proj(f_a).view(T, H, K)
         z = self.g_b_proj(g_a).view(T, H, K)
         if batch.is_decode:
+            # (a verify runs 1 + k tokens of a request: never a decode batch, whose fused
+            # step does not expose the post-conv rows)
+            assert batch.record is None
             o = self.kernels.kda_decode(qkv, f, beta, z, self.conv_weight, self.A_log,
                                         self.dt_bias, self.o_norm_weight, self.eps,
                                         recurrent_state, conv_state, batch.state_slots)
             return self.o_proj(o.reshape(T, H * K))
+        pre = qkv
         qkv = self.kernels.short_conv(qkv, self.conv_weight, conv_state, batch.state_slots,
                                       batch.cu_seqlens)
         q, k, v = (t.view(T, H, K) for t in qkv.chunk(3, dim=-1))
+        if batch.record is not None:  # a verify forward: keep the steps for the rollback
+            batch.record.add(pre, q, k, v, f, beta)
         o = self.kernels.kda_chunk(q, k, v, f, beta, self.A_log, self.dt_bias, recurrent_state,
                                    batch.state_slots, batch.cu_seqlens)
         o = gated_rmsnorm(o, z, self.o_norm_weight, self.eps)
         return self.o_proj(o.reshape(T, H * K))
+
+    def replay_steps(self, steps: KDASteps, cu_seqlens: torch.Tensor, state_slots: torch.Tensor,
+                     recurrent_state: torch.Tensor, conv_state: torch.Tensor) -> None:
+        """Advances the states of `state_slots` by recorded steps (packed, `cu_seqlens` [B+1])
+        exactly as a forward over those tokens would, without its outputs: the conv window
+        becomes the last W-1 rows of [window ; new pre-conv rows], and kda_chunk runs the
+        delta rule on the recorded post-conv rows."""
+        W1 = conv_state.shape[1]
+        n = cu_seqlens[1:] - cu_seqlens[:-1]
+        B = n.shape[0]
+        # row i of the new window is row n_b + i of [old window ; new rows] (old rows first
+        # in `ext`, B * W1 of them, then the packed new rows): one gather for every request
+        pos = n[:, None] + torch.arange(W1, device=n.device)
+        old = torch.arange(B, device=n.device)[:, None] * W1 + pos
+        new = B * W1 + cu_seqlens[:-1, None] + pos - W1
+        ext = torch.cat([conv_state[state_slots].flatten(0, 1), steps.qkv.to(conv_state.dtype)])
+        conv_state[state_slots] = ext[torch.where(pos < W1, old, new)]
+        self.kernels.kda_chunk(steps.q, steps.k, steps.v, steps.f, steps.beta, self.A_log,
+                               self.dt_bias, recurrent_state, state_slots, cu_seqlens)

@@ -16,6 +16,7 @@ from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.moe import MLP, MoE
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.spec.record import KDASteps, StepRecord
 
 
 class DecoderLayer(nn.Module):
@@ -90,6 +91,19 @@ class KimiLinearForCausalLM(nn.Module):
             h = h + x
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h[batch.logits_indices])
+
+    def replay_kda(self, record: StepRecord, rows: torch.Tensor, cu_seqlens: torch.Tensor,
+                   state_slots: torch.Tensor, states: StatePool) -> None:
+        """Advances every KDA layer's states of `state_slots` by the recorded steps `rows`
+        (packed by `cu_seqlens`); nothing else runs (MLA needs no rollback)."""
+        kda = [i for i, layer in enumerate(self.layers) if layer.is_kda]
+        assert len(kda) == len(record.layers), "record is not from this model's forward"
+        for i, steps in zip(kda, record.layers, strict=True):
+            attn = self.layers[i].self_attn
+            assert isinstance(attn, KDAttention)
+            j = self.cache_index[i]
+            attn.replay_steps(KDASteps(*(t.index_select(0, rows) for t in steps)), cu_seqlens,
+                              state_slots, states.recurrent[j], states.conv[j])
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[L, D] final hidden states -> fp32 logits [L, vocab]."""

@@ -4,11 +4,12 @@ rejection sampling when temperature > 0).
 A decode with k drafts runs its last token plus the drafts in one forward (mixed with the
 other requests' normal decodes), with logits at all 1 + k positions. Accepting j < k drafts
 leaves the KDA recurrent and conv states k - j tokens too far, and a recurrent state cannot be
-truncated. Before the forward the request's slot is copied to a scratch slot; after it, the
-state is restored and only the accepted 1 + j tokens are replayed (the other measured option,
-keeping every intermediate state in scratch, needs per-step state output from every kernel).
-The rejected tokens' MLA latents need no rollback: the context length simply stops before them
-and later tokens overwrite them.
+truncated. Before the forward the request's slot is copied to a scratch slot, and the forward
+records every KDA layer's step inputs (`StepRecord`); after it, the state is restored and only
+the accepted 1 + j steps are replayed through the KDA conv windows and recurrences (no
+projections, MoE, MLA or LM head: a full-model replay cost about as much as the verify). The
+rejected tokens' MLA latents need no rollback: the context length simply stops before them and
+later tokens overwrite them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kdaserve.engine.sampler import apply_filters
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.request import Request
 from kdaserve.spec.drafter import Drafter
+from kdaserve.spec.record import StepRecord
 
 
 def reject_sample(probs: torch.Tensor, drafts: list[int],
@@ -100,6 +102,19 @@ class Speculator:
             saved[id(req)] = (scratch, req.num_computed_tokens)
         return saved
 
+    def record(self, batch: ScheduledBatch, saved: dict[int, tuple[int, int]],
+               device: torch.device) -> StepRecord:
+        """What the verify forward keeps for the rollback: the saved requests' rows."""
+        rows: list[int] = []
+        starts: dict[int, int] = {}
+        row = 0
+        for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+            if id(req) in saved:
+                starts[id(req)] = len(rows)
+                rows.extend(range(row, row + n))
+            row += n
+        return StepRecord(rows, starts, device)
+
     def accept(self, req: Request, rows: torch.Tensor, start: int) -> tuple[list[int], bool]:
         """Greedy acceptance: drafts are kept while they equal the target's argmax; the
         target's token at the first mismatch (or after the last draft) is the bonus. Returns
@@ -123,11 +138,11 @@ class Speculator:
         self.num_accepted += j
         return drafts[:j] + [bonus], j < len(drafts)
 
-    def restore(self, req: Request, scratch: int, start: int) -> None:
-        """Back to the state before the verify forward, ready to replay the accepted tokens."""
+    def restore(self, req: Request, scratch: int) -> None:
+        """Back to the KDA states before the verify forward, ready to replay the accepted
+        steps (req.num_computed_tokens already counts them)."""
         assert req.state_slot is not None
         self.states.copy(scratch, req.state_slot)
-        req.num_computed_tokens = start
 
     def release(self, saved: dict[int, tuple[int, int]]) -> None:
         for scratch, _ in saved.values():

@@ -130,3 +130,48 @@ def test_sampled_requests_with_drafts_are_reproducible(tiny_ckpt: Path,
     assert a == b and len(a) == NEW
     assert llm.get_metrics()["spec_num_verifies"] > 0
     llm.check_integrity()
+
+
+def test_partial_acceptance_leaves_the_states_of_plain_decoding(
+        tiny_ckpt: Path, spec_prompts: list[list[int]]) -> None:
+    """After verifies that keep 2 of 4 drafts (0 of 4 for one request, so the replayed spans
+    differ within a batch), each request's KDA recurrent and conv states in the pool equal a
+    plain engine's after decoding the same tokens: the rollback replays exactly the accepted
+    steps."""
+    k, prompts = 4, spec_prompts[:3]
+    plain = LLM(tiny_ckpt, disable_prefix_cache=True)
+    refs = reference(plain, prompts)
+    futures = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
+    llm = LLM(tiny_ckpt, speculative_algorithm="ngram", speculative_num_draft_tokens=k,
+              disable_prefix_cache=True)
+    vocab = llm.config.vocab_size
+
+    class Scripted(ScriptedDrafter):
+        def propose(self, reqs: list, load: float = 0.0) -> None:
+            super().propose(reqs, load)
+            for req in reqs:
+                if req.prompt_ids == prompts[1] and req.draft_ids:
+                    req.draft_ids[0] = (req.draft_ids[0] + 1) % vocab
+
+    engine = llm.engine
+    assert engine.spec is not None
+    engine.spec.drafter = scripted = Scripted(None, k, vocab, futures, {2})
+    for p in prompts:
+        engine.add_request(p, GREEDY)
+    while len(scripted.log) < 2 * len(prompts):  # every request verified twice
+        engine.step()
+    assert {j for n, j in scripted.log if n} == {0, 2}
+    states = engine.states
+    for req, prompt in zip(engine.scheduler.running, prompts, strict=True):
+        assert req.prompt_ids == prompt and req.num_computed_tokens == req.num_tokens - 1
+        rid = plain.engine.add_request(prompt, GREEDY)
+        mine = plain.engine.groups[rid][0]
+        while len(mine.output_ids) < len(req.output_ids):
+            plain.engine.step()
+        assert mine.output_ids == req.output_ids
+        for pool in ("recurrent", "conv"):
+            ours = getattr(states, pool)[:, req.state_slot]
+            theirs = getattr(plain.engine.states, pool)[:, mine.state_slot]
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5, msg=pool)
+        plain.engine.abort(rid)
+    plain.engine.check_integrity()

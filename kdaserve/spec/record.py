@@ -1,0 +1,57 @@
+"""`StepRecord`: the KDA step inputs of a verify forward, kept so that the accepted steps can
+be replayed through the KDA recurrences alone.
+
+Accepting j < k drafts leaves a request's KDA states k - j steps too far. The state is
+restored from its scratch copy and advanced again by the accepted 1 + j steps, which only
+needs what each KDA layer fed its short conv and its delta rule: those rows depend on the
+tokens before them alone (causal), so the verify forward already computed them exactly. The
+projections, MoE, MLA and LM head are not run again. (The other option of issue 8, every
+intermediate state kept in scratch, needs per-step state output from every kda_chunk backend
+and costs H*K*V floats per token per layer to write.)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class KDASteps(NamedTuple):
+    """One KDA layer's inputs for the recorded rows (R of them)."""
+
+    qkv: torch.Tensor  # [R, 3P] pre-conv q|k|v: what the conv window holds
+    q: torch.Tensor  # [R, H, K] post-conv, as kda_chunk takes them
+    k: torch.Tensor  # [R, H, K]
+    v: torch.Tensor  # [R, H, V]
+    f: torch.Tensor  # [R, H, K] raw gate
+    beta: torch.Tensor  # [R, H] logits
+
+
+class StepRecord:
+    """Set on a `ForwardBatch` (`record`) to make every KDA layer keep its step inputs for the
+    batch rows `rows` (the verifying requests' tokens only: a prefill chunk in the same batch
+    is not copied). `layers[i]` belongs to the i-th KDA layer of the model.
+
+    starts: id(req) -> the request's first row in the record."""
+
+    def __init__(self, rows: list[int], starts: dict[int, int],
+                 device: torch.device | str) -> None:
+        self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.starts = starts
+        self.layers: list[KDASteps] = []
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        """A KDA layer's qkv, q, k, v, f, beta over the whole batch [T, ...]."""
+        self.layers.append(KDASteps(*(t.index_select(0, self.rows) for t in tensors)))
+
+    def spans(self, replays: list[tuple[int, int]],
+              device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(start in the record, steps) per replayed request -> (record rows [T'],
+        cu_seqlens [B'+1]) packing those steps."""
+        rows, cu = [], [0]
+        for start, n in replays:
+            rows.extend(range(start, start + n))
+            cu.append(cu[-1] + n)
+        return (torch.tensor(rows, dtype=torch.int64, device=device),
+                torch.tensor(cu, dtype=torch.int64, device=device))
