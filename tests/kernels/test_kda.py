@@ -127,3 +127,35 @@ def test_short_conv_matches_conv1d_and_continues(lengths):
         torch.testing.assert_close(y[cu[b]:cu[b + 1]], ref[0].t())
         tail = torch.cat([torch.zeros(W - 1, D), x[cu[b]:cu[b + 1]]])[-(W - 1):]
         torch.testing.assert_close(state[b], tail)
+
+
+CHUNK_CPU = [b.name for b in registry.backends("kda_chunk") if b.supports(torch.device("cpu"))[0]]
+
+
+@pytest.mark.parametrize("backend", CHUNK_CPU)
+def test_kda_chunk_snapshots_are_the_states_of_prefixes(backend: str) -> None:
+    """Snapshot rows mid-sequence (two in one sequence), at a sequence's first and last
+    token: each snapshot slot holds the state of that prefix run alone, and outputs and
+    final states are those of the call without snapshots."""
+    fn = registry.resolve("kda_chunk", torch.device("cpu"), backend)
+    ref = registry.resolve("kda_recurrent", torch.device("cpu"), "ref")
+    lengths = [1, 70, 3, 128, 40]
+    q, k, v, f, beta, A_log, dt_bias, cu = make_inputs(lengths, seed=5)
+    B = len(lengths)
+    init = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(6))
+    rows = torch.tensor([int(cu[1]) + 20, int(cu[1]) + 63, int(cu[2]), int(cu[4]) - 1, 0])
+    dst = torch.tensor([B + 0, B + 1, B + 2, B + 3, B + 4])
+    pool, plain = torch.zeros(2 * B, H, K, V), torch.zeros(2 * B, H, K, V)
+    pool[:B], plain[:B] = init, init
+    slots = torch.arange(B)
+    o = fn(q, k, v, f, beta, A_log, dt_bias, pool, slots, cu, snapshots=(rows, dst))
+    o_plain = fn(q, k, v, f, beta, A_log, dt_bias, plain, slots, cu)
+    torch.testing.assert_close(o, o_plain, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(pool[:B], plain[:B], atol=2e-5, rtol=1e-4)
+    for r, d in zip(rows.tolist(), dst.tolist(), strict=True):
+        b = int((cu[1:] <= r).sum())
+        s = int(cu[b])
+        alone = init[b:b + 1].clone()
+        ref(*(x[s:r + 1] for x in (q, k, v, f, beta)), A_log, dt_bias, alone,
+            torch.tensor([0]), torch.tensor([0, r + 1 - s]))
+        torch.testing.assert_close(pool[d], alone[0], atol=2e-5, rtol=1e-4)

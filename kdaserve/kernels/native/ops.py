@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, library
-from kdaserve.kernels.ref.kda import kda_chunk_ref
+from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_ref
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -49,23 +49,29 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
 
 def kda_chunk_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                     state: torch.Tensor, state_slots: torch.Tensor,
-                     cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Same contract as `kda_chunk_ref` (packed ragged sequences, states in place); computed
-    as a token-serial scan per (sequence, head), see csrc/kda_cpu.cpp for why."""
+                     state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                     snapshots: Snapshots | None = None) -> torch.Tensor:
+    """Same contract as `kda_chunk_ref` (packed ragged sequences, states in place, optional
+    snapshots written by the scan as it passes their rows); computed as a token-serial scan
+    per (sequence, head), see csrc/kda_cpu.cpp for why."""
     T, H, K = q.shape
     V = v.shape[-1]
     if not (_f32(q, k, v, g, beta, A_log, dt_bias, state) and state.is_contiguous()
             and max(K, V) <= MAX_HEAD_DIM):
-        return kda_chunk_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens)
+        return kda_chunk_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens,
+                             snapshots)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     slots = state_slots.to(torch.int64).contiguous()
     cu = cu_seqlens.to(torch.int64).contiguous()
+    snap = None
+    if snapshots is not None and snapshots[0].numel():
+        snap = torch.full((T,), -1, dtype=torch.int64)
+        snap[snapshots[0]] = snapshots[1].to(torch.int64)
     out = torch.empty(T, H, V, dtype=torch.float32)
     library().kda_prefill_f32(
         _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(A_log.contiguous()),
-        _ptr(dt_bias.contiguous()), _ptr(state), _ptr(slots), _ptr(cu), _ptr(out),
-        cu.shape[0] - 1, H, K, V)
+        _ptr(dt_bias.contiguous()), _ptr(state), _ptr(slots), _ptr(cu),
+        None if snap is None else _ptr(snap), _ptr(out), cu.shape[0] - 1, H, K, V)
     return out
 
 

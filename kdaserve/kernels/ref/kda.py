@@ -79,12 +79,51 @@ def kda_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return _unpad(out, cu).to(v.dtype)
 
 
+Snapshots = tuple[torch.Tensor, torch.Tensor]
+
+
+def kda_chunk_in_segments(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor,
+                          dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
+                          cu_seqlens: torch.Tensor, snapshots: Snapshots) -> torch.Tensor:
+    """`kda_chunk` with snapshots for a backend whose kernel cannot emit them: sequences
+    without a snapshot row run in one call; each one with snapshots runs segment by segment,
+    its state copied to the snapshot slot after each segment that ends on a snapshot row."""
+    rows, dst = snapshots
+    cu = cu_seqlens.tolist()
+    snap = dict(zip(rows.tolist(), dst.tolist(), strict=True))
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=v.dtype, device=v.device)
+    args = (q, k, v, g, beta)
+    plain = [b for b in range(len(cu) - 1) if not any(cu[b] <= r < cu[b + 1] for r in snap)]
+    if plain:
+        idx = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in plain]).to(q.device)
+        lens = torch.tensor([0] + [cu[b + 1] - cu[b] for b in plain]).cumsum(0)
+        out[idx] = fn(*(a[idx] for a in args), A_log, dt_bias, state, state_slots[plain],
+                      lens.to(cu_seqlens.device))
+    for b in (b for b in range(len(cu) - 1) if b not in plain):
+        cuts = sorted(r + 1 for r in snap if cu[b] <= r < cu[b + 1] - 1) + [cu[b + 1]]
+        start = cu[b]
+        for end in cuts:
+            one = torch.tensor([0, end - start], device=cu_seqlens.device)
+            out[start:end] = fn(*(a[start:end] for a in args), A_log, dt_bias, state,
+                                state_slots[b:b + 1], one)
+            if end - 1 in snap:
+                state[snap[end - 1]] = state[state_slots[b]]
+            start = end
+    return out
+
+
 def kda_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                  state: torch.Tensor, state_slots: torch.Tensor,
-                  cu_seqlens: torch.Tensor) -> torch.Tensor:
+                  state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                  snapshots: Snapshots | None = None) -> torch.Tensor:
     """Chunked (WY / UT-transform) form, CHUNK-token chunks; same contract as
-    `kda_recurrent_ref`."""
+    `kda_recurrent_ref`, plus `snapshots = (rows, slots)`: the state of a sequence right
+    after its token at packed row rows[i] is also written to pool row slots[i] (the prefix
+    cache's snapshots, taken inside a prefill chunk instead of cutting the chunk there)."""
+    if snapshots is not None and snapshots[0].numel():
+        return kda_chunk_in_segments(kda_chunk_ref, q, k, v, g, beta, A_log, dt_bias, state,
+                                     state_slots, cu_seqlens, snapshots)
     cu = cu_seqlens.tolist()
     q, k, g, beta = _activate(q, k, g, beta, A_log, dt_bias)
     Tm = max(cu[i + 1] - cu[i] for i in range(len(cu) - 1))

@@ -10,16 +10,22 @@ from __future__ import annotations
 import torch
 
 from kdaserve.kernels.cpu.decode import short_conv_cpu
+from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_in_segments
 
 
 def kda_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                     state: torch.Tensor, state_slots: torch.Tensor,
-                     cu_seqlens: torch.Tensor) -> torch.Tensor:
+                     state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                     snapshots: Snapshots | None = None) -> torch.Tensor:
     """`kda_chunk_ref`'s contract: q, k: [T, H, K]; v: [T, H, V]; g: [T, H, K] raw gate;
     beta: [T, H] logits; state: [N, H, K, V] fp32 pool updated through state_slots [B];
-    cu_seqlens: [B+1]. Returns [T, H, V] in v.dtype."""
+    cu_seqlens: [B+1]. Returns [T, H, V] in v.dtype. Snapshots: the sequences that have
+    them run in segments (fla returns only final states)."""
     from fla.ops.kda import chunk_kda
+
+    if snapshots is not None and snapshots[0].numel():
+        return kda_chunk_in_segments(kda_chunk_triton, q, k, v, g, beta, A_log, dt_bias, state,
+                                     state_slots, cu_seqlens, snapshots)
 
     slots = state_slots.to(device=q.device, dtype=torch.long)
     o, final = chunk_kda(

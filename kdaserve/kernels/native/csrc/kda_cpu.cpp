@@ -158,10 +158,12 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
 // cu[b]..cu[b+1] and continues from state slot slots[b]; out [T, H, V] (before the norm).
 // A token-serial scan per (sequence, head): the head's 64 KB state stays in L2 and each
 // token costs 4KV flops, less than the chunk form's [C, C, K] pairwise decays cost here.
+// snap (nullable) [T]: where snap[t] >= 0 the state after row t is also copied to that
+// pool row (prefix-cache snapshots inside a chunk).
 void kda_prefill_f32(const float* q_in, const float* k_in, const float* v_in, const float* f,
                      const float* beta, const float* A_log, const float* dt_bias, float* state,
-                     const int64_t* slots, const int64_t* cu, float* out, int64_t B, int64_t H,
-                     int64_t K, int64_t V) {
+                     const int64_t* slots, const int64_t* cu, const int64_t* snap, float* out,
+                     int64_t B, int64_t H, int64_t K, int64_t V) {
   const float qscale = 1.0f / std::sqrt(static_cast<float>(K));
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t task = 0; task < B * H; ++task) {
@@ -177,6 +179,10 @@ void kda_prefill_f32(const float* q_in, const float* k_in, const float* v_in, co
       decay_gate(f + row * K, dt_bias + h * K, A_log[h], K, decay);
       delta_step(S, q, k, v_in + row * V, decay, sigmoidf(beta[row]), K, V, tmp,
                  out + row * V);
+      if (snap != nullptr && snap[t] >= 0) {
+        float* dst = state + (snap[t] * H + h) * K * V;
+        for (int64_t i = 0; i < K * V; ++i) dst[i] = S[i];
+      }
     }
   }
 }
