@@ -29,6 +29,9 @@ class ForwardBatch:
     is_decode: bool = False  # every sequence has exactly one new token
     # set for a verify forward: KDA layers keep their step inputs for the state rollback
     record: StepRecord | None = None
+    # prefix-cache snapshots inside this step's chunks: (sequence index [S], tokens of that
+    # sequence's chunk up to and including the snapshot position [S], state pool slot [S])
+    snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -241,6 +241,7 @@ class LLMEngine:
         record = spec.record(batch, saved, self.device) if spec is not None and saved else None
         wants_hidden = spec is not None and spec.drafter.wants_hidden
         logits, to_sample, hidden = self.runner.run(batch, wants_hidden, record)
+        self.scheduler.insert_snapshots(batch)
         self.counters["num_steps"] += 1
         touched: dict[str, None] = {}
         # logits rows: one per sampled request, 1 + k for a request verifying k drafts

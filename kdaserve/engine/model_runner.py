@@ -35,6 +35,14 @@ class ModelRunner:
         fb = ForwardBatch.build(new_tokens, num_cached, [r.state_slot for r in batch.reqs],
                                 [r.block_ids for r in batch.reqs], self.blocks.block_size,
                                 sample=sample, num_logits=num_logits, device=self.device)
+        if batch.snapshots:
+            index = {id(r): i for i, r in enumerate(batch.reqs)}
+            cols = ([index[id(r)] for r, _, _ in batch.snapshots],
+                    [p - r.num_computed_tokens for r, p, _ in batch.snapshots],
+                    [s for _, _, s in batch.snapshots])
+            seqs, n, slots = (torch.tensor(c, dtype=torch.int64, device=self.device)
+                              for c in cols)
+            fb.snapshots = (seqs, n, slots)
         return fb, [r for r, s in zip(batch.reqs, sample, strict=True) if s]
 
     @torch.inference_mode()

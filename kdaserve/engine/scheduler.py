@@ -46,6 +46,9 @@ class ScheduledBatch:
     reqs: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # prefix-cache snapshots inside this step's chunks, (request, position, state slot): the
+    # KDA layers write the state after `position` tokens into the slot during the forward
+    snapshots: list[tuple[Request, int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -67,6 +70,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._in_flight: list[tuple[Request, int, int]] = []  # planned in-chunk snapshots
         self.num_preemptions = 0
         self.hooks: RequestHooks | None = None
 
@@ -193,6 +197,7 @@ class Scheduler:
             batch.reqs.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+        self._plan_snapshots(batch)
         return batch
 
     # ---- prefix cache ----
@@ -267,17 +272,40 @@ class Scheduler:
         req.snapshot_points = sorted(p for p in points if p > req.num_computed_tokens)
 
     def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens to run now: the budget, cut at the next snapshot point; a decode with
-        drafts runs its last token and the drafts (as many as the budget allows)."""
+        """Tokens to run now: the budget (snapshot points inside it do not cut the chunk: the
+        kernels take those snapshots, see `_plan_snapshots`); a decode with drafts runs its
+        last token and the drafts (as many as the budget allows)."""
         start = req.num_computed_tokens
         if req.draft_ids and req.num_tokens - start == 1:
             del req.draft_ids[max(budget - 1, 0):]
             return min(1 + len(req.draft_ids), budget)
-        n = min(req.num_tokens - start, budget)
-        for p in req.snapshot_points:
-            if start < p < start + n:
-                return p - start
-        return n
+        return min(req.num_tokens - start, budget)
+
+    def _plan_snapshots(self, batch: ScheduledBatch) -> None:
+        """Snapshot points strictly inside a chunk get a slot now; the forward fills it and
+        `insert_snapshots` hands it to the tree. (A point at the chunk's end is taken after
+        the step by `take_snapshots`, as before.)"""
+        self._in_flight = batch.snapshots  # slots owned by no one until insert_snapshots
+        if self.cache is None:
+            return
+        for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+            start = req.num_computed_tokens
+            for p in [p for p in req.snapshot_points if start < p < start + n]:
+                slot = self._snapshot_slot()
+                if slot is None:
+                    return
+                req.snapshot_points.remove(p)
+                batch.snapshots.append((req, p, slot))
+
+    def insert_snapshots(self, batch: ScheduledBatch) -> None:
+        """After the forward, before any request of the batch can finish: the planned
+        in-chunk snapshots go to the tree (which frees a slot it already has one for)."""
+        assert self.cache is not None or not batch.snapshots
+        for req, p, slot in batch.snapshots:
+            assert self.cache is not None
+            if self.cache.insert(req.all_ids[:p], req.block_ids, slot):
+                self._cap_snapshots()
+        self._in_flight = []
 
     def take_snapshots(self, reqs: list[Request]) -> None:
         """After a step: snapshot requests that just reached a planned prefill position, and
@@ -346,6 +374,7 @@ class Scheduler:
         work_slots = [r.state_slot for r in self.running]
         assert None not in work_slots, "running request without a state slot"
         held_slots = work_slots + [r.track_slot for r in self.running if r.track_slot is not None]
+        held_slots += [slot for _, _, slot in self._in_flight]
         if self.cache is not None:
             held_blocks += self.cache.tree_blocks()
             held_slots += self.cache.snapshot_slots()

@@ -70,13 +70,22 @@ class KDAttention(nn.Module):
                                         recurrent_state, conv_state, batch.state_slots)
             return self.o_proj(o.reshape(T, H * K))
         pre = qkv
+        snapshots = None
+        if batch.snapshots is not None:
+            # conv windows at the snapshot positions, from the windows before this chunk (the
+            # short conv overwrites them); the recurrent states come from kda_chunk itself
+            seqs, n, dst = batch.snapshots
+            starts = batch.cu_seqlens[seqs]
+            conv_state[dst] = conv_windows(conv_state[batch.state_slots[seqs]], pre, starts, n)
+            snapshots = (starts + n - 1, dst)
         qkv = self.kernels.short_conv(qkv, self.conv_weight, conv_state, batch.state_slots,
                                       batch.cu_seqlens)
         q, k, v = (t.view(T, H, K) for t in qkv.chunk(3, dim=-1))
         if batch.record is not None:  # a verify forward: keep the steps for the rollback
             batch.record.add(pre, q, k, v, f, beta)
         o = self.kernels.kda_chunk(q, k, v, f, beta, self.A_log, self.dt_bias, recurrent_state,
-                                   batch.state_slots, batch.cu_seqlens)
+                                   batch.state_slots, batch.cu_seqlens,
+                                   snapshots=snapshots)
         o = gated_rmsnorm(o, z, self.o_norm_weight, self.eps)
         return self.o_proj(o.reshape(T, H * K))
 
@@ -86,15 +95,21 @@ class KDAttention(nn.Module):
         exactly as a forward over those tokens would, without its outputs: the conv window
         becomes the last W-1 rows of [window ; new pre-conv rows], and kda_chunk runs the
         delta rule on the recorded post-conv rows."""
-        W1 = conv_state.shape[1]
-        n = cu_seqlens[1:] - cu_seqlens[:-1]
-        B = n.shape[0]
-        # row i of the new window is row n_b + i of [old window ; new rows] (old rows first
-        # in `ext`, B * W1 of them, then the packed new rows): one gather for every request
-        pos = n[:, None] + torch.arange(W1, device=n.device)
-        old = torch.arange(B, device=n.device)[:, None] * W1 + pos
-        new = B * W1 + cu_seqlens[:-1, None] + pos - W1
-        ext = torch.cat([conv_state[state_slots].flatten(0, 1), steps.qkv.to(conv_state.dtype)])
-        conv_state[state_slots] = ext[torch.where(pos < W1, old, new)]
+        conv_state[state_slots] = conv_windows(conv_state[state_slots], steps.qkv,
+                                               cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1])
         self.kernels.kda_chunk(steps.q, steps.k, steps.v, steps.f, steps.beta, self.A_log,
                                self.dt_bias, recurrent_state, state_slots, cu_seqlens)
+
+
+def conv_windows(old: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                 n: torch.Tensor) -> torch.Tensor:
+    """The short-conv windows [S, W-1, C] after n[s] more inputs: the last W-1 rows of
+    [old[s] ; rows[starts[s] : starts[s] + n[s]]] (old windows first, then packed rows)."""
+    S, W1 = old.shape[0], old.shape[1]
+    # row i of the new window is row n + i of [old window ; new rows] (in `ext`: the S * W1
+    # old rows, then the packed new rows): one gather for every window
+    pos = n[:, None] + torch.arange(W1, device=n.device)
+    from_old = torch.arange(S, device=n.device)[:, None] * W1 + pos
+    from_new = S * W1 + starts[:, None] + pos - W1
+    ext = torch.cat([old.flatten(0, 1), rows.to(old.dtype)])
+    return ext[torch.where(pos < W1, from_old, from_new)]

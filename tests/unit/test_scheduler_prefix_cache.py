@@ -84,9 +84,14 @@ class FakeEngine:
             tokens = torch.tensor(req.all_ids[start:start + n], dtype=torch.float32)
             self.blocks.kv[0, table[pos // bs], pos % bs, 0] = tokens
             write_state(self.states, req.state_slot, req.all_ids[:start + n])
+            for r, p, slot in batch.snapshots:  # what the KDA kernels write inside a chunk
+                if r is req:
+                    assert start < p < start + n
+                    write_state(self.states, slot, req.all_ids[:p])
             req.num_computed_tokens += n
             if req.num_computed_tokens == req.num_tokens:
                 sampled.append(req)
+        s.insert_snapshots(batch)
         s.take_snapshots(batch.reqs)
         self.check()
         for req in sampled:
@@ -120,11 +125,12 @@ def prompt(seed: str, n: int) -> list[int]:
 P = prompt("system", 150)
 
 
-def test_prompt_prefill_is_cut_at_the_last_block_boundary_and_cached() -> None:
+def test_prompt_prefill_snapshots_the_last_block_boundary_inside_its_chunk() -> None:
     eng = FakeEngine()
     a = eng.add("a", P[:100], max_tokens=1)
     batches = eng.run_until_done()
-    assert eng.chunks_of(a, batches) == [96, 4], "prefill not cut at the snapshot point (96)"
+    assert eng.chunks_of(a, batches) == [100], "a snapshot point must not cut the chunk"
+    assert [(r.rid, p) for r, p, _ in batches[0].snapshots] == [("a", 96)]
     assert a.output_ids == expected_output(P[:100], 1)
     assert snapshot_depths(eng.cache) == [96]
     assert list(tree_paths(eng.cache).values()) == [tuple(P[:96])]
@@ -161,8 +167,10 @@ def test_resumed_request_shares_blocks_and_gets_a_copy_of_the_snapshot() -> None
         assert b.state_slot is not None and b.state_slot != snap, "request runs on the snapshot"
         assert torch.equal(eng.states.recurrent[:, b.state_slot], saved[0]), "snapshot not copied"
         assert torch.equal(eng.states.conv[:, b.state_slot], saved[1])
-        assert b.snapshot_points == [112]  # 125 // 16 * 16; the grid point 64 is already cached
-        assert batch.num_new_tokens == [16], "first chunk not cut at the snapshot point"
+        # 125 // 16 * 16, inside the chunk (the grid point 64 is already cached)
+        assert [(r.rid, p) for r, p, _ in batch.snapshots] == [("b", 112)]
+        assert b.snapshot_points == []
+        assert batch.num_new_tokens == [30], "a snapshot point must not cut the chunk"
         # the request's kernels update its slot in place
         eng.states.recurrent[:, b.state_slot] = 9.0
         eng.states.conv[:, b.state_slot] = 9.0
@@ -173,7 +181,7 @@ def test_resumed_request_shares_blocks_and_gets_a_copy_of_the_snapshot() -> None
     assert torch.equal(eng.states.recurrent[:, snap], saved[0]), "snapshot written through"
     assert torch.equal(eng.states.conv[:, snap], saved[1])
     batches = eng.run_until_done()
-    assert eng.chunks_of(b, batches)[0] == 14 and b.output_ids == expected_output(b_prompt, 3)
+    assert eng.chunks_of(b, batches) == [1, 1] and b.output_ids == expected_output(b_prompt, 3)
     assert snapshot_depths(eng.cache) == [96, 112, 128]  # + b's decode track at 128
     assert node.lock == 0
 
@@ -188,7 +196,8 @@ def test_fork_part_way_into_a_cached_prefix_snapshots_the_branch_point() -> None
     c = eng.add("c", c_prompt, max_tokens=1)
     batches = eng.run_until_done()
     assert c.num_cached_prompt == 0
-    assert eng.chunks_of(c, batches) == [128, 16, 16], "not cut at the branch point and 144"
+    assert eng.chunks_of(c, batches) == [160], "a snapshot point must not cut the chunk"
+    assert [p for r, p, _ in batches[0].snapshots] == [128, 144], "branch point and 144"
     assert snapshot_depths(eng.cache) == [128, 144, 144]
     branch = find(eng.cache, P[:128])
     assert branch is not None and branch.state_slot is not None and len(branch.children) == 2
