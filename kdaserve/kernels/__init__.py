@@ -58,6 +58,7 @@ from kdaserve.kernels.cpu.moe import moe_experts_cpu  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
 from kdaserve.kernels.native.ops import (  # noqa: E402
     kda_chunk_native,
+    kda_chunk_native_wy,
     kda_decode_native,
     linear_native,
     mla_attention_native,
@@ -76,6 +77,7 @@ registry.register("kda_recurrent", "cpu", kda_recurrent_cpu, priority=10, suppor
 registry.register("kda_decode", "cpu", kda_decode_cpu, priority=10, supports=_cpu_only)
 registry.register("kda_decode", "native", kda_decode_native, priority=20, supports=_native)
 registry.register("kda_chunk", "native", kda_chunk_native, priority=20, supports=_native)
+registry.register("kda_chunk", "native_wy", kda_chunk_native_wy, priority=15, supports=_native)
 registry.register("mla_attention", "native", mla_attention_native, priority=20,
                   supports=_native)
 registry.register("moe_experts", "cpu", moe_experts_cpu, priority=10, supports=_cpu_only)

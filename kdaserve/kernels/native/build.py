@@ -30,6 +30,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "kda_decode_f32": [_P] * 12 + [_I] * 5 + [_F],
     "kda_prefill_f32": [_P] * 12 + [_I] * 4,
+    "kda_chunked_f32": [_P] * 12 + [_I] * 4,
     "mla_decode_f32": [_P] * 6 + [_I] * 6 + [_F],
     "moe_decode_f32": [_P] * 6 + [_I] * 5,
     "linear_small_f32": [_P] * 3 + [_I] * 3,

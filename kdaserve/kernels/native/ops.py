@@ -47,13 +47,10 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
     return out
 
 
-def kda_chunk_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                     state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                     snapshots: Snapshots | None = None) -> torch.Tensor:
-    """Same contract as `kda_chunk_ref` (packed ragged sequences, states in place, optional
-    snapshots written by the scan as it passes their rows); computed as a token-serial scan
-    per (sequence, head), see csrc/kda_cpu.cpp for why."""
+def _kda_prefill(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                 state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                 snapshots: Snapshots | None) -> torch.Tensor:
     T, H, K = q.shape
     V = v.shape[-1]
     if not (_f32(q, k, v, g, beta, A_log, dt_bias, state) and state.is_contiguous()
@@ -68,11 +65,33 @@ def kda_chunk_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         snap = torch.full((T,), -1, dtype=torch.int64)
         snap[snapshots[0]] = snapshots[1].to(torch.int64)
     out = torch.empty(T, H, V, dtype=torch.float32)
-    library().kda_prefill_f32(
+    getattr(library(), kernel)(
         _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(A_log.contiguous()),
         _ptr(dt_bias.contiguous()), _ptr(state), _ptr(slots), _ptr(cu),
         None if snap is None else _ptr(snap), _ptr(out), cu.shape[0] - 1, H, K, V)
     return out
+
+
+def kda_chunk_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
+                     snapshots: Snapshots | None = None) -> torch.Tensor:
+    """Same contract as `kda_chunk_ref` (packed ragged sequences, states in place, optional
+    snapshots written as the kernel passes their rows), computed as a token-serial scan per
+    (sequence, head): measured 2x faster here than the chunk form below."""
+    return _kda_prefill("kda_prefill_f32", q, k, v, g, beta, A_log, dt_bias, state,
+                        state_slots, cu_seqlens, snapshots)
+
+
+def kda_chunk_native_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                        beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                        state: torch.Tensor, state_slots: torch.Tensor,
+                        cu_seqlens: torch.Tensor,
+                        snapshots: Snapshots | None = None) -> torch.Tensor:
+    """The chunk (WY / UT) form in C++ (16-token chunks), the same contract: registered
+    below the scan, so it is tested and timed (`bench kernels`) but chosen only by name."""
+    return _kda_prefill("kda_chunked_f32", q, k, v, g, beta, A_log, dt_bias, state,
+                        state_slots, cu_seqlens, snapshots)
 
 
 def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
