@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kdaserve.kernels.ref.kda import (
-    gated_rmsnorm,
+    compose_kda_decode,
     kda_gate_ref,
     kda_recurrent_ref,
     l2norm_ref,
@@ -46,13 +46,8 @@ def kda_decode_cpu(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: to
                    norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                    conv_state: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
     """`kda_decode_ref`'s composition with the batched decode ops above."""
-    B, H, K = f.shape
-    cu = torch.arange(B + 1, device=qkv.device)
-    x = short_conv_cpu(qkv, conv_weight, conv_state, state_slots, cu)
-    q, k, v = x[:, :H * K].view(B, H, K), x[:, H * K:2 * H * K].view(B, H, K), \
-        x[:, 2 * H * K:].view(B, H, -1)
-    o = kda_recurrent_cpu(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu)
-    return gated_rmsnorm(o, z, norm_weight, eps)
+    return compose_kda_decode(short_conv_cpu, kda_recurrent_cpu, qkv, f, beta, z, conv_weight,
+                              A_log, dt_bias, norm_weight, eps, state, conv_state, state_slots)
 
 
 def short_conv_cpu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

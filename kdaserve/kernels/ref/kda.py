@@ -190,12 +190,22 @@ def kda_decode_ref(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: to
     z: [B, H, V] output gate; conv_weight: [2HK + HV, W]; norm_weight: [V]; state and
     conv_state: this layer's pools (updated in place). Returns [B, H, V] in qkv.dtype.
     """
+    return compose_kda_decode(short_conv_ref, kda_recurrent_ref, qkv, f, beta, z, conv_weight,
+                              A_log, dt_bias, norm_weight, eps, state, conv_state, state_slots)
+
+
+def compose_kda_decode(short_conv, kda_recurrent, qkv: torch.Tensor, f: torch.Tensor,
+                       beta: torch.Tensor, z: torch.Tensor, conv_weight: torch.Tensor,
+                       A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float, state: torch.Tensor, conv_state: torch.Tensor,
+                       state_slots: torch.Tensor) -> torch.Tensor:
+    """`kda_decode` out of a backend's `short_conv` and `kda_recurrent` ops."""
     B, H, K = f.shape
     cu = torch.arange(B + 1, device=qkv.device)
-    x = short_conv_ref(qkv, conv_weight, conv_state, state_slots, cu)
+    x = short_conv(qkv, conv_weight, conv_state, state_slots, cu)
     q, k, v = x[:, :H * K].view(B, H, K), x[:, H * K:2 * H * K].view(B, H, K), \
         x[:, 2 * H * K:].view(B, H, -1)
-    o = kda_recurrent_ref(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu)
+    o = kda_recurrent(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu)
     return gated_rmsnorm(o, z, norm_weight, eps)
 
 
