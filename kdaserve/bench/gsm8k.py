@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kdaserve.bench import roofline
+from kdaserve.bench import roofline, write_result
 
 OFFICIAL_URL = ("https://raw.githubusercontent.com/openai/grade-school-math/master/"
                 "grade_school_math/data/test.jsonl")
@@ -333,11 +333,9 @@ def main(args: argparse.Namespace) -> None:
             r["bandwidth_fraction"] = r["decode_read_gbps"] / machine["read_gbps"]
     _print(table, backends[0].name, machine)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(path), "num_shots": args.num_shots,
-                               "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
-                               "machine": machine, "model_costs": costs, "rows": table},
-                              indent=2))
+    write_result(out, {"model": str(path), "num_shots": args.num_shots,
+                       "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
+                       "machine": machine, "model_costs": costs, "rows": table})
     plot(table, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

@@ -5,7 +5,6 @@ overhead at batch 1 (a decode step of the `tiny` preset, whose compute is neglig
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kdaserve.bench import write_result
 from kdaserve.config import ModelConfig
 from kdaserve.kernels import registry
 
@@ -115,9 +115,8 @@ def main(args: argparse.Namespace) -> None:
         print(f"{r['op']:14} {r['shape']:28} {r['backend']:8} {r['ms']:10.3f} {vs:>8}")
     print(f"engine host overhead per decode step at batch 1 (tiny preset): {overhead:.2f} ms")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "threads": torch.get_num_threads(),
-                               "rows": rows, "host_overhead_ms": overhead}, indent=2))
+    write_result(out, {"model": args.model, "threads": torch.get_num_threads(),
+                       "rows": rows, "host_overhead_ms": overhead})
     print(f"wrote {out}")
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kdaserve.bench import write_result
 from kdaserve.config import EngineConfig
 from kdaserve.engine.llm_engine import LLMEngine
 from kdaserve.request import SamplingParams
@@ -105,8 +106,7 @@ def main(args: argparse.Namespace) -> None:
         result[f"chat_ttft_cache_{mode}_s"] = ttfts
         print(f"chat cache {mode:>3}: TTFT per turn (ms) "
               + " ".join(f"{t * 1e3:.0f}" for t in ttfts), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(f"prefill tokens saved {result['prefill_tokens_saved']:.1%}, throughput gain "
           f"{result['throughput_gain']:.2f}x; wrote {args.out}")
 

@@ -11,8 +11,9 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from kdaserve.bench import write_result
 
 
 @dataclass
@@ -143,8 +144,7 @@ def main(args: argparse.Namespace) -> None:
         print(f"{k.upper():>6} {s['mean_ms']:>10.1f} {s['median_ms']:>10.1f} {s['p99_ms']:>10.1f}")
     for e in result["errors"]:
         print("error:", e)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(f"wrote {args.out}")
 
 

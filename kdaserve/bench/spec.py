@@ -14,7 +14,6 @@ identical to the plain run.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -22,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kdaserve.bench import write_result
 from kdaserve.bench.gsm8k import build_prompts, load_data
 from kdaserve.spec.drafter import TokenDrafter
 
@@ -117,10 +117,8 @@ def main(args: argparse.Namespace) -> None:
         _run_drafters(args, plain, prompts, params, refs, results, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens,
-                                          "num_prompts": len(prompts), "rows": results},
-                                         indent=2))
+    write_result(args.out, {"model": args.model, "max_tokens": args.max_tokens,
+                            "num_prompts": len(prompts), "rows": results})
     print(f"wrote {args.out}")
 
 

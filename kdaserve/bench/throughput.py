@@ -9,12 +9,12 @@ drift on a shared machine hits both alike.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from kdaserve.bench import write_result
 
 
 def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -87,8 +87,7 @@ def main(args: argparse.Namespace) -> None:
               "output_len": args.output_len, "threads": torch.get_num_threads(),
               "kernels": {op: fn.__name__ for op, fn in llm.engine.kernels._asdict().items()},
               "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(f"\nwrote {args.out}")
 
 
