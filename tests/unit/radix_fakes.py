@@ -1,4 +1,4 @@
-"""Shared fakes for the prefix-cache tests (no model).
+"""Shared fakes for the scheduler and prefix-cache tests (no model).
 
 - a block written by a request holds the token ids of its positions;
 - a state slot holds the state *after exactly N tokens* as (N, rolling hash of those tokens) in

@@ -22,27 +22,9 @@ from kdaserve.checkpoint import preset_config
 from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
 from kdaserve.request import Request, RequestStatus, SamplingParams
 
+from .radix_fakes import FAKE_VOCAB, expected_output, fake_next_token
+
 CONFIG = preset_config("tiny")
-FAKE_VOCAB = 997  # token ids stay exact in the fp32 cache
-
-
-def fake_next_token(history: Sequence[int]) -> int:
-    """A deterministic 'model': depends only on the token history."""
-    h = 17
-    for t in history:
-        h = (h * 131 + t + 1) % 1_000_003
-    return h % FAKE_VOCAB
-
-
-def expected_output(prompt: Sequence[int], max_tokens: int) -> list[int]:
-    ids = list(prompt)
-    out: list[int] = []
-    while len(out) < max_tokens:
-        out.append(fake_next_token(ids))
-        ids.append(out[-1])
-    return out
-
-
 @dataclass(frozen=True)
 class Spec:
     rid: str
