@@ -300,9 +300,8 @@ class Scheduler:
     def insert_snapshots(self, batch: ScheduledBatch) -> None:
         """After the forward, before any request of the batch can finish: the planned
         in-chunk snapshots go to the tree (which frees a slot it already has one for)."""
-        assert self.cache is not None or not batch.snapshots
         for req, p, slot in batch.snapshots:
-            assert self.cache is not None
+            assert self.cache is not None  # only planned with a cache
             if self.cache.insert(req.all_ids[:p], req.block_ids, slot):
                 self._cap_snapshots()
         self._in_flight = []
