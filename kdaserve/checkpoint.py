@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -77,13 +78,26 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: int = 0,
                     dtype: str = "bfloat16", num_shards: int = 1,
-                    with_tokenizer: bool = True) -> Path:
+                    with_tokenizer: bool = True, tokenizer: str | Path | None = None,
+                    extra_special_tokens: tuple[str, ...] = (),
+                    chat_template: str | Path | None = None) -> Path:
     """Writes config.json, safetensors (sharded with an index when num_shards > 1) and, unless
-    disabled, a Kimi-format tokenizer. Every tensor is random, decay and router bias included."""
+    disabled, a Kimi-format tokenizer. Every tensor is random, decay and router bias included.
+
+    `tokenizer`: a tokenizer folder to ship instead (e.g. the real Kimi tokenizer); the model's
+    vocabulary and BOS/EOS/PAD ids then come from it, and `extra_special_tokens` get free
+    reserved ids in its config (K3's `<|open|>`... tags on K2's tokenizer). `chat_template`: a
+    Jinja file saved as the checkpoint's `chat_template.jinja`."""
     config = preset if isinstance(preset, ModelConfig) else preset_config(preset)
     config = replace(config, checkpoint_dtype=dtype)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        config = copy_tokenizer(Path(tokenizer), out, config, extra_special_tokens)
+    elif extra_special_tokens:
+        raise ValueError("extra special tokens need a tokenizer folder")
+    if chat_template is not None:
+        shutil.copyfile(chat_template, out / "chat_template.jinja")
     torch_dtype = getattr(torch, dtype)
     shapes = checkpoint_shapes(config)
     names = list(shapes)
@@ -108,13 +122,47 @@ def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: i
         f"Random weights written by `kdaserve make-checkpoint` (preset/config above, seed "
         f"{seed}): for tests and benchmarks; the text this model generates is meaningless.\n")
     hub = config.to_hub_dict()
-    if with_tokenizer:
+    if with_tokenizer and tokenizer is None:
         write_kimi_tokenizer(out, config.vocab_size - NUM_SPECIAL)
         # tokenizer.json twin for tools that read only HF fast tokenizers (llama.cpp)
         write_hf_tokenizer_json(out, config.vocab_size - NUM_SPECIAL)
     with open(out / "config.json", "w") as f:
         json.dump(hub, f, indent=2)
     return out
+
+
+def copy_tokenizer(src: Path, out: Path, config: ModelConfig,
+                   extra_special_tokens: tuple[str, ...]) -> ModelConfig:
+    """Copies a tokenizer folder's files into `out`, declaring `extra_special_tokens` at the
+    lowest unused reserved ids; returns `config` with the tokenizer's vocabulary and ids."""
+    from kdaserve.tokenizer import CONFIG_FILE, Tokenizer
+
+    for name in ("tiktoken.model", "tokenizer.json", CONFIG_FILE):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    tok = Tokenizer.from_pretrained(out)  # also checks the folder holds a tokenizer
+    if extra_special_tokens:
+        cfg_path = out / CONFIG_FILE
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        decoder = cfg.setdefault("added_tokens_decoder", {})
+        names = tok.special_tokens
+        free = iter(i for n, i in sorted(names.items(), key=lambda kv: kv[1])
+                    if n.startswith("<|reserved_token_") and str(i) not in decoder)
+        for name in extra_special_tokens:
+            if name in names and not name.startswith("<|reserved_token_"):
+                continue
+            token_id = next(free, None)
+            if token_id is None:
+                raise ValueError(f"no reserved token id left for {name!r}")
+            decoder[str(token_id)] = {"content": name, "lstrip": False, "normalized": False,
+                                      "rstrip": False, "single_word": False, "special": True}
+        cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
+                            encoding="utf-8")
+        tok = Tokenizer.from_pretrained(out)
+    specials = tok.special_tokens
+    return replace(config, vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id,
+                   eos_token_ids=tuple(tok.eos_token_ids),
+                   pad_token_id=specials.get("[PAD]", config.pad_token_id))
 
 
 def default_model_path(preset: str = "bench", seed: int = 0) -> Path:

@@ -31,8 +31,11 @@ def _generate(args: argparse.Namespace) -> None:
 def _make_checkpoint(args: argparse.Namespace) -> None:
     from kdaserve.checkpoint import make_checkpoint
 
+    extra = tuple(t for t in (args.extra_special_tokens or "").split(",") if t)
     path = make_checkpoint(args.out, args.preset, seed=args.seed, dtype=args.dtype,
-                           num_shards=args.shards, with_tokenizer=not args.no_tokenizer)
+                           num_shards=args.shards, with_tokenizer=not args.no_tokenizer,
+                           tokenizer=args.tokenizer, extra_special_tokens=extra,
+                           chat_template=args.chat_template)
     print(f"wrote random-weight '{args.preset}' checkpoint to {path}")
 
 
@@ -73,6 +76,13 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     m.add_argument("--shards", type=int, default=1)
     m.add_argument("--no-tokenizer", action="store_true")
+    m.add_argument("--tokenizer", default=None,
+                   help="tokenizer folder to ship (e.g. the real Kimi tokenizer); the model's "
+                        "vocabulary and special ids follow it")
+    m.add_argument("--extra-special-tokens", default=None,
+                   help="comma-separated special tokens given free reserved ids, e.g. K3's "
+                        "'<|open|>,<|sep|>,<|close|>,<|end_of_msg|>'")
+    m.add_argument("--chat-template", default=None, help="Jinja chat template file to include")
     m.set_defaults(func=_make_checkpoint)
 
     d = sub.add_parser("make-block-drafter",

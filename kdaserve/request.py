@@ -9,6 +9,21 @@ from typing import Any
 
 import torch
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A structured-output constraint: `source` is a JSON Schema (as JSON text), a regex or a
+    Lark grammar (llguidance's dialect, which names special tokens as `<|name|>`)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -27,6 +42,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # return the sampled token's logprob plus this many top ones
     skip_special_tokens: bool = True
+    grammar: Grammar | None = None  # constrain the output (structured outputs)
+    # thinking models: once the output holds this many tokens without `reasoning_end`, the
+    # engine forces `reasoning_end` (the token ids that close the reasoning channel)
+    reasoning_budget: int | None = None
+    reasoning_end: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,6 +69,11 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (self.reasoning_budget is None or (self.reasoning_budget >= 0
+                                                and bool(self.reasoning_end)),
+             "reasoning_budget must be >= 0 and comes with reasoning_end token ids"),
+            (not (self.grammar and self.ignore_eos),
+             "ignore_eos cannot be combined with a grammar: the grammar decides where it ends"),
         ]
         for ok, message in checks:
             if not ok:
@@ -98,6 +123,8 @@ class Request:
     num_drafted: int = 0
     num_accepted: int = 0
     num_verifies: int = 0  # steps that verified drafts
+    matcher: Any = None  # GrammarMatcher of a constrained request
+    reasoning_done: bool = False  # reasoning_end seen (or no reasoning budget)
 
     @property
     def all_ids(self) -> list[int]:

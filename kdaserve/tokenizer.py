@@ -73,7 +73,7 @@ KIMI_NON_SPECIAL = frozenset(
         "<|tool_call_end|>",
     }
 )
-_EXTRA_EOS_TOKENS = ("<|im_end|>", "[EOS]")
+_EXTRA_EOS_TOKENS = ("<|im_end|>", "[EOS]", "<|end_of_msg|>")  # K2, K3 turn ends
 
 
 class _Backend(Protocol):

@@ -19,6 +19,13 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.checkpoint import PRESETS, RANDOM_MARKER, default_model_path
 from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.grammar import (
+    GrammarBackend,
+    apply_bitmask,
+    constrain,
+    needs_mask,
+    note_reasoning,
+)
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.sampler import Sampler
 from kdaserve.engine.scheduler import Scheduler
@@ -80,6 +87,7 @@ class LLMEngine:
                                    max_running)
             self.scheduler.hooks = self.spec
         self.sampler = Sampler()
+        self._grammar: GrammarBackend | None = None  # built on the first constrained request
         self.groups: dict[str, list[Request]] = {}
         self.detok: dict[int, IncrementalDetokenizer] = {}
         self.stop_ids = set(self.model_config.eos_token_ids)
@@ -165,6 +173,15 @@ class LLMEngine:
             text += "; RANDOM WEIGHTS (a built-in test model: its text is meaningless)"
         return text
 
+    def grammar_backend(self) -> GrammarBackend:
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer, but the engine was "
+                                 "created with skip_tokenizer_init=True")
+            self._grammar = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                           sorted(self.stop_ids))
+        return self._grammar
+
     # ---- requests ----
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -199,6 +216,10 @@ class LLMEngine:
         need = len(ids) + params.max_tokens
         if need > self.scheduler.max_request_tokens():
             self.scheduler.add(children[0])  # raises the descriptive ValueError
+        if params.grammar is not None:  # compiled (and so checked) before anything is queued
+            backend = self.grammar_backend()
+            for child in children:
+                child.matcher = backend.matcher(params.grammar)
         for child in children:
             self.scheduler.add(child)
             if self.tokenizer is not None:
@@ -229,6 +250,7 @@ class LLMEngine:
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
+            self._check_drafts(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
@@ -258,7 +280,14 @@ class LLMEngine:
             assert spec is not None
             k = len(req.draft_ids)
             scratch, start = saved[id(req)]
-            tokens, rollback = spec.accept(req, logits[row:row + 1 + k], start)
+            rows = logits[row:row + 1 + k]
+            if req.matcher is not None:  # each position masked by the state after its drafts
+                assert self._grammar is not None
+                bitmask = self._grammar.allocate_bitmask(1 + k)
+                req.matcher.fill_drafts(bitmask, req.draft_ids)
+                rows = rows.clone()
+                apply_bitmask(rows, bitmask)
+            tokens, rollback = spec.accept(req, rows, start)
             accepted.append((req, len(tokens) - 1, row + len(tokens) - 1))
             row += 1 + k
             for t in tokens:
@@ -275,7 +304,11 @@ class LLMEngine:
         if spec is not None:
             spec.release(saved)
         if plain:
-            result = self.sampler(logits[plain_rows], plain)
+            plain_logits = logits[plain_rows]
+            constrained = [i for i, r in enumerate(plain) if needs_mask(r)]
+            if constrained:
+                constrain(plain_logits, [plain[i] for i in constrained], constrained)
+            result = self.sampler(plain_logits, plain)
             for i, req in enumerate(plain):
                 self._append(req, result.token_ids[i],
                              result.logprobs[i] if result.logprobs else None,
@@ -294,9 +327,34 @@ class LLMEngine:
                 self._forget(rid)
         return outputs
 
+    def _check_drafts(self, running: list[Request]) -> None:
+        """A constrained request verifies only the drafts its grammar allows, and none while
+        its budget is near the forced closing path or its reasoning budget is near its end
+        (forced tokens are placed one a step)."""
+        for req in running:
+            if not req.draft_ids:
+                continue
+            p, k = req.params, len(req.draft_ids)
+            if p.reasoning_budget is not None and not req.reasoning_done \
+                    and len(req.output_ids) + k + 1 >= p.reasoning_budget:
+                req.draft_ids = []
+                continue
+            m = req.matcher
+            if m is None:
+                continue
+            if m.near_budget(p.max_tokens - len(req.output_ids), k):
+                req.draft_ids = []
+            else:
+                del req.draft_ids[m.valid_prefix(req.draft_ids):]
+
     def _append(self, req: Request, token: int, logprob: float | None,
                 top: dict[int, float] | None) -> None:
         req.output_ids.append(token)
+        note_reasoning(req)
+        grammar_done = False
+        if req.matcher is not None:
+            req.matcher.accept(token)
+            grammar_done = req.matcher.is_terminated
         self.counters["generation_tokens"] += 1
         if req.params.logprobs is not None and logprob is not None and top is not None:
             req.logprobs.append(top)
@@ -310,6 +368,8 @@ class LLMEngine:
         elif stop_str is not None:
             self.scheduler.finish(req, "stop")
             req.stop_reason = stop_str
+        elif grammar_done:  # the grammar allows nothing more: complete
+            self.scheduler.finish(req, "stop")
         elif len(req.output_ids) >= p.max_tokens:
             self.scheduler.finish(req, "length")
         if req.is_finished and detok is not None:
@@ -337,6 +397,7 @@ class LLMEngine:
     def _forget(self, rid: str) -> None:
         for r in self.groups.pop(rid):
             self.detok.pop(id(r), None)
+            r.matcher = None
 
     # ---- introspection ----
     def flush_cache(self) -> bool:
