@@ -25,10 +25,12 @@ def complete_utf8_prefix(data: bytes) -> int:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool,
+                 keep_special_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
+        self.keep = frozenset(keep_special_ids)  # special tokens parsers need in the text
         self.text = ""
         self._pending = b""
         self._max_stop = max((len(s) for s in stop), default=0)
@@ -36,7 +38,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str | None:
         """Appends one token; returns the stop string if the text now contains one (the text is
         then cut right before it)."""
-        self._pending += self.tokenizer.decode_bytes([token_id], self.skip_special_tokens)
+        skip = self.skip_special_tokens and token_id not in self.keep
+        self._pending += self.tokenizer.decode_bytes([token_id], skip)
         cut = complete_utf8_prefix(self._pending)
         if cut == 0:
             return None

@@ -42,6 +42,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # return the sampled token's logprob plus this many top ones
     skip_special_tokens: bool = True
+    keep_special_ids: tuple[int, ...] = ()  # decoded even with skip_special_tokens (markers)
     grammar: Grammar | None = None  # constrain the output (structured outputs)
     # thinking models: once the output holds this many tokens without `reasoning_end`, the
     # engine forces `reasoning_end` (the token ids that close the reasoning channel)

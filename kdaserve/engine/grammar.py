@@ -34,6 +34,7 @@ CLOSE_MARGIN = 2  # spare tokens kept beyond the estimated closing path
 CLOSE_LOOKAHEAD = 256  # longest closing path simulated; longer ones start closing at once
 FALLBACK_CANDIDATES = 6  # shortest allowed tokens compared when no closing token is allowed
 FALLBACK_LOOKAHEAD = 48  # how far each is simulated
+CLOSE_GUARD = 48  # within this many tokens of the close, sampled tokens are checked (`check`)
 CLOSE_RECHECK = 8  # re-estimate after this fraction of the slack is used (nesting may grow)
 _CLOSERS = set('"}]')
 _SHORT_VALUES = ("0", "null", "true", "false", "[]", "{}", '""')
@@ -47,7 +48,7 @@ def _close_classes(token_bytes: list[bytes], special: dict[int, str]
     for i, b in enumerate(token_bytes):
         if i in special:
             name = special[i]
-            if "end" in name or "close" in name:
+            if "end" in name or "close" in name or name.startswith("</"):
                 closers.append(i)
             continue
         s = b.decode("utf-8", errors="ignore")
@@ -198,6 +199,10 @@ def allowed_ids(row: torch.Tensor, vocab_size: int) -> np.ndarray:
     return bits.astype(bool)
 
 
+def is_allowed(row: torch.Tensor, token: int) -> bool:
+    return bool(row.numpy().view(np.uint32)[token >> 5] >> np.uint32(token & 31) & 1)
+
+
 def set_only(row: torch.Tensor, token: int) -> None:
     row.zero_()
     words = row.numpy().view(np.uint32)
@@ -244,6 +249,9 @@ class GrammarMatcher:
             eos = b.eos_ids[allowed[b.eos_ids]]
             if len(eos):
                 return int(eos[0])
+        forced = self.m.compute_ff_tokens()  # a literal the grammar spells out: no choice
+        if forced:
+            return forced[0]
         suffix = self.cursor.closing_suffix()
         for t in b.closers[allowed[b.closers]]:  # longest first
             t = int(t)
@@ -284,11 +292,27 @@ class GrammarMatcher:
             sim._advance_cursor(token)
         return limit
 
+    def check(self, token: int, remaining: int) -> int:
+        """The sampled `token`, or the closing token instead when taking it would leave too
+        little budget to close (one token can open a structure whose close is long, e.g. a
+        new tool call); `remaining` counts this token. Call before `accept`."""
+        if self.closing or remaining > 2 * self._close_estimate + CLOSE_MARGIN + CLOSE_GUARD:
+            return token
+        sim = GrammarMatcher(self.backend, self.m.deep_copy(), self.cursor.copy())
+        sim.accept(token)
+        if sim.is_terminated or \
+                sim._close_cost(limit=remaining) + CLOSE_MARGIN <= remaining - 1:
+            return token
+        self.closing = True
+        row = self.backend.allocate_bitmask(1)[0]
+        self._fill(row)
+        return self._closing_token(row)
+
     def near_budget(self, remaining: int, num_drafts: int) -> bool:
         """Whether accepting `num_drafts` drafts (and the bonus token) could eat into the
         closing path's reserve, which only `fill` guards (closing forces one token a step)."""
         return self.closing or \
-            remaining - num_drafts - 1 <= 2 * self._close_estimate + CLOSE_MARGIN
+            remaining - num_drafts - 1 <= 2 * self._close_estimate + CLOSE_MARGIN + CLOSE_GUARD
 
     def accept(self, token: int) -> None:
         if not self.m.consume_token(token):
@@ -351,6 +375,18 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.masked_fill_(~allowed, float("-inf"))
 
 
+def check_sampled(reqs: list[Request], tokens: list[int]) -> list[int]:
+    """Indices whose sampled token `GrammarMatcher.check` replaced (tokens updated in place)."""
+    changed = []
+    for i, req in enumerate(reqs):
+        if req.matcher is not None and forced_token(req) is None:
+            t = req.matcher.check(tokens[i], req.params.max_tokens - len(req.output_ids))
+            if t != tokens[i]:
+                tokens[i] = t
+                changed.append(i)
+    return changed
+
+
 def constrain(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
     """Masks logits rows[i] for reqs[i] by its grammar and reasoning budget, in place."""
     bitmask = torch.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
@@ -358,7 +394,8 @@ def constrain(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> Non
         if req.matcher is not None:
             req.matcher.fill(bitmask[i], req.params.max_tokens - len(req.output_ids))
         forced = forced_token(req)
-        if forced is not None:
+        # a grammar may not allow it yet (the text ends inside a UTF-8 character): a step later
+        if forced is not None and (req.matcher is None or is_allowed(bitmask[i], forced)):
             set_only(bitmask[i], forced)
     idx = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, idx)

@@ -22,6 +22,7 @@ from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.grammar import (
     GrammarBackend,
     apply_bitmask,
+    check_sampled,
     constrain,
     needs_mask,
     note_reasoning,
@@ -224,7 +225,8 @@ class LLMEngine:
             self.scheduler.add(child)
             if self.tokenizer is not None:
                 self.detok[id(child)] = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.skip_special_tokens)
+                    self.tokenizer, params.stop, params.skip_special_tokens,
+                    params.keep_special_ids)
         self.groups[rid] = children
         self.counters["num_requests"] += 1
         return rid
@@ -309,6 +311,13 @@ class LLMEngine:
             if constrained:
                 constrain(plain_logits, [plain[i] for i in constrained], constrained)
             result = self.sampler(plain_logits, plain)
+            if constrained:
+                for i in check_sampled(plain, result.token_ids):
+                    if result.logprobs is not None and result.top_logprobs is not None:
+                        t = result.token_ids[i]
+                        lp = plain_logits[i].log_softmax(-1)[t].item()
+                        result.logprobs[i] = lp
+                        result.top_logprobs[i][t] = lp
             for i, req in enumerate(plain):
                 self._append(req, result.token_ids[i],
                              result.logprobs[i] if result.logprobs else None,
@@ -353,7 +362,12 @@ class LLMEngine:
         note_reasoning(req)
         grammar_done = False
         if req.matcher is not None:
-            req.matcher.accept(token)
+            try:
+                req.matcher.accept(token)
+            except ValueError:  # a bug, but one request's: it ends, the batch goes on
+                logger.exception("request %s: grammar rejected token %d", req.rid, token)
+                self.scheduler.finish(req, "abort")
+                return
             grammar_done = req.matcher.is_terminated
         self.counters["generation_tokens"] += 1
         if req.params.logprobs is not None and logprob is not None and top is not None:

@@ -100,19 +100,18 @@ async def until_disconnect(request: Request, work: Any) -> Response:
             return Response(status_code=499)  # nginx's "client closed request"
 
 
-def check_length(state: ServerState, prompt_ids: list[int], max_tokens: int | None) -> int:
-    """Resolves max_tokens (None: the rest of the context) and rejects what cannot fit."""
-    room = state.max_request_tokens - len(prompt_ids)
+def check_length(context: int, prompt_ids: list[int], max_tokens: int | None) -> int:
+    """Resolves max_tokens (None: the rest of the `context`) and rejects what cannot fit."""
+    room = context - len(prompt_ids)
     if room < 1:
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds "
-                         f"{state.max_request_tokens}")
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {context}")
     if max_tokens is None:
         return room
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if max_tokens > room:
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
-                         f"exceeds the context of {state.max_request_tokens} tokens")
+                         f"exceeds the context of {context} tokens")
     return max_tokens
 
 
@@ -243,7 +242,8 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
     prompts = _prompts(state.tokenizer, req.prompt)
     cid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    params = [req.sampling_params(check_length(state, p, req.max_tokens), req.logprobs)
+    context = state.max_request_tokens
+    params = [req.sampling_params(check_length(context, p, req.max_tokens), req.logprobs)
               for p in prompts]
     n = params[0].n
     streams = [timed(state, p, sp, f"{cid}-{i}")
@@ -384,7 +384,7 @@ async def _generate(state: ServerState, req: GenerateRequest) -> Response:
         req.sampling_params.max_new_tokens = 1
     params = req.sampling_params.to_params(logprobs)
     for p in prompts:
-        check_length(state, p, params.max_tokens)
+        check_length(state.max_request_tokens, p, params.max_tokens)
     base = req.rid or uuid.uuid4().hex
     rids = [base if single else f"{base}-{i}" for i in range(len(prompts))]
     if req.stream:

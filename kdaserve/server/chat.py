@@ -1,10 +1,13 @@
-"""/v1/chat/completions: chat template -> engine -> reasoning split -> kimi_k2 tool calls."""
+"""/v1/chat/completions: validate -> chat template -> engine (with a grammar for forced tool
+calls and JSON responses, a reasoning budget for thinking requests) -> the template family's
+output parser (reasoning, content, tool calls), whole or streamed."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,15 +16,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kdaserve.engine.client import EngineError
-from kdaserve.request import CompletionOutput, RequestOutput
-from kdaserve.server.chat_template import ChatTemplate, validate_tools
-from kdaserve.server.protocol import ChatCompletionRequest
-from kdaserve.server.tool_parser import (
-    ReasoningParser,
-    StreamingToolParser,
-    ToolCallDelta,
-    parse_tool_calls,
+from kdaserve.request import CompletionOutput, Grammar, RequestOutput, SamplingParams
+from kdaserve.server.chat_format import ChatFormat, K3Format, detect_format
+from kdaserve.server.chat_request import (
+    REASONING_SHARE,
+    check_template_kwargs,
+    check_tools,
+    check_unique,
+    dynamic_tools,
+    parse_response_format,
+    resolve_thinking,
+    resolve_tool_choice,
 )
+from kdaserve.server.chat_template import ChatTemplate
+from kdaserve.server.k3_parser import Event
+from kdaserve.server.protocol import ChatCompletionRequest
+from kdaserve.server.sampling_policy import SamplingPolicy
+from kdaserve.server.tool_parser import ToolCallDelta
 from kdaserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -43,88 +54,167 @@ def chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[dict[int, float]],
     return {"content": content}
 
 
+@dataclass
+class ChatPlan:
+    """A validated chat request, ready for the engine."""
+
+    ids: list[int]
+    params: SamplingParams
+    pending: int  # trailing prompt tokens counted as output (the channel opener)
+    thinking: bool  # output starts in the reasoning channel
+    use_tools: bool  # parse tool calls out of the output
+    reasoning: bool  # report reasoning_content
+    n: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.n = self.params.n
+
+    def usage(self, completion: int) -> dict[str, int]:
+        prompt = len(self.ids) - self.pending
+        completion += self.pending * self.n
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+
+def delta_of(ev: Event) -> dict[str, Any]:
+    if isinstance(ev, ToolCallDelta):
+        return {"tool_calls": [ev.to_openai()]}
+    kind, text = ev
+    return {"reasoning_content" if kind == "reasoning" else "content": text}
+
+
 class ChatHandler:
     def __init__(self, template: ChatTemplate, tokenizer: Tokenizer,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, policy: SamplingPolicy | None = None,
+                 default_max_tokens: int | None = None) -> None:
         self.template, self.tokenizer = template, tokenizer
-        self.reasoning = reasoning_parser is not None
+        self.format: ChatFormat = detect_format(template.source)
+        # K3 always separates its channels; K2 splits <think> only when asked
+        self.reasoning = reasoning_parser is not None or isinstance(self.format, K3Format)
+        self.policy = policy
+        self.default_max_tokens = default_max_tokens
 
     @classmethod
     def from_pretrained(cls, path: str | Path, tokenizer: Tokenizer,
-                        reasoning_parser: str | None = None) -> ChatHandler:
-        return cls(ChatTemplate.from_pretrained(path), tokenizer, reasoning_parser)
+                        reasoning_parser: str | None = None,
+                        template_file: str | Path | None = None,
+                        policy: SamplingPolicy | None = None,
+                        default_max_tokens: int | None = None) -> ChatHandler:
+        template = (ChatTemplate(Path(template_file).read_text(encoding="utf-8"),
+                                 str(template_file))
+                    if template_file is not None else ChatTemplate.from_pretrained(path))
+        return cls(template, tokenizer, reasoning_parser, policy, default_max_tokens)
 
-    def prompt_ids(self, req: ChatCompletionRequest) -> tuple[list[int], bool]:
-        """Renders and tokenizes the conversation; returns (ids, whether tools are active)."""
+    def plan(self, req: ChatCompletionRequest, room: int) -> ChatPlan:
+        """Validates and renders `req`; `room`: the context left for prompt + output."""
+        from kdaserve.server.api import check_length
+
         if not req.messages:
             raise ValueError("messages must not be empty")
-        tools = req.tools
-        if tools is not None:
-            validate_tools(tools)
-        choice = req.tool_choice
-        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
-            raise ValueError(f"tool_choice must be none, auto, required or a function, "
-                             f"got {choice!r}")
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
-            names = {(t.get("function") or {}).get("name") for t in tools or []}
-            if name not in names:
-                raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-        if choice == "none":
-            tools = None
+        fmt, tok = self.format, self.tokenizer
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        text = self.template.render(messages, tools=tools, add_generation_prompt=True,
-                                    **(req.chat_template_kwargs or {}))
-        return self.tokenizer.encode(text), bool(tools)
+        dynamic = dynamic_tools(messages)
+        tools = check_tools(req.tools, "tools") if req.tools is not None else None
+        everything = (tools or []) + dynamic
+        check_unique(everything)
+        choice = resolve_tool_choice(req.tool_choice, everything)
+        response_format = parse_response_format(req.response_format)
+        forced = choice == "required" or isinstance(choice, dict)
+        if forced and response_format.kind != "text":
+            raise ValueError("response_format json cannot be combined with a forced tool call "
+                             "(tool_choice required or a named function)")
+        kwargs = check_template_kwargs(req.chat_template_kwargs)
+        thinking, effort = resolve_thinking(req.thinking, req.reasoning_effort, kwargs,
+                                            fmt.default_thinking)
+        kwargs["thinking"] = thinking
+        if effort is not None:
+            kwargs["thinking_effort"] = effort
+        if isinstance(req.tool_choice, str):  # as sent: the template words each choice
+            kwargs["tool_choice"] = req.tool_choice
+        if req.response_format is not None:
+            kwargs["response_format"] = req.response_format
+        text = self.template.render(messages, tools=tools or None, add_generation_prompt=True,
+                                    **kwargs)
+        ids = tok.encode(text)
+        max_tokens = req.max_tokens if req.max_completion_tokens is None \
+            else req.max_completion_tokens
+        if max_tokens is None and self.default_max_tokens is not None:
+            max_tokens = min(self.default_max_tokens, max(room - len(ids), 1))
+        max_tokens = check_length(room, ids, max_tokens)
+        top = req.top_logprobs or 0
+        if top and not req.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        values = {p: getattr(req, p) for p in ("temperature", "top_p", "top_k", "min_p",
+                                                "presence_penalty", "frequency_penalty",
+                                                "repetition_penalty", "n")}
+        if self.policy is not None:
+            values = self.policy.apply(values, thinking)
+        params = req.sampling_params(max_tokens, top if req.logprobs else None, values)
+        reasons = isinstance(fmt, K3Format) and thinking  # the output opens in `think`
+        params.keep_special_ids = fmt.marker_ids(tok)
+        if reasons:
+            params.reasoning_end = fmt.reasoning_end(tok)
+            params.reasoning_budget = max(1, int(REASONING_SHARE[effort or "max"] * max_tokens))
+        params.grammar = self._grammar(choice, everything, response_format, reasons)
+        use_tools = bool(everything) and choice != "none"
+        return ChatPlan(ids, params, fmt.pending_tokens(thinking), reasons, use_tools,
+                        self.reasoning)
+
+    def _grammar(self, choice: str | dict[str, Any], tools: list[dict[str, Any]],
+                 response_format: Any, thinking: bool) -> Grammar | None:
+        if isinstance(choice, dict):
+            name = choice["function"]["name"]
+            return self.format.tool_grammar([t for t in tools if t["function"]["name"] == name],
+                                            thinking)
+        if choice == "required":
+            return self.format.tool_grammar(tools, thinking)
+        if response_format.kind == "json_object":
+            return self.format.json_grammar(None, thinking)
+        if response_format.kind == "json_schema":
+            return self.format.json_grammar(response_format.schema, thinking)
+        return None
 
     async def handle(self, state: ServerState, body: Any) -> Response:
-        from kdaserve.server.api import check_length, first_then_rest, last, timed
+        from kdaserve.server.api import first_then_rest, last, timed
 
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
-        ids, use_tools = self.prompt_ids(req)
-        max_tokens = check_length(state, ids, req.max_tokens if req.max_completion_tokens is None
-                                  else req.max_completion_tokens)
-        top = req.top_logprobs or 0
-        if top and not req.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        params = req.sampling_params(max_tokens, top if req.logprobs else None)
-        if use_tools or self.reasoning:
-            params.skip_special_tokens = False  # markers must reach the parsers
+        plan = self.plan(req, state.max_request_tokens)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        head = {"id": cid, "created": created, "model": state.model_name}
-        stream = timed(state, ids, params, cid)
+        head = {"id": cid, "created": int(time.time()), "model": state.model_name}
+        stream = timed(state, plan.ids, plan.params, cid)
         if not req.stream:
             final = await last(stream)
-            choices = [self._choice(o, use_tools, req) for o in final.outputs]
+            choices = [self._choice(o, plan, req) for o in final.outputs]
             completion = sum(len(o.token_ids) for o in final.outputs)
             return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                                 "usage": {"prompt_tokens": len(ids),
-                                           "completion_tokens": completion,
-                                           "total_tokens": len(ids) + completion}})
+                                 "usage": plan.usage(completion)})
         _, rest = await first_then_rest(stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(self._stream(rest, head, ids, use_tools, req, include_usage),
+        return StreamingResponse(self._stream(rest, head, plan, req, include_usage),
                                  media_type="text/event-stream")
 
-    def _choice(self, o: CompletionOutput, use_tools: bool,
+    def _choice(self, o: CompletionOutput, plan: ChatPlan,
                 req: ChatCompletionRequest) -> dict[str, Any]:
-        text = o.text or ""
-        reasoning = ""
-        if self.reasoning:
-            reasoning, text = ReasoningParser().split(text)
-        calls = []
-        if use_tools:
-            text, calls = parse_tool_calls(text)
-        message: dict[str, Any] = {"role": "assistant", "content": text if text or not calls
-                                   else None}
-        if self.reasoning:
+        parser = self.format.parser(plan.thinking, plan.use_tools)
+        events = parser.feed(o.text or "") + parser.finish()
+        reasoning = "".join(e[1] for e in events if isinstance(e, tuple) and e[0] == "reasoning")
+        content = "".join(e[1] for e in events if isinstance(e, tuple) and e[0] == "content")
+        calls: dict[int, dict[str, Any]] = {}
+        for e in events:
+            if isinstance(e, ToolCallDelta):
+                call = calls.setdefault(e.index, {"id": e.id, "type": "function",
+                                                  "function": {"name": e.name,
+                                                               "arguments": ""}})
+                call["function"]["arguments"] += e.arguments
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": content or None if calls else content}
+        if plan.reasoning:
             message["reasoning_content"] = reasoning or None
         if calls:
-            message["tool_calls"] = [c.to_openai() for c in calls]
+            message["tool_calls"] = [calls[i] for i in sorted(calls)]
         logprobs = None
         if req.logprobs and o.logprobs is not None:
             logprobs = chat_logprobs(self.tokenizer, o.token_ids, o.logprobs, req.top_logprobs or 0)
@@ -133,83 +223,55 @@ class ChatHandler:
                 else o.finish_reason}
 
     async def _stream(self, rest: AsyncIterator[RequestOutput], head: dict[str, Any],
-                      ids: list[int], use_tools: bool, req: ChatCompletionRequest,
+                      plan: ChatPlan, req: ChatCompletionRequest,
                       include_usage: bool) -> AsyncIterator[str]:
         from kdaserve.server.api import sse, stream_error
 
         chunk = {**head, "object": "chat.completion.chunk"}
         sent_text: dict[int, int] = {}
         sent_tok: dict[int, int] = {}
-        tool_parsers: dict[int, StreamingToolParser] = {}
-        reasoners: dict[int, ReasoningParser] = {}
+        parsers: dict[int, Any] = {}
+        called: set[int] = set()
         completion = 0
         try:
-            first = True
             async for out in rest:
                 for o in out.outputs:
                     i = o.index
-                    if first or i not in sent_text:
+                    if i not in sent_text:
                         yield sse({**chunk, "choices": [{"index": i, "logprobs": None,
                                    "delta": {"role": "assistant", "content": ""},
                                    "finish_reason": None}]})
-                        sent_text.setdefault(i, 0)
-                        sent_tok.setdefault(i, 0)
+                        sent_text[i] = sent_tok[i] = 0
+                        parsers[i] = self.format.parser(plan.thinking, plan.use_tools)
                     text = o.text or ""
                     delta, sent_text[i] = text[sent_text[i]:], len(text)
                     new_ids, lps = o.token_ids[sent_tok[i]:], (o.logprobs or [])[sent_tok[i]:]
                     sent_tok[i] = len(o.token_ids)
-                    deltas = self._deltas(i, delta, use_tools, tool_parsers, reasoners,
-                                          final=o.finish_reason is not None)
+                    events = parsers[i].feed(delta)
+                    if o.finish_reason is not None:
+                        events += parsers[i].finish()
+                    if any(isinstance(e, ToolCallDelta) for e in events):
+                        called.add(i)
                     logprobs = (chat_logprobs(self.tokenizer, new_ids, lps, req.top_logprobs or 0)
                                 if req.logprobs and o.logprobs is not None and new_ids else None)
-                    for n, d in enumerate(deltas):
-                        yield sse({**chunk, "choices": [{"index": i, "delta": d,
+                    for n, ev in enumerate(events):
+                        yield sse({**chunk, "choices": [{"index": i, "delta": delta_of(ev),
                                    "logprobs": logprobs if n == 0 else None,
                                    "finish_reason": None}]})
-                    if not deltas and logprobs:
+                    if not events and logprobs:
                         yield sse({**chunk, "choices": [{"index": i, "delta": {},
                                    "logprobs": logprobs, "finish_reason": None}]})
                     if o.finish_reason is not None:
-                        called = use_tools and tool_parsers[i].num_calls > 0
-                        reason = "tool_calls" if called and o.finish_reason == "stop" \
+                        reason = "tool_calls" if i in called and o.finish_reason == "stop" \
                             else o.finish_reason
                         completion += len(o.token_ids)
                         yield sse({**chunk, "choices": [{"index": i, "delta": {},
                                    "logprobs": None, "finish_reason": reason}]})
-                first = False
             if include_usage:
-                yield sse({**chunk, "choices": [], "usage": {
-                    "prompt_tokens": len(ids), "completion_tokens": completion,
-                    "total_tokens": len(ids) + completion}})
+                yield sse({**chunk, "choices": [], "usage": plan.usage(completion)})
             yield "data: [DONE]\n\n"
         except EngineError as e:
             yield stream_error(e)
         finally:
             await rest.aclose()  # type: ignore[attr-defined]
 
-    def _deltas(self, i: int, delta: str, use_tools: bool,
-                tool_parsers: dict[int, StreamingToolParser],
-                reasoners: dict[int, ReasoningParser], final: bool) -> list[dict[str, Any]]:
-        """Text delta -> OpenAI delta objects (reasoning, content, tool-call pieces)."""
-        out: list[dict[str, Any]] = []
-        content = delta
-        if self.reasoning:
-            r = reasoners.setdefault(i, ReasoningParser())
-            reasoning, content = r.feed(delta)
-            if final:
-                more_r, more_c = r.finish()
-                reasoning, content = reasoning + more_r, content + more_c
-            if reasoning:
-                out.append({"reasoning_content": reasoning})
-        if not use_tools:
-            if content:
-                out.append({"content": content})
-            return out
-        p = tool_parsers.setdefault(i, StreamingToolParser())
-        events = p.feed(content) + (p.finish() if final else [])
-        for ev in events:
-            if isinstance(ev, ToolCallDelta):
-                out.append({"tool_calls": [ev.to_openai()]})
-            elif ev:
-                out.append({"content": ev})
-        return out

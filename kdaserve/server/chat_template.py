@@ -33,6 +33,8 @@ ROLES = ("system", "user", "assistant", "tool")
 #   `functions.{name}:{idx}` with idx 0-based within the turn, the form the model emits;
 # - string arguments verbatim, object arguments as `tojson` (HF default separators, like K2);
 # - tool results: `## Return of {tool_call_id}\n{content}` under `name or "tool"`.
+# - dynamic tools (K3's tools on a system message, content empty) become a `tool_declare` turn
+#   at that point of the conversation.
 # No `thinking` switch: neither K2-Instruct nor Kimi-Linear templates have one (K2-Thinking
 # always renders `<think></think>` history, K2.5+ add `thinking`); extra kwargs still reach
 # checkpoint templates. Every tag trims whitespace so the output has no stray newlines.
@@ -50,6 +52,11 @@ BUILTIN_KIMI_TEMPLATE = (
     "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>"
     "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' and message.get('tools') -%}"
+    "<|im_system|>tool_declare<|im_middle|>"
+    "{{- message['tools'] | tojson(separators=(',', ':')) -}}<|im_end|>"
+    "{%- continue -%}"
+    "{%- endif -%}"
     "{%- if message['role'] == 'user' -%}<|im_user|>"
     "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>"
     "{%- else -%}<|im_system|>"
@@ -156,6 +163,7 @@ class ChatTemplate:
         validate_messages(messages)
         if tools is not None:
             validate_tools(tools)
+            tools = deep_sort(tools)  # as Moonshot's apply_chat_template: keys sorted
         try:
             return self._template.render(
                 messages=messages,
@@ -171,6 +179,15 @@ class ChatTemplate:
                 f"chat template from {self.origin} failed on this request: "
                 f"{type(e).__name__}: {e}"
             ) from e
+
+
+def deep_sort(obj: Any) -> Any:
+    """Every mapping's keys sorted, recursively (list order kept)."""
+    if isinstance(obj, Mapping):
+        return {k: deep_sort(v) for k, v in sorted(obj.items())}
+    if isinstance(obj, list):
+        return [deep_sort(v) for v in obj]
+    return obj
 
 
 def _config_template(value: Any, config_path: Path) -> str | None:

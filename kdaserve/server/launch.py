@@ -41,6 +41,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--reasoning-parser", default=None, choices=[None, "kimi_k2"])
+    p.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file (default: the checkpoint's, else built-in K2)")
+    p.add_argument("--sampling-policy", default=None,
+                   help="kimi-k3 or a JSON policy file (default: the checkpoint's "
+                        "generation_config.json, else none); see server/sampling_policy.py")
+    p.add_argument("--default-max-tokens", type=int, default=4096,
+                   help="max_tokens of a chat request that gives none (bounded by the context)")
     p.set_defaults(func=serve)
 
 
@@ -56,6 +63,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from kdaserve.server.chat import ChatHandler
     from kdaserve.server.engine_proc import EngineProcess
     from kdaserve.server.metrics import ServerMetrics
+    from kdaserve.server.sampling_policy import load_policy
     from kdaserve.tokenizer import Tokenizer
 
     config = engine_config(args)
@@ -63,6 +71,12 @@ async def _serve(args: argparse.Namespace) -> None:
     path = resolve_model_path(config.model)
     config = dataclasses.replace(config, model=str(path))
     tokenizer = Tokenizer.from_pretrained(path)
+    if args.default_max_tokens < 1:
+        raise ValueError("--default-max-tokens must be >= 1")
+    chat = ChatHandler.from_pretrained(path, tokenizer, args.reasoning_parser,
+                                       args.chat_template,
+                                       load_policy(args.sampling_policy, path),
+                                       args.default_max_tokens)
     engine = EngineProcess(config)
     await engine.start()
     try:
@@ -70,7 +84,7 @@ async def _serve(args: argparse.Namespace) -> None:
         state = ServerState(
             client=engine, tokenizer=tokenizer, model_name=name, model_path=str(path),
             max_request_tokens=engine.info["max_request_tokens"], metrics=ServerMetrics(),
-            chat=ChatHandler.from_pretrained(path, tokenizer, args.reasoning_parser),
+            chat=chat,
             api_key=args.api_key)
         app = create_app(state)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
@@ -82,6 +96,9 @@ async def _serve(args: argparse.Namespace) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
         print(f"[kdaserve] model {path}: {engine.info['summary']}", flush=True)
+        policy = chat.policy.name if chat.policy else "none"
+        print(f"[kdaserve] chat template {chat.template.origin} ({chat.format.name}); "
+              f"sampling policy {policy}", flush=True)
         print(f"[kdaserve] serving {name} at http://{args.host}:{args.port} "
               f"(OpenAI API at http://{args.host}:{args.port}/v1)", flush=True)
         await server.serve()

@@ -23,7 +23,7 @@ class StreamOptions(_Lenient):
 
 class _OpenAISampling(_Lenient):
     model: str | None = None
-    n: int = 1
+    n: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -40,18 +40,25 @@ class _OpenAISampling(_Lenient):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the bad field."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        values: dict[str, Any] | None = None) -> SamplingParams:
+        """Raises ValueError naming the bad field. `values`: the sampling fields after a
+        sampling policy filled in its defaults (None: as the request gives them)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        v = values if values is not None else self.model_dump()
+
+        def get(name: str, default: Any) -> Any:
+            return default if v.get(name) is None else v[name]
+
         return SamplingParams(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            n=get("n", 1),
+            temperature=get("temperature", 1.0),
+            top_p=get("top_p", 1.0),
+            top_k=get("top_k", 0),
+            min_p=get("min_p", 0.0),
+            presence_penalty=get("presence_penalty", 0.0),
+            frequency_penalty=get("frequency_penalty", 0.0),
+            repetition_penalty=get("repetition_penalty", 1.0),
             max_tokens=max_tokens,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
@@ -83,9 +90,13 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    # checked by kdaserve.server.chat_request, whose messages name the exact problem
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+    thinking: Any = None  # Kimi's {"type": "enabled"|"disabled", "effort": ..., "keep": ...}
+    reasoning_effort: Any = None
+    chat_template_kwargs: Any = None
     separate_reasoning: bool = True
 
 

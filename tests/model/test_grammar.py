@@ -142,3 +142,25 @@ def test_bad_grammars_are_value_errors(llm: LLM) -> None:
         SamplingParams(grammar=Grammar("json_object"), ignore_eos=True)
     llm.engine.check_integrity()
     assert llm.engine.get_metrics()["num_running"] == 0
+
+
+def test_reasoning_budget_forces_the_end(llm: LLM, prompts: list[list[int]]) -> None:
+    """After `reasoning_budget` tokens without it, `reasoning_end` is written token by token;
+    with a grammar that expects it, the constrained part follows and validates."""
+    tok = llm.tokenizer
+    marker = "<|tool_calls_section_end|>"  # a special token standing in for </think>
+    end = (tok.token_to_id(marker), *tok.encode("ok"))
+    plain = SamplingParams(temperature=1.0, seed=1, max_tokens=20, reasoning_budget=5,
+                           reasoning_end=end, skip_special_tokens=False)
+    lark = (f'start: TEXT {marker} "ok" body\nTEXT: /[a-z ]*/\n'
+            f"body: %json {json.dumps(WEATHER)}\n")
+    constrained = SamplingParams(temperature=1.0, seed=1, max_tokens=60, reasoning_budget=5,
+                                 reasoning_end=end, grammar=Grammar("lark", lark))
+    outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=[plain, constrained])
+    n = len(end)
+    assert tuple(outs[0].token_ids[5:5 + n]) == end and len(outs[0].token_ids) == 20
+    ids = outs[1].token_ids
+    at = ids.index(end[0])
+    assert at <= 5 + 2  # forced once the budget is spent (a grammar may delay it a token)
+    assert valid(WEATHER, tok.decode(ids[at + n:]))
+    llm.engine.check_integrity()

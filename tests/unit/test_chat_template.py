@@ -78,15 +78,17 @@ def test_system_not_first_still_gets_default(builtin: ChatTemplate) -> None:
 def test_tools_declared_first_as_compact_json(builtin: ChatTemplate) -> None:
     messages = [{"role": "user", "content": "Weather in Beijing?"}]
     text = builtin.render(messages, tools=[WEATHER_TOOL])
-    declared = json.dumps([WEATHER_TOOL], separators=(",", ":"), ensure_ascii=False)
+    declared = json.dumps([WEATHER_TOOL], separators=(",", ":"), ensure_ascii=False,
+                          sort_keys=True)
     assert text == (
         f"<|im_system|>tool_declare<|im_middle|>{declared}<|im_end|>"
         + SYS
         + "<|im_user|>user<|im_middle|>Weather in Beijing?<|im_end|>"
         + GEN
     )
-    # Key order kept (no sort), no spaces, non-ASCII not escaped: exactly Moonshot's example.
-    assert '[{"type":"function","function":{"name":"get_weather","description":"查询天气' in text
+    # Keys sorted at every level (Moonshot's tokenizer deep-sorts tools before rendering), no
+    # spaces, non-ASCII not escaped.
+    assert '[{"function":{"description":"查询天气' in text
     # An empty tools list declares nothing, like `if tools` in Kimi's template.
     assert builtin.render([{"role": "user", "content": "x"}], tools=[]).startswith(SYS)
 
@@ -220,7 +222,7 @@ def test_checkpoint_template_overrides_builtin(tmp_path: Path) -> None:
     # kwargs (chat_template_kwargs) reach the template; tojson defaults match HF (spaced JSON).
     tool = {"type": "function", "function": {"name": "f"}}
     assert tmpl.render(msgs, tools=[tool], thinking=True) == (
-        'T[{"type": "function", "function": {"name": "f"}}]')
+        'T[{"function": {"name": "f"}, "type": "function"}]')  # keys deep-sorted
     assert tmpl.render(msgs) == "Fnull"
 
 

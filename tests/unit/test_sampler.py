@@ -322,3 +322,19 @@ def test_sampling_params_normalisation_and_edges() -> None:
                           frequency_penalty=2.0, logprobs=20, max_tokens=1)
     assert edge.is_greedy and not SamplingParams().is_greedy
     assert math.isclose(edge.min_p, 1.0)
+
+
+@pytest.mark.parametrize("scale", [0.5, 8.0], ids=["flat", "peaked"])
+def test_windowed_top_k_top_p_equals_full_sort(scale: float) -> None:
+    """The top-window shortcut (no full-vocabulary sort) masks exactly what the full sort
+    masks, whether the window holds the top-p mass (peaked) or not (flat: the fallback)."""
+    from kdaserve.engine import sampler
+
+    g = torch.Generator().manual_seed(0)
+    V = 3 * sampler.TOP_WINDOW
+    logits = torch.randn(6, V, generator=g) * scale
+    logits[5, 100:] = float("-inf")  # a grammar-masked row
+    top_k = torch.tensor([V, 10, V, 5000, V, V])
+    top_p = torch.tensor([[0.95], [0.9], [1.0], [1.0], [0.5], [0.99]])
+    assert torch.equal(sampler._top_k_top_p(logits, top_k, top_p),
+                       sampler._sorted_filter(logits, top_k, top_p))
