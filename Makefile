@@ -5,7 +5,7 @@ PY := .venv/bin/python
 STAMP := .venv/.installed
 MODEL ?= bench
 
-.PHONY: serve test lint venv clean
+.PHONY: serve test verify lint venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# The Kimi Vendor Verifier (../shared/kimi/vendor-verifier) against a served random-weight K3
+# test checkpoint; fails on any failure a trained model is not needed to avoid.
+verify: $(STAMP)
+	$(PY) scripts/run_verifier.py
 
 lint: $(STAMP)
 	.venv/bin/ruff check kdaserve tests

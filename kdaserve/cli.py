@@ -97,9 +97,10 @@ def main(argv: list[str] | None = None) -> None:
 
     b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = b.add_subparsers(dest="bench", required=True)
-    from kdaserve.bench import gsm8k, kernels, prefix_cache, serving, spec, throughput
+    from kdaserve.bench import grammar, gsm8k, kernels, prefix_cache, serving, spec, throughput
 
     gsm8k.add_parser(bench_sub)
+    grammar.add_parser(bench_sub)
     throughput.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
     prefix_cache.add_parser(bench_sub)

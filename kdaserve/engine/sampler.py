@@ -93,10 +93,38 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
         1, order, vals.masked_fill(drop, float("-inf")))
     out = torch.where(filtered.unsqueeze(1), out, logits)
     # decided row by row, so a row's result never depends on its neighbours in the batch
-    rest = (filtered & ~inside).nonzero().squeeze(1)
+    rest = filtered & ~inside
+    flat = rest & (top_k >= V)  # top-p alone over a flat distribution: by buckets
+    for r in flat.nonzero().squeeze(1).tolist():
+        out[r] = _bucketed_top_p(logits[r], float(top_p[r]))
+    rest = (rest & ~flat).nonzero().squeeze(1)
     if len(rest):
         out[rest] = _sorted_filter(logits[rest], top_k[rest], top_p[rest])
     return out
+
+
+TOP_P_BUCKETS = 1024  # over log-probabilities within TOP_P_SPAN of the best
+TOP_P_SPAN = 40.0
+
+
+def _bucketed_top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p of one row [V] without sorting it: tokens are bucketed by log-probability and the
+    bucket masses summed from the top; buckets before the one where the mass reaches top_p are
+    kept whole, later ones dropped, and only the tokens of that one bucket are sorted. Masses
+    are summed in float64 (the full sort's float32 cumsum over 163k terms drifts by ~1e-5)."""
+    logp = row.log_softmax(-1)
+    rel = (logp.max() - logp).nan_to_num(posinf=TOP_P_SPAN)
+    bucket = (rel * (TOP_P_BUCKETS / TOP_P_SPAN)).long().clamp_(max=TOP_P_BUCKETS - 1)
+    p = logp.double().exp()
+    mass = torch.zeros(TOP_P_BUCKETS, dtype=torch.float64).scatter_add_(0, bucket, p)
+    cum = mass.cumsum(0)
+    b = int((cum < top_p).sum().clamp(max=TOP_P_BUCKETS - 1))  # first bucket reaching top_p
+    before = float(cum[b] - mass[b])
+    keep = bucket < b
+    idx = (bucket == b).nonzero().squeeze(1)
+    vals, order = p[idx].sort(descending=True)
+    keep[idx[order]] = (vals.cumsum(0) - vals + before) < top_p
+    return row.masked_fill(~keep, float("-inf"))
 
 
 def apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -100,6 +100,16 @@ async def until_disconnect(request: Request, work: Any) -> Response:
             return Response(status_code=499)  # nginx's "client closed request"
 
 
+class ModelNotFoundError(Exception):
+    """A request for a model this server does not serve: HTTP 404, as OpenAI answers."""
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name not in (state.model_name, state.model_path):
+        raise ModelNotFoundError(f"The model {name!r} does not exist; this server serves "
+                                 f"{state.model_name!r}")
+
+
 def check_length(context: int, prompt_ids: list[int], max_tokens: int | None) -> int:
     """Resolves max_tokens (None: the rest of the `context`) and rejects what cannot fit."""
     room = context - len(prompt_ids)
@@ -159,6 +169,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ValueError)
     async def _value(request: Request, exc: ValueError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), 400), status_code=400)
+
+    @app.exception_handler(ModelNotFoundError)
+    async def _no_model(request: Request, exc: ModelNotFoundError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), 404, "model"), status_code=404)
 
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError) -> JSONResponse:
@@ -245,6 +259,7 @@ async def _completions(state: ServerState, req: CompletionRequest) -> Response:
     context = state.max_request_tokens
     params = [req.sampling_params(check_length(context, p, req.max_tokens), req.logprobs)
               for p in prompts]
+    check_model(state, req.model)  # after the 400s, as chat
     n = params[0].n
     streams = [timed(state, p, sp, f"{cid}-{i}")
                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]

@@ -168,6 +168,11 @@ class ChatHandler:
                                             thinking)
         if choice == "required":
             return self.format.tool_grammar(tools, thinking)
+        strict = [bool(t["function"].get("strict", t.get("strict"))) for t in tools]
+        if choice == "auto" and any(strict):  # a call, if the model makes one, must validate
+            loose = [t if s else {"type": "function", "function": {
+                "name": t["function"]["name"]}} for t, s in zip(tools, strict, strict=True)]
+            return self.format.tool_grammar(loose, thinking, optional=True)
         if response_format.kind == "json_object":
             return self.format.json_grammar(None, thinking)
         if response_format.kind == "json_schema":
@@ -175,13 +180,14 @@ class ChatHandler:
         return None
 
     async def handle(self, state: ServerState, body: Any) -> Response:
-        from kdaserve.server.api import first_then_rest, last, timed
+        from kdaserve.server.api import check_model, first_then_rest, last, timed
 
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
         plan = self.plan(req, state.max_request_tokens)
+        check_model(state, req.model)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": cid, "created": int(time.time()), "model": state.model_name}
         stream = timed(state, plan.ids, plan.params, cid)

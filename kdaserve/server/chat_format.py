@@ -71,8 +71,10 @@ class ChatFormat:
     def parser(self, thinking: bool, tools: bool) -> OutputParser:
         raise NotImplementedError
 
-    def tool_grammar(self, tools: list[dict[str, Any]], thinking: bool) -> Grammar:
-        """One or more calls of the given tools (OpenAI tool objects), arguments by schema."""
+    def tool_grammar(self, tools: list[dict[str, Any]], thinking: bool,
+                     optional: bool = False) -> Grammar:
+        """One or more calls of the given tools (OpenAI tool objects), arguments by schema;
+        `optional`: free text first and the calls optional (tool_choice auto, strict tools)."""
         raise NotImplementedError
 
     def json_grammar(self, schema: dict[str, Any] | None, thinking: bool) -> Grammar:
@@ -111,13 +113,16 @@ class K2Format(ChatFormat):
     def parser(self, thinking: bool, tools: bool) -> OutputParser:
         return _K2Parser(thinking, tools)
 
-    def tool_grammar(self, tools: list[dict[str, Any]], thinking: bool) -> Grammar:
+    def tool_grammar(self, tools: list[dict[str, Any]], thinking: bool,
+                     optional: bool = False) -> Grammar:
         rules = [f"call_{i}: {CALL_BEGIN} {lark_str('functions.' + t['function']['name'] + ':')}"
                  f" IDX {ARG_BEGIN} args_{i} {CALL_END}\n"
                  f"args_{i}: {lark_json(t['function'].get('parameters'))}\n"
                  for i, t in enumerate(tools)]
-        head = (f"{THINK_END} " if thinking else "")
-        lark = (f"start: {'THINK ' + head if thinking else ''}{SECTION_BEGIN} call+ {SECTION_END}\n"
+        think = f"THINK {THINK_END} " if thinking else ""
+        section = f"{SECTION_BEGIN} call+ {SECTION_END}"
+        body = f"TEXT ({section})?" if optional else section
+        lark = (f"start: {think}{body}\nTEXT: /(?s:.*)/\n"
                 f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}\n"
                 "IDX: /[0-9]{1,2}/\nTHINK: /(?s:.*)/\n" + "".join(rules))
         return Grammar("lark", lark)
@@ -162,7 +167,8 @@ class K3Format(ChatFormat):
         return (f'start: {think}{body}{CLOSE} "response" {SEP} {tools}{CLOSE} "message" {SEP}\n'
                 "THINK: /(?s:.*)/\n")
 
-    def tool_grammar(self, tools: list[dict[str, Any]], thinking: bool) -> Grammar:
+    def tool_grammar(self, tools: list[dict[str, Any]], thinking: bool,
+                     optional: bool = False) -> Grammar:
         rules = []
         for i, t in enumerate(tools):
             head = lark_str('call tool="' + t["function"]["name"] + '" index="')
@@ -171,7 +177,10 @@ class K3Format(ChatFormat):
                          f'{CLOSE} "call" {SEP}\n'
                          f"args_{i}: {lark_json(t['function'].get('parameters'))}\n")
         calls = f'{OPEN} "tools" {SEP} call+ {CLOSE} "tools" {SEP} '
-        return Grammar("lark", self._turn("", calls, thinking)
+        if optional:
+            calls = f"({calls})? "
+        return Grammar("lark", self._turn("TEXT " if optional else "", calls, thinking)
+                       + "TEXT: /(?s:.*)/\n"
                        + f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}\n"
                        + "IDX: /[1-9][0-9]?/\n" + "".join(rules))
 

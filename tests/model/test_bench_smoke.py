@@ -78,3 +78,12 @@ def test_bench_kernels_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     ops = {(row["op"], row["backend"]) for row in r["rows"]}
     assert {("kda_decode", "ref"), ("kda_decode", "native"), ("linear", "native")} <= ops
     assert all(row["vs_ref"] for row in r["rows"]) and r["host_overhead_ms"] > 0
+
+
+def test_bench_grammar_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "gr.json"
+    cli_main(["bench", "grammar", "--model", str(tiny_ckpt), "--batch", "1,2",
+              "--max-tokens", "24", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert [row["batch"] for row in r["throughput"]] == [1, 2]
+    assert r["engines"]["llguidance"]["mask_ms"] > 0

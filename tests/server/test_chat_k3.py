@@ -268,3 +268,17 @@ def test_policy_defaults_and_allowed_values(http: httpx.Client) -> None:
         assert isinstance(r["choices"][0]["message"]["content"], str)  # never null
     health = http.get("/health")
     assert health.status_code == 200
+
+
+def test_strict_tools_constrain_auto_calls(http: httpx.Client) -> None:
+    """tool_choice auto with a strict tool: the output follows the turn grammar (free text,
+    optionally calls whose arguments validate), so even the random model's turn closes
+    properly ("stop" or "tool_calls") instead of running to the length limit."""
+    strict = {"type": "function", "function": {**WEATHER_TOOL["function"], "strict": True}}
+    r = body_of(chat(http, tools=[strict], tool_choice="auto", max_tokens=60,
+                     thinking={"type": "disabled"}))
+    choice = r["choices"][0]
+    assert choice["finish_reason"] in ("stop", "tool_calls")
+    for c in choice["message"].get("tool_calls") or []:
+        jsonschema.validate(json.loads(c["function"]["arguments"]),
+                            WEATHER_TOOL["function"]["parameters"])

@@ -194,7 +194,8 @@ def test_api_key(guarded: ServerProc) -> None:
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     assert client.models.list().data[0].id
-    kw: dict[str, Any] = {"model": "m", "messages": USER, "max_tokens": 2}
+    served = client.models.list().data[0].id
+    kw: dict[str, Any] = {"model": served, "messages": USER, "max_tokens": 2}
     r = client.chat.completions.create(**kw)
     assert r.choices[0].finish_reason in ("stop", "length")
     g = httpx.post(f"{url}/generate", headers=guarded.headers(),
@@ -284,3 +285,14 @@ def test_engine_crash_gives_503_not_a_hang(tiny_ckpt: Path,
         assert time.monotonic() - t0 < 5
         assert h.get("/health").status_code == 503
         assert "engine process died" in s.output()  # a clear log line
+
+
+def test_unknown_model_is_404(http: httpx.Client, model: str) -> None:
+    """As OpenAI: a model this server does not serve is a 404 error object naming it."""
+    for path, body in (("/v1/chat/completions", {"messages": USER, "max_tokens": 1}),
+                       ("/v1/completions", {"prompt": "hi", "max_tokens": 1})):
+        r = http.post(path, json={**body, "model": "no-such-model"})
+        assert r.status_code == 404, r.text
+        err = r.json()["error"]
+        assert err["type"] == "NotFoundError" and "no-such-model" in err["message"]
+        assert http.post(path, json={**body, "model": model}).status_code == 200

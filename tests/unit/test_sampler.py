@@ -338,3 +338,22 @@ def test_windowed_top_k_top_p_equals_full_sort(scale: float) -> None:
     top_p = torch.tensor([[0.95], [0.9], [1.0], [1.0], [0.5], [0.99]])
     assert torch.equal(sampler._top_k_top_p(logits, top_k, top_p),
                        sampler._sorted_filter(logits, top_k, top_p))
+
+
+def test_bucketed_top_p_keeps_the_exact_prefix() -> None:
+    """Flat rows take the bucket path: the kept set is the smallest set of best tokens whose
+    mass reaches top_p (checked in float64 against a full sort)."""
+    from kdaserve.engine import sampler
+
+    g = torch.Generator().manual_seed(1)
+    V = 5 * sampler.TOP_WINDOW
+    for scale, top_p in ((0.3, 0.95), (1.0, 0.5), (2.0, 0.99)):
+        row = torch.randn(V, generator=g) * scale
+        out = sampler._bucketed_top_p(row, top_p)
+        p = row.double().softmax(-1)
+        sorted_p, order = p.sort(descending=True)
+        excl = sorted_p.cumsum(0) - sorted_p
+        expected = torch.zeros(V, dtype=torch.bool)
+        expected[order[excl < top_p]] = True
+        assert torch.equal(out > float("-inf"), expected)
+        assert torch.equal(out[expected], row[expected])
