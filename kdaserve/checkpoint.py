@@ -146,8 +146,9 @@ def copy_tokenizer(src: Path, out: Path, config: ModelConfig,
         cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
         decoder = cfg.setdefault("added_tokens_decoder", {})
         names = tok.special_tokens
+        # a reserved placeholder, declared as such or not declared at all
         free = iter(i for n, i in sorted(names.items(), key=lambda kv: kv[1])
-                    if n.startswith("<|reserved_token_") and str(i) not in decoder)
+                    if n.startswith("<|reserved_token_"))
         for name in extra_special_tokens:
             if name in names and not name.startswith("<|reserved_token_"):
                 continue

@@ -14,6 +14,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kdaserve.server.tool_typescript import tools_to_typescript
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
@@ -164,6 +166,9 @@ class ChatTemplate:
         if tools is not None:
             validate_tools(tools)
             tools = deep_sort(tools)  # as Moonshot's apply_chat_template: keys sorted
+            ts = tools_to_typescript(tools)
+            if ts:  # for templates that declare tools in TypeScript (K2.5 style)
+                kwargs.setdefault("tools_ts_str", ts)
         try:
             return self._template.render(
                 messages=messages,

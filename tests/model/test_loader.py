@@ -295,3 +295,33 @@ def test_peak_rss_of_load_is_about_the_model_size(tmp_path: Path) -> None:
     limit = 1.3 * fp32_bytes + 30 * 2**20
     assert delta <= limit, (f"peak RSS grew by {delta / 2**20:.0f} MiB loading a "
                             f"{fp32_bytes / 2**20:.0f} MiB model (limit {limit / 2**20:.0f})")
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tiny_ckpt: Path,
+                                                         tmp_path: Path) -> None:
+    """A tokenizer whose ids run past the model's vocabulary (another model's tokenizer) is a
+    load-time error, not an out-of-range embedding lookup later."""
+    for name in ("config.json", "tiktoken.model", "tokenizer_config.json"):
+        shutil.copyfile(tiny_ckpt / name, tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["vocab_size"] -= 512
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(tmp_path, load_format="dummy")
+
+
+def test_make_checkpoint_with_a_tokenizer_folder(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """`--tokenizer DIR`: the model's vocabulary and special ids follow the tokenizer, extra
+    special tokens take free reserved ids, and the checkpoint loads and generates."""
+    from kdaserve.tokenizer import Tokenizer
+
+    out = make_checkpoint(tmp_path / "ck", "tiny", seed=2, tokenizer=tiny_ckpt,
+                          extra_special_tokens=("<|open|>", "<|sep|>"))
+    tok = Tokenizer.from_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == tok.vocab_size
+    ids = {tok.token_to_id("<|open|>"), tok.token_to_id("<|sep|>")}
+    assert None not in ids and len(ids) == 2
+    assert tok.encode("<|open|>x<|sep|>")[0] == tok.token_to_id("<|open|>")
+    out_ids = LLM(out).generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out_ids[0].token_ids) == 3
