@@ -23,7 +23,7 @@ RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt", "tool_
 def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
     """An OpenAI `tools` array of function tools; returns it."""
     if not isinstance(tools, list):
-        raise ValueError(f"{where} must be an array of tools, got {type(tools).__name__}")
+        raise ValueError(f"{where} must be a list of tools, got {type(tools).__name__}")
     for i, tool in enumerate(tools):
         at = f"{where}[{i}]"
         if not isinstance(tool, Mapping):
@@ -34,7 +34,9 @@ def check_tools(tools: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(fn, Mapping):
             raise ValueError(f"{at}.function must be an object")
         name = fn.get("name")
-        if not isinstance(name, str) or not TOOL_NAME_RE.fullmatch(name):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{at}.function.name must be a non-empty string")
+        if not TOOL_NAME_RE.fullmatch(name):
             raise ValueError(f"{at}.function.name must match {TOOL_NAME_RE.pattern} "
                              f"(letters, digits, _ and -, at most 64, not starting with a "
                              f"digit), got {name!r}")

@@ -14,6 +14,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kdaserve.server.chat_request import check_tools
 from kdaserve.server.tool_typescript import tools_to_typescript
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -164,7 +165,7 @@ class ChatTemplate:
         (e.g. a request's `chat_template_kwargs`) become template variables."""
         validate_messages(messages)
         if tools is not None:
-            validate_tools(tools)
+            check_tools(tools, "tools")
             tools = deep_sort(tools)  # as Moonshot's apply_chat_template: keys sorted
             ts = tools_to_typescript(tools)
             if ts:  # for templates that declare tools in TypeScript (K2.5 style)
@@ -287,31 +288,3 @@ def _validate_tool_calls(tool_calls: Any, where: str) -> None:
             raise ValueError(f"{at}.function.name must be a non-empty string")
         if not isinstance(function.get("arguments"), str | Mapping):
             raise ValueError(f"{at}.function.arguments must be a JSON string or an object")
-
-
-def validate_tools(tools: Any) -> None:
-    """Raise `ValueError` unless `tools` is a list of OpenAI function tools:
-    {"type": "function", "function": {"name": str, "description"?: str, "parameters"?: object}}."""
-    if not isinstance(tools, list):
-        raise ValueError(f"tools must be a list, got {type(tools).__name__}")
-    for i, tool in enumerate(tools):
-        at = f"tools[{i}]"
-        if not isinstance(tool, Mapping):
-            raise ValueError(f"{at} must be an object, got {type(tool).__name__}")
-        if tool.get("type") != "function":
-            raise ValueError(f"{at}.type must be 'function', got {tool.get('type')!r}")
-        function = tool.get("function")
-        if not isinstance(function, Mapping):
-            raise ValueError(f"{at}.function must be an object")
-        name = function.get("name")
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{at}.function.name must be a non-empty string")
-        description = function.get("description")
-        if description is not None and not isinstance(description, str):
-            raise ValueError(f"{at}.function.description must be a string")
-        parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, Mapping):
-            raise ValueError(
-                f"{at}.function.parameters must be a JSON Schema object, "
-                f"got {type(parameters).__name__}"
-            )

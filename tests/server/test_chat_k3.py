@@ -234,6 +234,11 @@ BAD_REQUESTS = {
         "name": "w", "strict": "yes", "schema": {"type": "object"}}}},
     "schema-not-object": {"response_format": {"type": "json_schema",
                                               "json_schema": {"name": "w", "schema": "x"}}},
+    "schema-uncompilable": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+    "tool-schema-bad-ref": {"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "t", "parameters": {"type": "object", "properties": {
+            "a": {"$ref": "#/$defs/missing"}}}}}]},
     "bad-effort": {"reasoning_effort": "extreme"},
     "bad-thinking-effort": {"thinking": {"type": "enabled", "effort": "huge"}},
     "template-kwarg-tools": {"chat_template_kwargs": {"tools": []}},
