@@ -84,8 +84,9 @@ def main() -> None:
                         help="tool_call_json_schema cases (of 204; 0 = all), each in 2 modes")
     parser.add_argument("--keep", default=None, help="keep the work folder here")
     args = parser.parse_args()
-    if not (KIMI / "vendor-verifier").is_dir():
-        sys.exit(f"the verifier is not at {KIMI / 'vendor-verifier'}")
+    if not (KIMI / "vendor-verifier").is_dir():  # a checkout without the shared folder
+        print(f"SKIPPED: the Kimi Vendor Verifier is not at {KIMI / 'vendor-verifier'}")
+        return
     work = Path(args.keep or tempfile.mkdtemp(prefix="kdaserve-verify-"))
     work.mkdir(parents=True, exist_ok=True)
     suite = work / "vendor-verifier"
