@@ -287,3 +287,38 @@ def test_strict_tools_constrain_auto_calls(http: httpx.Client) -> None:
     for c in choice["message"].get("tool_calls") or []:
         jsonschema.validate(json.loads(c["function"]["arguments"]),
                             WEATHER_TOOL["function"]["parameters"])
+
+
+@pytest.mark.parametrize("template", ["Kimi-K2-Instruct.jinja", "Kimi-K2-Thinking.jinja",
+                                      "Kimi-K3.jinja"])
+def test_prompt_ids_equal_moonshot_tokenizer(reference_tokenizer: Any, k3_ckpt: Path,
+                                             template: str) -> None:
+    """Our renderer + tokenizer give Moonshot's ids for each of its templates, with tools
+    (deep-sorted, TypeScript declarations passed), dynamic tools, tool history."""
+    from kdaserve.server.chat_template import ChatTemplate
+    from kdaserve.tokenizer import Tokenizer
+
+    source = (KIMI / "templates" / template).read_text()
+    tok = Tokenizer.from_pretrained(k3_ckpt)
+    shapes: list[tuple[list[dict], list[dict] | None]] = [
+        (USER, None),
+        (USER, [WEATHER_TOOL]),
+        ([{"role": "system", "content": "You are terse."}, *USER,
+          {"role": "assistant", "content": "", "tool_calls": [{
+              "id": "functions.get_weather:0", "type": "function",
+              "function": {"name": "get_weather", "arguments": "{\"city\": \"北京\"}"}}]},
+          {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "晴"}],
+         [WEATHER_TOOL]),
+    ]
+    for messages, tools in shapes:
+        try:
+            ref = reference_tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=True, add_generation_prompt=True,
+                thinking=False, chat_template=source)
+        except Exception:  # noqa: BLE001 - K2's templates mutate a list, which HF's sandbox
+            # refuses on tool history: then ours refuses too (a 400), not a different prompt
+            with pytest.raises(ValueError, match="unsafe"):
+                ChatTemplate(source).render(messages, tools=tools, thinking=False)
+            continue
+        ours = tok.encode(ChatTemplate(source).render(messages, tools=tools, thinking=False))
+        assert ours == (ref if isinstance(ref, list) else ref["input_ids"])
