@@ -18,6 +18,7 @@ values, else the shortest token the grammar allows.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -27,6 +28,8 @@ import torch
 
 from kdaserve.request import Grammar, Request
 from kdaserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("kdaserve")
 
 # compact JSON: no free whitespace (a random model fills it with tabs), ", " / ": " become , :
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -227,7 +230,18 @@ class GrammarMatcher:
 
     def fill(self, row: torch.Tensor, remaining: int) -> None:
         """Writes the allowed-token bitmask into `row` [V/32] int32; `remaining`: tokens left
-        in the request's budget, this one included."""
+        in the request's budget, this one included. A matcher in error (a parser limit) ends
+        the request: only end-of-sequence is allowed."""
+        try:
+            self._estimate(remaining)
+            self._fill(row)
+            if self.closing:
+                set_only(row, self._closing_token(row))
+        except ValueError:
+            logger.exception("grammar failed; ending the request")
+            set_only(row, int(self.backend.eos_ids[0]))
+
+    def _estimate(self, remaining: int) -> None:
         if not self.closing and remaining <= self._next_check:
             self._close_estimate = self._close_cost()
             self.closing = remaining <= self._close_estimate + CLOSE_MARGIN
@@ -235,9 +249,6 @@ class GrammarMatcher:
             # adds its closing tokens): re-estimate after a fraction of the slack is used
             slack = remaining - self._close_estimate - CLOSE_MARGIN
             self._next_check = remaining - max(1, slack // CLOSE_RECHECK)
-        self._fill(row)
-        if self.closing:
-            set_only(row, self._closing_token(row))
 
     def _fill(self, row: torch.Tensor) -> None:
         self.m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
@@ -299,7 +310,10 @@ class GrammarMatcher:
         if self.closing or remaining > 2 * self._close_estimate + CLOSE_MARGIN + CLOSE_GUARD:
             return token
         sim = GrammarMatcher(self.backend, self.m.deep_copy(), self.cursor.copy())
-        sim.accept(token)
+        try:
+            sim.accept(token)
+        except ValueError:
+            return token  # `accept` reports it for this request alone
         if sim.is_terminated or \
                 sim._close_cost(limit=remaining) + CLOSE_MARGIN <= remaining - 1:
             return token
@@ -310,7 +324,9 @@ class GrammarMatcher:
 
     def near_budget(self, remaining: int, num_drafts: int) -> bool:
         """Whether accepting `num_drafts` drafts (and the bonus token) could eat into the
-        closing path's reserve, which only `fill` guards (closing forces one token a step)."""
+        closing path's reserve, which only `fill` guards (closing forces one token a step).
+        Verify steps skip `fill`, so the estimate is refreshed here."""
+        self._estimate(remaining)
         return self.closing or \
             remaining - num_drafts - 1 <= 2 * self._close_estimate + CLOSE_MARGIN + CLOSE_GUARD
 
@@ -356,9 +372,15 @@ def forced_token(req: Request) -> int | None:
 
 
 def note_reasoning(req: Request) -> None:
-    """Marks the reasoning closed once the output ends with `reasoning_end`."""
-    end = req.params.reasoning_end
-    if not req.reasoning_done and end and tuple(req.output_ids[-len(end):]) == end:
+    """Marks the reasoning closed once the output ends with `reasoning_end`, or once the model
+    itself (within its budget) writes the token that starts it, however it spells the rest."""
+    p, out = req.params, req.output_ids
+    end = p.reasoning_end
+    if req.reasoning_done or not end:
+        return
+    by_model = out[-1] == end[0] and p.reasoning_budget is not None and \
+        len(out) <= p.reasoning_budget
+    if by_model or tuple(out[-len(end):]) == end:
         req.reasoning_done = True
 
 

@@ -294,9 +294,12 @@ class LLMEngine:
             if req.matcher is not None:  # each position masked by the state after its drafts
                 assert self._grammar is not None
                 bitmask = self._grammar.allocate_bitmask(1 + k)
-                req.matcher.fill_drafts(bitmask, req.draft_ids)
-                rows = rows.clone()
-                apply_bitmask(rows, bitmask)
+                try:
+                    req.matcher.fill_drafts(bitmask, req.draft_ids)
+                    rows = rows.clone()
+                    apply_bitmask(rows, bitmask)
+                except ValueError:  # a grammar bug: `_append` then ends this request alone
+                    logger.exception("request %s: grammar failed on its drafts", req.rid)
             tokens, rollback = spec.accept(req, rows, start)
             accepted.append((req, len(tokens) - 1, row + len(tokens) - 1))
             row += 1 + k

@@ -87,7 +87,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
     norm = torch.where(k_in.unsqueeze(1), masked.logsumexp(-1, keepdim=True),
                        logits.logsumexp(-1, keepdim=True))
     sorted_p = (masked - norm).exp()
-    inside = k_in | ((sorted_p.sum(-1, keepdim=True) >= top_p) & (top_p < 1)).squeeze(1)
+    # top-k past the window: its mass is not the window's normaliser, so the full sort
+    reached = ((sorted_p.sum(-1, keepdim=True) >= top_p) & (top_p < 1)).squeeze(1)
+    inside = k_in | (reached & (top_k >= V))
     drop |= ((sorted_p.cumsum(-1) - sorted_p) >= top_p) & (top_p < 1)
     out = torch.full_like(logits, float("-inf")).scatter(
         1, order, vals.masked_fill(drop, float("-inf")))

@@ -4,6 +4,7 @@ output parser (reasoning, content, tool calls), whole or streamed."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -151,11 +152,14 @@ class ChatHandler:
             values = self.policy.apply(values, thinking)
         params = req.sampling_params(max_tokens, top if req.logprobs else None, values)
         reasons = isinstance(fmt, K3Format) and thinking  # the output opens in `think`
-        params.keep_special_ids = fmt.marker_ids(tok)
+        extra: dict[str, Any] = {"keep_special_ids": fmt.marker_ids(tok),
+                                 "grammar": self._grammar(choice, everything, response_format,
+                                                          reasons)}
         if reasons:
-            params.reasoning_end = fmt.reasoning_end(tok)
-            params.reasoning_budget = max(1, int(REASONING_SHARE[effort or "max"] * max_tokens))
-        params.grammar = self._grammar(choice, everything, response_format, reasons)
+            extra["reasoning_end"] = fmt.reasoning_end(tok)
+            extra["reasoning_budget"] = max(1, int(REASONING_SHARE[effort or "max"]
+                                                   * max_tokens))
+        params = dataclasses.replace(params, **extra)  # checked again with them
         use_tools = bool(everything) and choice != "none"
         return ChatPlan(ids, params, fmt.pending_tokens(thinking), reasons, use_tools,
                         self.reasoning)
@@ -204,7 +208,7 @@ class ChatHandler:
 
     def _choice(self, o: CompletionOutput, plan: ChatPlan,
                 req: ChatCompletionRequest) -> dict[str, Any]:
-        parser = self.format.parser(plan.thinking, plan.use_tools)
+        parser = self.format.parser(plan.thinking, plan.use_tools, plan.reasoning)
         events = parser.feed(o.text or "") + parser.finish()
         reasoning = "".join(e[1] for e in events if isinstance(e, tuple) and e[0] == "reasoning")
         content = "".join(e[1] for e in events if isinstance(e, tuple) and e[0] == "content")
@@ -248,7 +252,8 @@ class ChatHandler:
                                    "delta": {"role": "assistant", "content": ""},
                                    "finish_reason": None}]})
                         sent_text[i] = sent_tok[i] = 0
-                        parsers[i] = self.format.parser(plan.thinking, plan.use_tools)
+                        parsers[i] = self.format.parser(plan.thinking, plan.use_tools,
+                                                         plan.reasoning)
                     text = o.text or ""
                     delta, sent_text[i] = text[sent_text[i]:], len(text)
                     new_ids, lps = o.token_ids[sent_tok[i]:], (o.logprobs or [])[sent_tok[i]:]

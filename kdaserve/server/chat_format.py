@@ -31,7 +31,8 @@ from kdaserve.tokenizer import Tokenizer
 
 def lark_json(schema: dict[str, Any] | None) -> str:
     """`%json` of a schema for a Lark grammar, compact like our json_schema grammars."""
-    schema = prepare_schema(schema) if schema is not None else {"type": "object"}
+    # no schema, or `{}`: arguments are still a JSON object
+    schema = prepare_schema(schema) if schema else {"type": "object"}
     if isinstance(schema, dict):
         schema = {**schema, "x-guidance": JSON_OPTIONS}
     return "%json " + json.dumps(schema, ensure_ascii=False)
@@ -68,7 +69,8 @@ class ChatFormat:
     def reasoning_end(self, tok: Tokenizer) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def parser(self, thinking: bool, tools: bool) -> OutputParser:
+    def parser(self, thinking: bool, tools: bool, reasoning: bool) -> OutputParser:
+        """`reasoning`: split reasoning out (K2: only with a reasoning parser configured)."""
         raise NotImplementedError
 
     def tool_grammar(self, tools: list[dict[str, Any]], thinking: bool,
@@ -82,8 +84,8 @@ class ChatFormat:
 
 
 class _K2Parser(OutputParser):
-    def __init__(self, thinking: bool, tools: bool) -> None:
-        self.reasoning = ReasoningParser(in_reasoning=thinking)
+    def __init__(self, thinking: bool, tools: bool, reasoning: bool) -> None:
+        self.reasoning = ReasoningParser(in_reasoning=thinking) if reasoning else None
         self.tools = StreamingToolParser() if tools else None
 
     def _events(self, reasoning: str, content: str, final: bool) -> list[Event]:
@@ -95,10 +97,12 @@ class _K2Parser(OutputParser):
         return out
 
     def feed(self, text: str) -> list[Event]:
-        return self._events(*self.reasoning.feed(text), final=False)
+        split = self.reasoning.feed(text) if self.reasoning else ("", text)
+        return self._events(*split, final=False)
 
     def finish(self) -> list[Event]:
-        return self._events(*self.reasoning.finish(), final=True)
+        split = self.reasoning.finish() if self.reasoning else ("", "")
+        return self._events(*split, final=True)
 
 
 class K2Format(ChatFormat):
@@ -110,8 +114,8 @@ class K2Format(ChatFormat):
         end = tok.token_to_id(THINK_END)
         return (end,) if end is not None else ()
 
-    def parser(self, thinking: bool, tools: bool) -> OutputParser:
-        return _K2Parser(thinking, tools)
+    def parser(self, thinking: bool, tools: bool, reasoning: bool) -> OutputParser:
+        return _K2Parser(thinking, tools, reasoning)
 
     def tool_grammar(self, tools: list[dict[str, Any]], thinking: bool,
                      optional: bool = False) -> Grammar:
@@ -159,7 +163,7 @@ class K3Format(ChatFormat):
     def reasoning_end(self, tok: Tokenizer) -> tuple[int, ...]:
         return tuple(tok.encode(self.THINK_CLOSE))
 
-    def parser(self, thinking: bool, tools: bool) -> OutputParser:
+    def parser(self, thinking: bool, tools: bool, reasoning: bool) -> OutputParser:
         return _K3Parser(thinking)
 
     def _turn(self, body: str, tools: str, thinking: bool) -> str:

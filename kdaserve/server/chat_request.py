@@ -93,7 +93,7 @@ def resolve_tool_choice(choice: Any, tools: list[dict[str, Any]]) -> str | dict[
         raise ValueError("tool_choice object must be {'type': 'function', 'function': "
                          "{'name': ...}}")
     name = choice["function"].get("name")
-    if name not in {t["function"]["name"] for t in tools}:
+    if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
         raise ValueError(f"tool_choice names function {name!r}, which is not among the tools")
     return dict(choice)
 

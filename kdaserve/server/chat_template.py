@@ -238,7 +238,9 @@ def validate_messages(messages: Any) -> None:
         content = message.get("content")
         if content is None:
             # OpenAI allows `content: null` exactly when the assistant only called tools.
-            if not (role == "assistant" and tool_calls):
+            # ...and a system message may only declare (dynamic) tools
+            if not ((role == "assistant" and tool_calls) or
+                    (role == "system" and message.get("tools"))):
                 raise ValueError(f"{where} ({role}) has no content")
         else:
             _validate_content(content, where)

@@ -171,8 +171,9 @@ def test_forced_tool_calls_validate(http: httpx.Client, stream: bool, where: str
             "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}}}}}}
     tools = [WEATHER_TOOL, nested]
     kw: dict[str, Any] = {"tool_choice": "required", "max_tokens": 200}
-    if where == "system":
-        kw["messages"] = [{"role": "system", "content": "", "tools": tools}, *USER]
+    if where == "system":  # content "" or absent: a system message that only declares tools
+        kw["messages"] = [{"role": "system", "content": "", "tools": tools[:1]},
+                          {"role": "system", "tools": tools[1:]}, *USER]
     else:
         kw["tools"] = tools
     if where == "named":
@@ -222,6 +223,8 @@ BAD_REQUESTS = {
     "required-without-tools": {"tool_choice": "required"},
     "required-empty-tools": {"tools": [], "tool_choice": "required"},
     "bogus-tool-choice": {"tools": [WEATHER_TOOL], "tool_choice": "bogus"},
+    "named-tool-not-a-string": {"tools": [WEATHER_TOOL], "tool_choice": {
+        "type": "function", "function": {"name": ["get_weather"]}}},
     "unknown-named-tool": {"tools": [WEATHER_TOOL],
                            "tool_choice": {"type": "function", "function": {"name": "nope"}}},
     "bogus-format": {"response_format": {"type": "bogus"}},

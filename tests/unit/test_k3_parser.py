@@ -49,3 +49,12 @@ def test_plain_text_and_unfinished_output() -> None:
     assert collect(p.feed("just text <|clo") + p.finish()) == ("", "just text <|clo", {})
     p = K3OutputParser(in_reasoning=True)
     assert collect(p.feed("thinking forever") + p.finish()) == ("thinking forever", "", {})
+
+
+def test_k2_splits_think_only_when_asked() -> None:
+    from kdaserve.server.chat_format import K2Format
+
+    out = "<think>x</think>answer"
+    for reasoning, expected in ((True, ("x", "answer", {})), (False, ("", out, {}))):
+        p = K2Format().parser(thinking=False, tools=False, reasoning=reasoning)
+        assert collect(p.feed(out) + p.finish()) == expected

@@ -334,8 +334,9 @@ def test_windowed_top_k_top_p_equals_full_sort(scale: float) -> None:
     V = 3 * sampler.TOP_WINDOW
     logits = torch.randn(6, V, generator=g) * scale
     logits[5, 100:] = float("-inf")  # a grammar-masked row
-    top_k = torch.tensor([V, 10, V, 5000, V, V])
-    top_p = torch.tensor([[0.95], [0.9], [1.0], [1.0], [0.5], [0.99]])
+    top_k = torch.tensor([V, 10, V, 5000, V, V, 5000])  # 5000: top-k past the window
+    top_p = torch.tensor([[0.95], [0.9], [1.0], [1.0], [0.5], [0.99], [0.5]])
+    logits = torch.cat([logits, logits[:1] * 4])
     assert torch.equal(sampler._top_k_top_p(logits, top_k, top_p),
                        sampler._sorted_filter(logits, top_k, top_p))
 
