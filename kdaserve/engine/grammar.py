@@ -309,6 +309,10 @@ class GrammarMatcher:
         new tool call); `remaining` counts this token. Call before `accept`."""
         if self.closing or remaining > 2 * self._close_estimate + CLOSE_MARGIN + CLOSE_GUARD:
             return token
+        b = self.backend
+        if self.cursor.in_string and token not in b.special and token < len(b.token_text) \
+                and '"' not in b.token_text[token] and "\\" not in b.token_text[token]:
+            return token  # more of a string: the way out is the same `"` and suffix
         sim = GrammarMatcher(self.backend, self.m.deep_copy(), self.cursor.copy())
         try:
             sim.accept(token)
