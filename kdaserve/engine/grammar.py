@@ -413,10 +413,9 @@ def check_sampled(reqs: list[Request], tokens: list[int]) -> list[int]:
     return changed
 
 
-def fill_bitmasks(reqs: list[Request], vocab_size: int) -> dict[int, torch.Tensor]:
-    """Each request's next-token bitmask row (grammar and reasoning budget), by id(req). Pure
-    host work on the requests' current state: the engine runs it while the forward runs."""
-    bitmask = torch.full((len(reqs), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+def constrain(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+    """Masks logits rows[i] for reqs[i] by its grammar and reasoning budget, in place."""
+    bitmask = torch.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=torch.int32)
     for i, req in enumerate(reqs):
         if req.matcher is not None:
             req.matcher.fill(bitmask[i], req.params.max_tokens - len(req.output_ids))
@@ -424,18 +423,6 @@ def fill_bitmasks(reqs: list[Request], vocab_size: int) -> dict[int, torch.Tenso
         # a grammar may not allow it yet (the text ends inside a UTF-8 character): a step later
         if forced is not None and (req.matcher is None or is_allowed(bitmask[i], forced)):
             set_only(bitmask[i], forced)
-    return {id(req): bitmask[i] for i, req in enumerate(reqs)}
-
-
-def constrain(logits: torch.Tensor, reqs: list[Request], rows: list[int],
-              ready: dict[int, torch.Tensor] | None = None) -> None:
-    """Masks logits rows[i] for reqs[i] by its grammar and reasoning budget, in place; `ready`:
-    rows already filled (by `fill_bitmasks` during the forward)."""
-    ready = ready or {}
-    missing = [r for r in reqs if id(r) not in ready]
-    if missing:
-        ready = {**ready, **fill_bitmasks(missing, logits.shape[1])}
-    bitmask = torch.stack([ready[id(r)] for r in reqs])
     idx = torch.tensor(rows, device=logits.device)
     sub = logits.index_select(0, idx)
     apply_bitmask(sub, bitmask)

@@ -8,7 +8,7 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,14 +65,10 @@ class ChatPlan:
     thinking: bool  # output starts in the reasoning channel
     use_tools: bool  # parse tool calls out of the output
     reasoning: bool  # report reasoning_content
-    n: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.n = self.params.n
 
     def usage(self, completion: int) -> dict[str, int]:
         prompt = len(self.ids) - self.pending
-        completion += self.pending * self.n
+        completion += self.pending * self.params.n
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 

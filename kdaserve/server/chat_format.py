@@ -9,7 +9,7 @@ grammars that force a tool call or a JSON response in that family's own format.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from kdaserve.engine.grammar import JSON_OPTIONS, prepare_schema
 from kdaserve.request import Grammar
@@ -42,14 +42,12 @@ def lark_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-class OutputParser:
+class OutputParser(Protocol):
     """Splits streamed output text into reasoning, content and tool-call events."""
 
-    def feed(self, text: str) -> list[Event]:
-        raise NotImplementedError
+    def feed(self, text: str) -> list[Event]: ...
 
-    def finish(self) -> list[Event]:
-        raise NotImplementedError
+    def finish(self) -> list[Event]: ...
 
 
 class ChatFormat:
@@ -83,7 +81,7 @@ class ChatFormat:
         raise NotImplementedError
 
 
-class _K2Parser(OutputParser):
+class _K2Parser:
     def __init__(self, thinking: bool, tools: bool, reasoning: bool) -> None:
         self.reasoning = ReasoningParser(in_reasoning=thinking) if reasoning else None
         self.tools = StreamingToolParser() if tools else None
@@ -137,17 +135,6 @@ class K2Format(ChatFormat):
                                "THINK: /(?s:.*)/\n")
 
 
-class _K3Parser(OutputParser):
-    def __init__(self, thinking: bool) -> None:
-        self.inner = K3OutputParser(in_reasoning=thinking)
-
-    def feed(self, text: str) -> list[Event]:
-        return self.inner.feed(text)
-
-    def finish(self) -> list[Event]:
-        return self.inner.finish()
-
-
 JSON_TAG = 'json type="object"'
 
 
@@ -164,7 +151,7 @@ class K3Format(ChatFormat):
         return tuple(tok.encode(self.THINK_CLOSE))
 
     def parser(self, thinking: bool, tools: bool, reasoning: bool) -> OutputParser:
-        return _K3Parser(thinking)
+        return K3OutputParser(in_reasoning=thinking)
 
     def _turn(self, body: str, tools: str, thinking: bool) -> str:
         think = f'THINK {CLOSE} "think" {SEP} {OPEN} "response" {SEP} ' if thinking else ""
