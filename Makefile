@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps sglang==0.5.23 lm-eval==0.4.13
 	touch $(STAMP)
 
 # The OpenAI-compatible server on the built-in default model (a random-weight `bench`

@@ -4,3 +4,4 @@ from kdaserve.llm import LLM
 from kdaserve.request import RequestOutput, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__version__ = "0.1.0"

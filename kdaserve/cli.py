@@ -97,7 +97,16 @@ def main(argv: list[str] | None = None) -> None:
 
     b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = b.add_subparsers(dest="bench", required=True)
-    from kdaserve.bench import grammar, gsm8k, kernels, prefix_cache, serving, spec, throughput
+    from kdaserve.bench import (
+        grammar,
+        gsm8k,
+        kernels,
+        prefix_cache,
+        scoring,
+        serving,
+        spec,
+        throughput,
+    )
 
     gsm8k.add_parser(bench_sub)
     grammar.add_parser(bench_sub)
@@ -106,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     prefix_cache.add_parser(bench_sub)
     serving.add_parser(bench_sub)
     spec.add_parser(bench_sub)
+    scoring.add_parser(bench_sub)
     from kdaserve.server import launch
 
     launch.add_parser(sub)

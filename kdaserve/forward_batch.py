@@ -45,14 +45,16 @@ class ForwardBatch:
     def build(cls, new_tokens: list[list[int]], num_cached: list[int], state_slots: list[int],
               block_tables: list[list[int]], block_size: int, all_logits: bool = False,
               sample: list[bool] | None = None, num_logits: list[int] | None = None,
+              logits_from: list[int] | None = None,
               device: torch.device | str = "cpu") -> ForwardBatch:
         """Pack per-sequence metadata (host lists) into tensors.
 
         new_tokens[b]: token ids to run now; num_cached[b]: tokens of that sequence already in
         the caches; block_tables[b] must cover num_cached[b] + len(new_tokens[b]) tokens.
         Logits are computed for the last num_logits[b] (default 1) tokens of each sequence
-        with sample[b] (default: all; speculative verification wants several), or for every
-        token with all_logits.
+        with sample[b] (default: all; speculative verification wants several), for every
+        token with all_logits, or, given logits_from, for the tokens from logits_from[b] on
+        (the sequence's length: none).
         """
         ids: list[int] = []
         positions: list[int] = []
@@ -63,8 +65,13 @@ class ForwardBatch:
             sample = [True] * len(new_tokens)
         if num_logits is None:
             num_logits = [1] * len(new_tokens)
-        for toks, start, table, wanted, m in zip(new_tokens, num_cached, block_tables, sample,
-                                                 num_logits, strict=True):
+        if logits_from is None:
+            logits_from = [len(t) - m if wanted else len(t)
+                           for t, wanted, m in zip(new_tokens, sample, num_logits, strict=True)]
+        if all_logits:
+            logits_from = [0] * len(new_tokens)
+        for toks, start, table, first in zip(new_tokens, num_cached, block_tables, logits_from,
+                                             strict=True):
             if not toks:
                 raise ValueError("every sequence in a batch needs at least one new token")
             n = len(toks)
@@ -74,10 +81,7 @@ class ForwardBatch:
             pos = range(start, start + n)
             positions.extend(pos)
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in pos)
-            if all_logits:
-                logits_rows.extend(range(cu[-1], cu[-1] + n))
-            elif wanted:
-                logits_rows.extend(range(cu[-1] + n - m, cu[-1] + n))
+            logits_rows.extend(range(cu[-1] + first, cu[-1] + n))
             cu.append(cu[-1] + n)
         width = max(len(t) for t in block_tables)
         table_t = torch.zeros(len(block_tables), width, dtype=torch.int64)

@@ -41,6 +41,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # return the sampled token's logprob plus this many top ones
+    # prompt log-probabilities: each prompt token's logprob from logprob_start_len on, plus
+    # this many top ones per position (the first prompt token has none: nothing predicts it)
+    prompt_logprobs: int | None = None
+    logprob_start_len: int = 0
+    token_ids_logprob: list[int] = field(default_factory=list)  # always reported, per position
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) banned until this many are out
     skip_special_tokens: bool = True
     keep_special_ids: tuple[int, ...] = ()  # decoded even with skip_special_tokens (markers)
     grammar: Grammar | None = None  # constrain the output (structured outputs)
@@ -69,6 +76,16 @@ class SamplingParams:
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+            (self.logprob_start_len >= 0,
+             f"logprob_start_len must be >= 0, got {self.logprob_start_len}"),
+            (len(self.token_ids_logprob) <= 64,
+             f"token_ids_logprob takes at most 64 ids, got {len(self.token_ids_logprob)}"),
+            (all(-100 <= b <= 100 for b in self.logit_bias.values()),
+             "logit_bias values must be in [-100, 100]"),
+            (0 <= self.min_tokens <= self.max_tokens,
+             f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (self.reasoning_budget is None or (self.reasoning_budget >= 0
                                                 and bool(self.reasoning_end)),
@@ -126,6 +143,9 @@ class Request:
     num_verifies: int = 0  # steps that verified drafts
     matcher: Any = None  # GrammarMatcher of a constrained request
     reasoning_done: bool = False  # reasoning_end seen (or no reasoning budget)
+    # prompt logprobs, one entry per prompt position from params.logprob_start_len (None for
+    # position 0); None when not wanted (only the first of n siblings computes them)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -138,6 +158,23 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    @property
+    def prompt_logits_row(self) -> int | None:
+        """The next prompt position whose logits are still needed for prompt logprobs (row p
+        predicts token p + 1); None when none are."""
+        lps = self.prompt_logprobs
+        if lps is None:
+            return None
+        pos = self.params.logprob_start_len + len(lps)  # the next token to score
+        return pos - 1 if pos < len(self.prompt_ids) else None
+
+    @property
+    def max_cached_prefix(self) -> int:
+        """How many leading tokens may come from the prefix cache: one token must always run
+        (to produce logits), and rows still needed for prompt logprobs must run too."""
+        row = self.prompt_logits_row
+        return self.num_tokens - 1 if row is None else row
 
     @property
     def is_prefilling(self) -> bool:
@@ -177,6 +214,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # one entry per prompt position from logprob_start_len (None for position 0), when asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
     @property
     def token_ids(self) -> list[int]:

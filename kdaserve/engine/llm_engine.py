@@ -27,6 +27,7 @@ from kdaserve.engine.grammar import (
     needs_mask,
     note_reasoning,
 )
+from kdaserve.engine.logprobs import record_prompt_logprobs
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.sampler import Sampler
 from kdaserve.engine.scheduler import Scheduler
@@ -92,13 +93,13 @@ class LLMEngine:
             self.spec = Speculator(self._make_drafter(max_running), self.states, self.cache,
                                    max_running)
             self.scheduler.hooks = self.spec
-        self.sampler = Sampler()
         self._grammar: GrammarBackend | None = None  # built on the first constrained request
         self.groups: dict[str, list[Request]] = {}
         self.detok: dict[int, IncrementalDetokenizer] = {}
         self.stop_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             self.stop_ids |= set(self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(frozenset(self.stop_ids))
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests": 0,
                          "num_finished": 0, "num_aborted": 0, "num_steps": 0}
         self._pending_outputs: list[RequestOutput] = []
@@ -212,6 +213,15 @@ class LLMEngine:
         if rid in self.groups:
             raise ValueError(f"request id {rid!r} is already in use")
         ids = self.encode(prompt)
+        vocab = self.model_config.vocab_size
+        for name, toks in (("logit_bias", params.logit_bias),
+                           ("token_ids_logprob", params.token_ids_logprob)):
+            bad = [t for t in toks if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]!r} outside the vocabulary of {vocab}")
+        if params.logprob_start_len > len(ids):
+            raise ValueError(f"logprob_start_len ({params.logprob_start_len}) is past the "
+                             f"prompt's {len(ids)} tokens")
         children = []
         for i in range(params.n):
             gen = None
@@ -219,6 +229,8 @@ class LLMEngine:
                 gen = torch.Generator().manual_seed(params.seed * 1_000_003 + i)
             children.append(Request(rid if params.n == 1 else f"{rid}-{i}", ids, params,
                                     generator=gen))
+        if params.prompt_logprobs is not None:  # the siblings share the prompt: one scores it
+            children[0].prompt_logprobs = [None] if params.logprob_start_len == 0 else []
         need = len(ids) + params.max_tokens
         if need > self.scheduler.max_request_tokens():
             self.scheduler.add(children[0])  # raises the descriptive ValueError
@@ -272,7 +284,9 @@ class LLMEngine:
         # Grammar masks are computed after the forward, not beside it on a thread: the closing
         # estimate is Python, and GIL hand-offs (5 ms switch interval) against the model's
         # Python-level op dispatch made tests/model/test_grammar.py 5x slower (160 s vs 32 s).
-        logits, to_sample, hidden = self.runner.run(batch, wants_hidden, record)
+        logits, to_sample, hidden, prompt = self.runner.run(batch, wants_hidden, record)
+        for req, rows in prompt:
+            record_prompt_logprobs(req, rows, self.model.compute_logits)
         self.scheduler.insert_snapshots(batch)
         self.counters["num_steps"] += 1
         touched: dict[str, None] = {}
@@ -416,8 +430,12 @@ class LLMEngine:
                 cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None
                 else None, spec_num_drafted=r.num_drafted, spec_num_accepted=r.num_accepted,
                 spec_num_verifies=r.num_verifies))
-        return RequestOutput(rid, children[0].prompt_ids, outs,
-                             finished=all(r.is_finished for r in children))
+        first = children[0]
+        return RequestOutput(rid, first.prompt_ids, outs,
+                             finished=all(r.is_finished for r in children),
+                             prompt_logprobs=None if first.prompt_logprobs is None
+                             else list(first.prompt_logprobs),
+                             num_cached_tokens=first.num_cached_prompt)
 
     def _forget(self, rid: str) -> None:
         for r in self.groups.pop(rid):

@@ -5,6 +5,8 @@ The one place (with kernels/) where device-specific execution would live.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kdaserve.cache.block_pool import BlockPool
@@ -16,25 +18,45 @@ from kdaserve.request import Request
 from kdaserve.spec.record import StepRecord
 
 
+class StepOutput(NamedTuple):
+    logits: torch.Tensor  # [L, vocab] fp32, the rows that sample, in `to_sample` order
+    to_sample: list[Request]
+    hidden: torch.Tensor | None  # [L, D] final hidden states of those rows, when asked
+    prompt: list[tuple[Request, torch.Tensor]]  # prompt-logprob rows' hidden states
+
+
 class ModelRunner:
     def __init__(self, model: KimiLinearForCausalLM, blocks: BlockPool, states: StatePool,
                  device: torch.device) -> None:
         self.model, self.blocks, self.states, self.device = model, blocks, states, device
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request]]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request],
+                                                      list[tuple[Request, int]]]:
         """Packs the batch; also returns the requests whose next token is sampled this step
-        (decodes and final prefill chunks), in logits-row order."""
-        new_tokens, num_cached, sample, num_logits = [], [], [], []
+        (decodes and final prefill chunks), in logits-row order, and the prompt-logprob rows:
+        (request, rows) for requests that asked, their rows first in the logits of their
+        sequence (before its sampling row)."""
+        new_tokens, num_cached, sample, logits_from = [], [], [], []
+        prompt_rows: list[tuple[Request, int]] = []
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             start = req.num_computed_tokens
             ids = req.all_ids + req.draft_ids  # drafted tokens are verified in this forward
             new_tokens.append(ids[start:start + n])
             num_cached.append(start)
-            sample.append(start + n == len(ids))
-            num_logits.append(1 + len(req.draft_ids))
+            sampled = start + n == len(ids)
+            sample.append(sampled)
+            first = n - 1 - len(req.draft_ids) if sampled else n
+            row = req.prompt_logits_row
+            if row is not None and row < start + n:
+                # the scheduler never takes these rows from the cache (max_cached_prefix)
+                assert row >= start, "prompt-logprob rows were skipped"
+                end = min(len(req.prompt_ids) - 1, start + n)  # the last row samples
+                prompt_rows.append((req, end - row))
+                first = row - start
+            logits_from.append(first)
         fb = ForwardBatch.build(new_tokens, num_cached, [r.state_slot for r in batch.reqs],
                                 [r.block_ids for r in batch.reqs], self.blocks.block_size,
-                                sample=sample, num_logits=num_logits, device=self.device)
+                                logits_from=logits_from, device=self.device)
         if batch.snapshots:
             index = {id(r): i for i, r in enumerate(batch.reqs)}
             cols = ([index[id(r)] for r, _, _ in batch.snapshots],
@@ -43,22 +65,37 @@ class ModelRunner:
             seqs, n, slots = (torch.tensor(c, dtype=torch.int64, device=self.device)
                               for c in cols)
             fb.snapshots = (seqs, n, slots)
-        return fb, [r for r, s in zip(batch.reqs, sample, strict=True) if s]
+        return fb, [r for r, s in zip(batch.reqs, sample, strict=True) if s], prompt_rows
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, return_hidden: bool = False,
-            record: StepRecord | None = None,
-            ) -> tuple[torch.Tensor, list[Request], torch.Tensor | None]:
-        """logits [L, vocab] of the rows to sample, those requests, and with return_hidden
-        their final hidden states [L, D] (the same forward: results do not change). With
-        `record`, the KDA layers fill it with their step inputs."""
-        fb, to_sample = self.prepare(batch)
+            record: StepRecord | None = None) -> StepOutput:
+        """One forward. Logits are computed here only for the rows that sample; prompt-logprob
+        rows come back as hidden states, whose logits the caller computes in slices (a long
+        chunk's full [T, vocab] logits would not fit). With `record`, the KDA layers fill it
+        with their step inputs."""
+        fb, to_sample, prompt_rows = self.prepare(batch)
         fb.record = record
         hidden = self.model.forward_hidden(fb, self.states, self.blocks)
+        prompt: list[tuple[Request, torch.Tensor]] = []
+        if prompt_rows:
+            # per sequence: its prompt rows, then its sampling rows; split the two
+            keep, row = [], 0
+            by_req = {id(r): k for r, k in prompt_rows}
+            for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+                k = by_req.get(id(req), 0)
+                if k:
+                    prompt.append((req, hidden[row:row + k]))
+                    row += k
+                if req.num_computed_tokens + n == req.num_tokens + len(req.draft_ids):
+                    m = 1 + len(req.draft_ids)
+                    keep.extend(range(row, row + m))
+                    row += m
+            hidden = hidden[keep]
         logits = self.model.compute_logits(hidden)
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
-        return logits, to_sample, hidden if return_hidden else None
+        return StepOutput(logits, to_sample, hidden if return_hidden else None, prompt)
 
     @torch.inference_mode()
     def replay(self, record: StepRecord, replays: list[tuple[Request, int]]) -> None:

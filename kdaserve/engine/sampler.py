@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from kdaserve.engine.logprobs import entries
 from kdaserve.request import Request
 
 
@@ -146,11 +147,44 @@ def apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return probs
 
 
+def apply_bias(logits: torch.Tensor, reqs: list[Request],
+               stop_ids: frozenset[int]) -> torch.Tensor:
+    """logit_bias, and min_tokens: stop tokens banned while a request is short of it (a row
+    the ban would empty, e.g. a grammar that allows only EOS, is left as it was)."""
+    rows, cols, vals = [], [], []
+    banned = []
+    for i, r in enumerate(reqs):
+        p = r.params
+        for t, b in p.logit_bias.items():
+            rows.append(i)
+            cols.append(t)
+            vals.append(b)
+        if len(r.output_ids) < p.min_tokens:
+            banned.append((i, sorted(stop_ids | set(p.stop_token_ids))))
+    dev = logits.device
+    if rows:
+        logits = logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                                  torch.tensor(vals, device=dev), accumulate=True)
+    if banned:
+        before = logits
+        logits = logits.clone()
+        for i, ids in banned:
+            logits[i, ids] = float("-inf")
+        empty = torch.isinf(logits).all(-1, keepdim=True)
+        logits = torch.where(empty, before, logits)
+    return logits
+
+
 class Sampler:
+    def __init__(self, stop_ids: frozenset[int] = frozenset()) -> None:
+        self.stop_ids = stop_ids  # the model's EOS tokens, banned before min_tokens
+
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits: fp32 [B, V], row i for reqs[i]."""
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
+        if any(r.params.logit_bias or r.params.min_tokens for r in reqs):
+            logits = apply_bias(logits, reqs, self.stop_ids)
         if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
                or r.params.frequency_penalty for r in reqs):
             logits = apply_penalties(logits, reqs)
@@ -167,14 +201,8 @@ class Sampler:
         token_list = tokens.tolist()
         if raw_logprobs is None:
             return SamplerOutput(token_list, None, None)
-        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        k = max(r.params.logprobs or 0 for r in reqs)
-        top: list[dict[int, float]] = [{} for _ in reqs]
-        if k:
-            values, ids = raw_logprobs.topk(k, dim=-1)
-            for i, r in enumerate(reqs):
-                n = r.params.logprobs or 0
-                top[i] = dict(zip(ids[i, :n].tolist(), values[i, :n].tolist(), strict=True))
-        for i, t in enumerate(token_list):
-            top[i][t] = chosen[i]
-        return SamplerOutput(token_list, chosen, top)
+        top = entries(raw_logprobs, tokens, [r.params.logprobs or 0 for r in reqs],
+                      [r.params.token_ids_logprob if r.params.logprobs is not None else []
+                       for r in reqs])
+        return SamplerOutput(token_list, [d[t] for d, t in zip(top, token_list, strict=True)],
+                             top)

@@ -209,7 +209,7 @@ class Scheduler:
         cache = self.cache
 
         def key(r: Request) -> tuple[int, int]:
-            hit = cache.match(r.all_ids[:-1], touch=False).num_tokens
+            hit = cache.match(r.all_ids[:r.max_cached_prefix], touch=False).num_tokens
             return (0 if r.num_preemptions else 1, -hit)
 
         self.waiting = deque(sorted(self.waiting, key=key))
@@ -218,7 +218,7 @@ class Scheduler:
         """In-batch dedup: a request sharing a long prefix with one still prefilling waits
         until that one has snapshotted the shared part (the leader is told to snapshot there),
         then resumes from it instead of computing the same prefix twice."""
-        if self.cache is None or req.num_preemptions:
+        if self.cache is None or req.num_preemptions or req.prompt_logits_row is not None:
             return False
         grid = self.snapshot_interval
         ids = req.all_ids
@@ -254,8 +254,7 @@ class Scheduler:
         if self.cache is None:
             return
         ids = req.all_ids
-        # at least one token must run to produce logits
-        m = self.cache.match(ids[:-1])
+        m = self.cache.match(ids[:req.max_cached_prefix])
         if m.num_tokens:
             self.blocks.share(m.blocks)
             req.block_ids = list(m.blocks)

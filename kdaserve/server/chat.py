@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,11 +33,19 @@ from kdaserve.server.chat_template import ChatTemplate
 from kdaserve.server.k3_parser import Event
 from kdaserve.server.protocol import ChatCompletionRequest
 from kdaserve.server.sampling_policy import SamplingPolicy
+from kdaserve.server.serving import (
+    ServerState,
+    check_length,
+    check_model,
+    first_then_rest,
+    last,
+    sse,
+    stream_error,
+    timed,
+    usage,
+)
 from kdaserve.server.tool_parser import ToolCallDelta
 from kdaserve.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from kdaserve.server.api import ServerState
 
 
 def chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[dict[int, float]],
@@ -66,11 +74,9 @@ class ChatPlan:
     use_tools: bool  # parse tool calls out of the output
     reasoning: bool  # report reasoning_content
 
-    def usage(self, completion: int) -> dict[str, int]:
+    def usage(self, completion: int, cached: int) -> dict[str, Any]:
         prompt = len(self.ids) - self.pending
-        completion += self.pending * self.params.n
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return usage(prompt, completion + self.pending * self.params.n, min(cached, prompt))
 
 
 def delta_of(ev: Event) -> dict[str, Any]:
@@ -104,8 +110,6 @@ class ChatHandler:
 
     def plan(self, req: ChatCompletionRequest, room: int) -> ChatPlan:
         """Validates and renders `req`; `room`: the context left for prompt + output."""
-        from kdaserve.server.api import check_length
-
         if not req.messages:
             raise ValueError("messages must not be empty")
         fmt, tok = self.format, self.tokenizer
@@ -179,9 +183,7 @@ class ChatHandler:
             return self.format.json_grammar(response_format.schema, thinking)
         return None
 
-    async def handle(self, state: ServerState, body: Any) -> Response:
-        from kdaserve.server.api import check_model, first_then_rest, last, timed
-
+    async def handle(self, state: ServerState, body: ChatCompletionRequest | Any) -> Response:
         try:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
@@ -196,7 +198,7 @@ class ChatHandler:
             choices = [self._choice(o, plan, req) for o in final.outputs]
             completion = sum(len(o.token_ids) for o in final.outputs)
             return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                                 "usage": plan.usage(completion)})
+                                 "usage": plan.usage(completion, final.num_cached_tokens)})
         _, rest = await first_then_rest(stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(self._stream(rest, head, plan, req, include_usage),
@@ -221,6 +223,8 @@ class ChatHandler:
             message["reasoning_content"] = reasoning or None
         if calls:
             message["tool_calls"] = [calls[i] for i in sorted(calls)]
+            if not req.parallel_tool_calls:
+                del message["tool_calls"][1:]
         logprobs = None
         if req.logprobs and o.logprobs is not None:
             logprobs = chat_logprobs(self.tokenizer, o.token_ids, o.logprobs, req.top_logprobs or 0)
@@ -231,16 +235,15 @@ class ChatHandler:
     async def _stream(self, rest: AsyncIterator[RequestOutput], head: dict[str, Any],
                       plan: ChatPlan, req: ChatCompletionRequest,
                       include_usage: bool) -> AsyncIterator[str]:
-        from kdaserve.server.api import sse, stream_error
-
         chunk = {**head, "object": "chat.completion.chunk"}
         sent_text: dict[int, int] = {}
         sent_tok: dict[int, int] = {}
         parsers: dict[int, Any] = {}
         called: set[int] = set()
-        completion = 0
+        completion = cached = 0
         try:
             async for out in rest:
+                cached = out.num_cached_tokens
                 for o in out.outputs:
                     i = o.index
                     if i not in sent_text:
@@ -257,6 +260,9 @@ class ChatHandler:
                     events = parsers[i].feed(delta)
                     if o.finish_reason is not None:
                         events += parsers[i].finish()
+                    if not req.parallel_tool_calls:  # the first call only
+                        events = [e for e in events
+                                  if not (isinstance(e, ToolCallDelta) and e.index > 0)]
                     if any(isinstance(e, ToolCallDelta) for e in events):
                         called.add(i)
                     logprobs = (chat_logprobs(self.tokenizer, new_ids, lps, req.top_logprobs or 0)
@@ -275,7 +281,7 @@ class ChatHandler:
                         yield sse({**chunk, "choices": [{"index": i, "delta": {},
                                    "logprobs": None, "finish_reason": reason}]})
             if include_usage:
-                yield sse({**chunk, "choices": [], "usage": plan.usage(completion)})
+                yield sse({**chunk, "choices": [], "usage": plan.usage(completion, cached)})
             yield "data: [DONE]\n\n"
         except EngineError as e:
             yield stream_error(e)

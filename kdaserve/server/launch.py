@@ -63,6 +63,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from kdaserve.server.chat import ChatHandler
     from kdaserve.server.engine_proc import EngineProcess
     from kdaserve.server.metrics import ServerMetrics
+    from kdaserve.server.responses import ResponseStore
     from kdaserve.server.sampling_policy import load_policy
     from kdaserve.tokenizer import Tokenizer
 
@@ -70,13 +71,17 @@ async def _serve(args: argparse.Namespace) -> None:
     # resolve (and for a preset, generate) the checkpoint once, before the engine process
     path = resolve_model_path(config.model)
     config = dataclasses.replace(config, model=str(path))
-    tokenizer = Tokenizer.from_pretrained(path)
     if args.default_max_tokens < 1:
         raise ValueError("--default-max-tokens must be >= 1")
-    chat = ChatHandler.from_pretrained(path, tokenizer, args.reasoning_parser,
-                                       args.chat_template,
-                                       load_policy(args.sampling_policy, path),
-                                       args.default_max_tokens)
+    # --skip-tokenizer-init: token ids in and out (/generate input_ids), as SGLang; RL
+    # trainers tokenize themselves, and a checkpoint may come without tokenizer files
+    tokenizer = chat = None
+    if not config.skip_tokenizer_init:
+        tokenizer = Tokenizer.from_pretrained(path)
+        chat = ChatHandler.from_pretrained(path, tokenizer, args.reasoning_parser,
+                                           args.chat_template,
+                                           load_policy(args.sampling_policy, path),
+                                           args.default_max_tokens)
     engine = EngineProcess(config)
     await engine.start()
     try:
@@ -84,8 +89,9 @@ async def _serve(args: argparse.Namespace) -> None:
         state = ServerState(
             client=engine, tokenizer=tokenizer, model_name=name, model_path=str(path),
             max_request_tokens=engine.info["max_request_tokens"], metrics=ServerMetrics(),
-            chat=chat,
-            api_key=args.api_key)
+            chat=chat, api_key=args.api_key, responses=ResponseStore(),
+            server_args={k: v for k, v in vars(args).items()
+                         if isinstance(v, str | int | float | bool | None) and k != "api_key"})
         app = create_app(state)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                                log_level="warning", timeout_keep_alive=30))
@@ -96,9 +102,13 @@ async def _serve(args: argparse.Namespace) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
         print(f"[kdaserve] model {path}: {engine.info['summary']}", flush=True)
-        policy = chat.policy.name if chat.policy else "none"
-        print(f"[kdaserve] chat template {chat.template.origin} ({chat.format.name}); "
-              f"sampling policy {policy}", flush=True)
+        if chat is None:
+            print("[kdaserve] no tokenizer (--skip-tokenizer-init): token ids in and out",
+                  flush=True)
+        else:
+            policy = chat.policy.name if chat.policy else "none"
+            print(f"[kdaserve] chat template {chat.template.origin} ({chat.format.name}); "
+                  f"sampling policy {policy}", flush=True)
         print(f"[kdaserve] serving {name} at http://{args.host}:{args.port} "
               f"(OpenAI API at http://{args.host}:{args.port}/v1)", flush=True)
         await server.serve()

@@ -1,47 +1,111 @@
 """Request schemas of the HTTP API (OpenAI and SGLang-native) and their SamplingParams.
 
-Unknown fields are accepted and ignored (clients send many vendor extensions); known fields are
-type-checked, and a wrong type or value becomes an HTTP 400 naming the field.
+The policy is strict: a field we do not know is a 400 naming it, never silently dropped. The
+few fields OpenAI documents as advisory (`user`, `metadata`, `store`, `service_tier`,
+`prompt_cache_key`, `safety_identifier`; SGLang's `log_metrics`, `stream_interval`) are
+accepted and ignored, and listed in the README. Token ids are strict integers (`false` is not
+token 0); every count has bounds, so nothing reaches the engine that could overflow there.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from kdaserve.request import SamplingParams
+from kdaserve.request import Grammar, SamplingParams
+
+TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
+MAX_N = 128  # OpenAI's limit on n
+MAX_PROMPTS = 256  # prompts in one /v1/completions or /generate request
+MAX_STOPS = 16
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+Count = Annotated[int, Field(ge=0, lt=2**31)]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class _OpenAISampling(_Lenient):
+def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+    return out
+
+
+def constraint(regex: str | None, json_schema: str | dict[str, Any] | None,
+               ebnf: str | None) -> Grammar | None:
+    """SGLang's constrained decoding parameters, as one engine grammar (at most one)."""
+    given = [name for name, v in (("regex", regex), ("json_schema", json_schema),
+                                  ("ebnf", ebnf)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"at most one of regex, json_schema and ebnf, got {given}")
+    if regex is not None:
+        return Grammar("regex", regex)
+    if json_schema is not None:
+        source = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        try:
+            json.loads(source)
+        except ValueError as e:
+            raise ValueError(f"json_schema is not valid JSON: {e}") from None
+        return Grammar("json_schema", source)
+    if ebnf is not None:
+        from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+        try:  # SGLang's EBNF is GBNF (`root ::= ...`); llguidance reads Lark
+            return Grammar("lark", gbnf_to_lark(ebnf))
+        except (GbnfToLarkError, ValueError) as e:
+            raise ValueError(f"ebnf: {e}") from None
+    return None
+
+
+class SamplingFields(Strict):
+    """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI's, plus
+    the vLLM/SGLang extensions clients send)."""
+
     model: str | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: Seed | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOPS)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_tokens: Count = 0
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    regex: str | None = None  # SGLang's constrained decoding (one of the three)
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # advisory (OpenAI documents them as not changing the output): accepted, ignored
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        values: dict[str, Any] | None = None) -> SamplingParams:
+                        values: dict[str, Any] | None = None, **extra: Any) -> SamplingParams:
         """Raises ValueError naming the bad field. `values`: the sampling fields after a
         sampling policy filled in its defaults (None: as the request gives them)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -50,6 +114,9 @@ class _OpenAISampling(_Lenient):
         def get(name: str, default: Any) -> Any:
             return default if v.get(name) is None else v[name]
 
+        grammar = constraint(self.regex, self.json_schema, self.ebnf)
+        if grammar is not None:
+            extra["grammar"] = grammar
         return SamplingParams(
             n=get("n", 1),
             temperature=get("temperature", 1.0),
@@ -66,17 +133,33 @@ class _OpenAISampling(_Lenient):
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            min_tokens=min(self.min_tokens, max_tokens),
+            logit_bias=parse_logit_bias(self.logit_bias),
+            **extra,
         )
 
 
-class CompletionRequest(_OpenAISampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+class CompletionRequest(SamplingFields):
+    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: Count | None = 16  # 0 with echo: score the prompt only
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: None = None  # insertion is not supported: only null is accepted
+
+    @model_validator(mode="after")
+    def _best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of other than n is not supported")
+        return self
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(BaseModel):
+    # Other keys (reasoning_content, partial, ...) go to the chat template, which reads them
+    model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -84,67 +167,122 @@ class ChatMessage(_Lenient):
     tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(_OpenAISampling):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, lt=2**31)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # checked by kdaserve.server.chat_request, whose messages name the exact problem
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True  # false: only the first tool call is returned
     response_format: Any = None
     thinking: Any = None  # Kimi's {"type": "enabled"|"disabled", "effort": ..., "keep": ...}
     reasoning_effort: Any = None
     chat_template_kwargs: Any = None
     separate_reasoning: bool = True
+    modalities: list[Literal["text"]] | None = None
 
 
-class GenerateSampling(_Lenient):
-    """SGLang's sampling_params of /generate."""
+class GenerateSampling(Strict):
+    """SGLang's sampling_params of /generate (null means the default, as SGLang's frontend
+    sends every field)."""
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    max_new_tokens: Count | None = 128  # 0: prefill only (a prefix-cache warm-up / scoring)
+    min_new_tokens: Count | None = 0
+    temperature: float | None = Field(1.0, ge=0)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    top_k: int | None = Field(-1, ge=-1, lt=2**31)
+    min_p: float | None = Field(0.0, ge=0, le=1)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(1.0, gt=0)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOPS)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = 1
-    seed: int | None = Field(default=None, alias="sampling_seed")
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: Seed | None = Field(default=None, alias="sampling_seed")
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
+    # not supported: only null or [] (what SGLang's frontend sends when none is given)
+    stop_regex: Annotated[list[str], Field(max_length=0)] | None = None
+    no_stop_trim: Literal[False] = False  # stop strings are always trimmed
+    spaces_between_special_tokens: Literal[True] = True
+    stream_interval: int | None = None  # advisory: every step is streamed
 
-    def to_params(self, logprobs: int | None) -> SamplingParams:
+    def to_params(self, logprobs: int | None, **extra: Any) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        grammar = constraint(self.regex, self.json_schema, self.ebnf)
+        if grammar is not None:
+            extra["grammar"] = grammar
+        max_tokens = max(self.max_new_tokens if self.max_new_tokens is not None else 128, 1)
+
+        def d(v: Any, default: Any) -> Any:
+            return default if v is None else v
+
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty, repetition_penalty=self.repetition_penalty,
-            max_tokens=self.max_new_tokens, seed=self.seed, ignore_eos=self.ignore_eos,
+            n=self.n, temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0),
+            top_k=d(self.top_k, -1), min_p=d(self.min_p, 0.0),
+            frequency_penalty=d(self.frequency_penalty, 0.0),
+            presence_penalty=d(self.presence_penalty, 0.0),
+            repetition_penalty=d(self.repetition_penalty, 1.0),
+            max_tokens=max_tokens, seed=self.seed, ignore_eos=self.ignore_eos,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            min_tokens=min(self.min_new_tokens or 0, max_tokens),
+            logit_bias=parse_logit_bias(self.logit_bias), **extra)
 
 
-class GenerateRequest(_Lenient):
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+class GenerateRequest(Strict):
+    text: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | None = None
+    input_ids: (Annotated[list[TokenId], Field(min_length=1)]
+                | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                            Field(min_length=1, max_length=MAX_PROMPTS)] | None) = None
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    logprob_start_len: int = Field(-1, ge=-1, lt=2**31)  # -1: the last prompt token only
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    token_ids_logprob: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    return_text_in_logprobs: bool = False
     rid: str | None = None
+    log_metrics: bool = True  # advisory
 
 
-ErrorType = Literal["BadRequestError", "NotFoundError", "ServiceUnavailableError",
-                    "AuthenticationError", "InternalServerError"]
+class TokenizeRequest(Strict):
+    """SGLang's and vLLM's /tokenize: a prompt, or chat messages rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages is required")
+        return self
+
+
+class DetokenizeRequest(Strict):
+    model: str | None = None
+    tokens: list[TokenId]
+    skip_special_tokens: bool = False
+
+
+ErrorType = Literal["BadRequestError", "NotFoundError", "MethodNotAllowedError",
+                    "ServiceUnavailableError", "AuthenticationError", "InternalServerError"]
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     kind: dict[int, ErrorType] = {400: "BadRequestError", 401: "AuthenticationError",
-                                  404: "NotFoundError", 503: "ServiceUnavailableError"}
+                                  404: "NotFoundError", 405: "MethodNotAllowedError",
+                                  503: "ServiceUnavailableError"}
     return {"error": {"message": message, "type": kind.get(status, "InternalServerError"),
                       "param": param, "code": status}}

@@ -87,3 +87,12 @@ def test_bench_grammar_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert [row["batch"] for row in r["throughput"]] == [1, 2]
     assert r["engines"]["llguidance"]["mask_ms"] > 0
+
+
+def test_bench_scoring_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sc.json"
+    cli_main(["bench", "scoring", "--model", str(tiny_ckpt), "--lengths", "16,40",
+              "--batch", "2", "--repeats", "1", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert [row["length"] for row in r["rows"]] == [16, 40]
+    assert all(row["plain_s"] > 0 and row["scored_s"] > 0 for row in r["rows"])

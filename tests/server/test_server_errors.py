@@ -50,14 +50,14 @@ BAD: list[tuple[str, str, dict[str, Any] | list[int] | bytes, str]] = [
     ("chat-max-tokens-negative", CHAT, {"messages": USER, "max_tokens": -5}, "max_tokens"),
     ("chat-max-tokens-zero", CHAT, {"messages": USER, "max_tokens": 0}, "max_tokens"),
     ("chat-max-completion-tokens-zero", CHAT, {"messages": USER, "max_completion_tokens": 0},
-     "max_tokens"),
-    ("chat-max-tokens-absurd", CHAT, {"messages": USER, "max_tokens": 10**12}, "context"),
+     "max_completion_tokens"),
+    ("chat-max-tokens-absurd", CHAT, {"messages": USER, "max_tokens": 10**12}, "max_tokens"),
     ("chat-max-tokens-huge-int", CHAT, {"messages": USER, "max_tokens": 10**40}, "max_tokens"),
     ("chat-max-tokens-fraction", CHAT, {"messages": USER, "max_tokens": 1.5}, "max_tokens"),
     ("cmpl-max-tokens-negative", CMPL, {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
     ("cmpl-max-tokens-absurd", CMPL, {"prompt": "hi", "max_tokens": 10**9}, "context"),
     ("gen-max-new-tokens-negative", GEN, {"text": "hi", "sampling_params": {
-        "max_new_tokens": -1}}, "max_tokens"),
+        "max_new_tokens": -1}}, "max_new_tokens"),
     ("chat-temperature-negative", CHAT, {"messages": USER, "temperature": -0.5}, "temperature"),
     ("cmpl-temperature-negative", CMPL, {"prompt": "hi", "temperature": -1}, "temperature"),
     ("chat-top-p-zero", CHAT, {"messages": USER, "top_p": 0}, "top_p"),
@@ -94,13 +94,13 @@ BAD: list[tuple[str, str, dict[str, Any] | list[int] | bytes, str]] = [
     ("cmpl-logprobs-negative", CMPL, {"prompt": "hi", "logprobs": -1}, "logprobs"),
     ("gen-top-logprobs-too-many", GEN, {"text": "hi", "return_logprob": True,
      "top_logprobs_num": 21}, "logprobs"),
-    ("chat-n-zero", CHAT, {"messages": USER, "n": 0}, "n must be"),
-    ("cmpl-n-negative", CMPL, {"prompt": "hi", "n": -2}, "n must be"),
+    ("chat-n-zero", CHAT, {"messages": USER, "n": 0}, "n: input should be"),
+    ("cmpl-n-negative", CMPL, {"prompt": "hi", "n": -2}, "n: input should be"),
     ("chat-empty-stop", CHAT, {"messages": USER, "stop": [""]}, "stop"),
     ("cmpl-empty-prompt-list", CMPL, {"prompt": []}, "prompt"),
     ("cmpl-empty-prompt-text", CMPL, {"prompt": ""}, "empty prompt"),
     ("cmpl-token-out-of-vocab", CMPL, {"prompt": [1, 10**7]}, "vocabulary"),
-    ("gen-token-negative", GEN, {"input_ids": [-1]}, "vocabulary"),
+    ("gen-token-negative", GEN, {"input_ids": [-1]}, "input_ids"),
     ("gen-neither-text-nor-ids", GEN, {"sampling_params": {"max_new_tokens": 2}},
      "text or input_ids"),
     ("gen-both-text-and-ids", GEN, {"text": "hi", "input_ids": [1]}, "text or input_ids"),
@@ -108,7 +108,7 @@ BAD: list[tuple[str, str, dict[str, Any] | list[int] | bytes, str]] = [
      "temperature"),
     ("chat-stream-bad-temperature", CHAT, {"messages": USER, "stream": True,
      "temperature": -1}, "temperature"),
-    ("cmpl-stream-bad-n", CMPL, {"prompt": "hi", "stream": True, "n": 0}, "n must be"),
+    ("cmpl-stream-bad-n", CMPL, {"prompt": "hi", "stream": True, "n": 0}, "n: input should be"),
     ("gen-stream-bad-top-p", GEN, {"text": "hi", "stream": True, "sampling_params": {
         "top_p": 0}}, "top_p"),
 ]
@@ -217,7 +217,8 @@ def test_small_context(guarded: ServerProc) -> None:
                                 "temperature": 0})
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"] == {"prompt_tokens": 200, "completion_tokens": 56,
-                                      "total_tokens": 256}
+                                      "total_tokens": 256,
+                                      "prompt_tokens_details": {"cached_tokens": 0}}
         # without max_tokens a chat may use the rest of the context, and no more
         r = h.post(CHAT, json={"messages": USER, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200, r.text

@@ -1,0 +1,150 @@
+"""What every endpoint shares: the server's state, the engine stream of one request (with its
+metrics), SSE framing, and the checks of model name and length. Endpoint modules import this;
+it imports none of them, so the server package reads top-down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from kdaserve.engine.client import EngineClient, EngineError
+from kdaserve.request import RequestOutput, SamplingParams
+from kdaserve.server.metrics import ServerMetrics
+from kdaserve.server.protocol import error_body
+from kdaserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from kdaserve.server.chat import ChatHandler
+    from kdaserve.server.responses import ResponseStore
+
+
+@dataclass
+class ServerState:
+    client: EngineClient
+    tokenizer: Tokenizer | None  # None with --skip-tokenizer-init: token ids in and out
+    model_name: str
+    model_path: str
+    max_request_tokens: int
+    metrics: ServerMetrics
+    chat: ChatHandler | None
+    api_key: str | None = None
+    server_args: dict[str, Any] = field(default_factory=dict)  # reported by /get_server_info
+    responses: ResponseStore | None = None  # /v1/responses' previous_response_id store
+
+    def need_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer, but the server runs with "
+                             "--skip-tokenizer-init: send token ids (/generate input_ids)")
+        return self.tokenizer
+
+    def need_chat(self) -> ChatHandler:
+        self.need_tokenizer("chat")
+        assert self.chat is not None
+        return self.chat
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def stream_error(e: Exception) -> str:
+    """The last event of a stream that failed after it started (its HTTP status is already
+    sent): an OpenAI-style error object, and no [DONE], so clients see it did not finish."""
+    status = e.status if isinstance(e, EngineError) else 500
+    return sse(error_body(str(e), status))
+
+
+async def timed(state: ServerState, prompt_ids: list[int], params: SamplingParams,
+                rid: str) -> AsyncIterator[RequestOutput]:
+    """The engine stream of one request, recording TTFT / ITL / E2E and finish reasons."""
+    start = last_at = time.perf_counter()
+    first = True
+    async for out in state.client.generate(prompt_ids, params, rid):
+        now = time.perf_counter()
+        (state.metrics.ttft if first else state.metrics.itl).observe(now - last_at)
+        first, last_at = False, now
+        if out.finished:
+            state.metrics.e2e.observe(now - start)
+            for o in out.outputs:
+                state.metrics.requests.labels(o.finish_reason or "unknown").inc()
+        yield out
+
+
+async def first_then_rest(gen: AsyncIterator[RequestOutput]) -> tuple[RequestOutput,
+                                                                      AsyncIterator[RequestOutput]]:
+    """Awaits the first update, so request errors surface as an HTTP status before streaming."""
+    first = await gen.__anext__()
+
+    async def chain() -> AsyncIterator[RequestOutput]:
+        yield first
+        async for item in gen:
+            yield item
+
+    return first, chain()
+
+
+async def last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = None
+    async for out in gen:
+        final = out
+    assert final is not None
+    return final
+
+
+async def until_disconnect(request: Request, work: Any) -> Response:
+    """Runs a handler; if the client goes away before a non-streaming answer is ready, cancels
+    it, which aborts its engine requests and frees their blocks and slots. (A streaming
+    response returns at once; its disconnects end the stream the same way.)"""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.2)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, EngineError):
+                await task
+            return Response(status_code=499)  # nginx's "client closed request"
+
+
+class ModelNotFoundError(Exception):
+    """A request for a model this server does not serve: HTTP 404, as OpenAI answers."""
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    if name is not None and name not in (state.model_name, state.model_path):
+        raise ModelNotFoundError(f"The model {name!r} does not exist; this server serves "
+                                 f"{state.model_name!r}")
+
+
+def check_length(context: int, prompt_ids: list[int], max_tokens: int | None) -> int:
+    """Resolves max_tokens (None: the rest of the `context`) and rejects what cannot fit."""
+    room = context - len(prompt_ids)
+    if room < 1:
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the context holds {context}")
+    if max_tokens is None:
+        return room
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens > room:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) "
+                         f"exceeds the context of {context} tokens")
+    return max_tokens
+
+
+def token_str(tok: Tokenizer | None, tid: int) -> str | None:
+    return None if tok is None else tok.decode([tid], skip_special_tokens=False)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
