@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -14,6 +15,8 @@ from kdaserve.forward_batch import ForwardBatch
 from kdaserve.request import RequestOutput, SamplingParams
 
 __all__ = ["LLM", "resolve_model_path"]
+
+logger = logging.getLogger("kdaserve")
 
 
 class LLM:
@@ -79,10 +82,14 @@ class LLM:
                                  f"({self.engine.scheduler.max_request_tokens()} tokens)")
         rids = [self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)]
         finished: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
+        while self.engine.has_unfinished() or self.engine.failures:
             for out in self.engine.step():
                 if out.finished:
                     finished[out.rid] = out
+            for rid, why in self.engine.take_failures():  # ends as "abort"; the rest go on
+                logger.error("request %s failed: %s", rid, why)
+        for out in self.engine.step():  # the aborts of the last failures
+            finished[out.rid] = out
         return [finished[r] for r in rids]
 
     @torch.inference_mode()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,6 +30,7 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.last_tick = time.monotonic()
 
     # ---- transport ----
     def _send(self, cmd: tuple[Any, ...]) -> None:
@@ -37,7 +39,9 @@ class EngineClient:
     def _on_message(self, msg: tuple[Any, ...]) -> None:
         """Called on the event loop for each message from the engine loop."""
         kind = msg[0]
-        if kind == "outputs":
+        if kind == "tick":  # the engine loop is alive and not stuck in a step
+            self.last_tick = time.monotonic()
+        elif kind == "outputs":
             for out in msg[1]:
                 q = self._streams.get(out.rid)
                 if q is not None:

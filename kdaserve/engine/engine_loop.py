@@ -3,12 +3,13 @@ server: commands in, step, outputs out. Transport-agnostic: `recv` and `send` ar
 
 Commands: ("add", rid, prompt, params) | ("abort", rid) | ("call", token, method, args) |
 ("stop",). Messages out: ("outputs", [RequestOutput]) | ("error", rid, message, status) |
-("reply", token, result, error).
+("reply", token, result, error) | ("tick",).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from kdaserve.engine.llm_engine import LLMEngine
 logger = logging.getLogger("kdaserve")
 
 Command = tuple[Any, ...]
+TICK_S = 1.0  # a ("tick",) at most this often: the loop is alive and between steps
 
 # read-only or maintenance calls a client may make by name (functions do not cross processes)
 CALLS: dict[str, Callable[..., Any]] = {
@@ -32,7 +34,12 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
                     send: Callable[[tuple[Any, ...]], None]) -> None:
     """Runs until a ("stop",) command. recv(block) waits briefly for a command when block."""
     idle_step = False
+    last_tick = 0.0
     while True:
+        now = time.monotonic()
+        if now - last_tick >= TICK_S:  # the HTTP side's watchdog listens
+            send(("tick",))
+            last_tick = now
         # wait for commands when there is nothing to run, or when the last step could schedule
         # nothing (requests waiting for memory): never spin
         block = idle_step or not engine.has_unfinished()
@@ -54,6 +61,12 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
                 send(("error", rid, f"engine step failed: {e}", 500))
             engine.step()  # drain the abort outputs of the failed requests
             continue
+        failed = engine.take_failures()  # one request's own failure, not the batch's
+        for rid, why in failed:
+            send(("error", rid, why, 500))
+        if failed:
+            gone = {rid for rid, _ in failed}
+            outputs = [o for o in outputs if o.rid not in gone]
         if outputs:
             send(("outputs", outputs))
 
@@ -66,6 +79,11 @@ def _handle(engine: LLMEngine, cmd: Command, send: Callable[[tuple[Any, ...]], N
             engine.add_request(prompt, params, rid)
         except ValueError as e:
             send(("error", rid, str(e), 400))
+        except Exception as e:  # noqa: BLE001 - a bug, but this request's: the loop goes on
+            logger.exception("request %s: add_request failed", rid)
+            if rid in engine.groups:
+                engine.abort(rid)
+            send(("error", rid, f"{type(e).__name__}: {e}", 500))
     elif kind == "abort":
         engine.abort(cmd[1])
     elif kind == "call":

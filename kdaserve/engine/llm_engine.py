@@ -29,7 +29,7 @@ from kdaserve.engine.grammar import (
 )
 from kdaserve.engine.logprobs import record_prompt_logprobs
 from kdaserve.engine.model_runner import ModelRunner
-from kdaserve.engine.sampler import Sampler
+from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.kernels import resolve_kernels
 from kdaserve.models.loader import build_model
@@ -103,6 +103,8 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests": 0,
                          "num_finished": 0, "num_aborted": 0, "num_steps": 0}
         self._pending_outputs: list[RequestOutput] = []
+        self.failures: list[tuple[str, str]] = []  # (request id, why) of requests that failed
+        self._scored: set[str] = set()  # groups whose prompt logprobs went out
         torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
 
     # ---- set-up ----
@@ -226,7 +228,7 @@ class LLMEngine:
         for i in range(params.n):
             gen = None
             if params.seed is not None:
-                gen = torch.Generator().manual_seed(params.seed * 1_000_003 + i)
+                gen = torch.Generator().manual_seed((params.seed * 1_000_003 + i) % 2**64)
             children.append(Request(rid if params.n == 1 else f"{rid}-{i}", ids, params,
                                     generator=gen))
         if params.prompt_logprobs is not None:  # the siblings share the prompt: one scores it
@@ -335,7 +337,7 @@ class LLMEngine:
             constrained = [i for i, r in enumerate(plain) if needs_mask(r)]
             if constrained:
                 constrain(plain_logits, [plain[i] for i in constrained], constrained)
-            result = self.sampler(plain_logits, plain)
+            result = self._sample(plain_logits, plain)
             if constrained:
                 for i in check_sampled(plain, result.token_ids):
                     if result.logprobs is not None and result.top_logprobs is not None:
@@ -343,7 +345,10 @@ class LLMEngine:
                         lp = plain_logits[i].log_softmax(-1)[t].item()
                         result.logprobs[i] = lp
                         result.top_logprobs[i][t] = lp
+            failed = {rid for rid, _ in self.failures}
             for i, req in enumerate(plain):
+                if self._group_id(req) in failed:
+                    continue
                 self._append(req, result.token_ids[i],
                              result.logprobs[i] if result.logprobs else None,
                              result.top_logprobs[i] if result.top_logprobs else None)
@@ -354,12 +359,29 @@ class LLMEngine:
                     spec.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)
         self.scheduler.take_snapshots(batch.reqs)
         for rid in touched:
+            first = self.groups[rid][0]
+            if first.prompt_logits_row is not None and not first.is_finished:
+                continue  # a sibling decodes before child 0 has scored the prompt: wait
             out = self._group_output(rid)
             outputs.append(out)
             if out.finished:
                 self.counters["num_finished"] += 1
                 self._forget(rid)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        result, failed = sample_isolated(self.sampler, logits, reqs)
+        self.failures += [(self._group_id(r), why) for r, why in failed]
+        return result
+
+    def take_failures(self) -> list[tuple[str, str]]:
+        """Requests that failed on their own since the last call, aborted (their blocks and
+        slots freed); the caller reports each as an error."""
+        failed, self.failures = self.failures, []
+        for rid, _ in failed:
+            if rid in self.groups:
+                self.abort(rid)  # its final output (finish_reason "abort") comes next step
+        return failed
 
     def _check_drafts(self, running: list[Request]) -> None:
         """A constrained request verifies only the drafts its grammar allows, and none while
@@ -369,6 +391,9 @@ class LLMEngine:
             if not req.draft_ids:
                 continue
             p, k = req.params, len(req.draft_ids)
+            if p.logit_bias or len(req.output_ids) < p.min_tokens:
+                req.draft_ids = []  # verification samples raw rows: bias and bans need plain
+                continue
             if p.reasoning_budget is not None and not req.reasoning_done \
                     and len(req.output_ids) + k + 1 >= p.reasoning_budget:
                 req.draft_ids = []
@@ -431,13 +456,18 @@ class LLMEngine:
                 else None, spec_num_drafted=r.num_drafted, spec_num_accepted=r.num_accepted,
                 spec_num_verifies=r.num_verifies))
         first = children[0]
-        return RequestOutput(rid, first.prompt_ids, outs,
-                             finished=all(r.is_finished for r in children),
-                             prompt_logprobs=None if first.prompt_logprobs is None
-                             else list(first.prompt_logprobs),
+        finished = all(r.is_finished for r in children)
+        # prompt logprobs go out once (the first update) and with the final one, not with
+        # every token: they can be as long as the prompt
+        send = first.prompt_logprobs is not None and (finished or rid not in self._scored)
+        if send:
+            self._scored.add(rid)
+        return RequestOutput(rid, first.prompt_ids, outs, finished=finished,
+                             prompt_logprobs=list(first.prompt_logprobs or []) if send else None,
                              num_cached_tokens=first.num_cached_prompt)
 
     def _forget(self, rid: str) -> None:
+        self._scored.discard(rid)
         for r in self.groups.pop(rid):
             self.detok.pop(id(r), None)
             r.matcher = None

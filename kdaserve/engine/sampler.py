@@ -10,12 +10,15 @@ vLLM and SGLang report them.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple
 
 import torch
 
 from kdaserve.engine.logprobs import entries
 from kdaserve.request import Request
+
+logger = logging.getLogger("kdaserve")
 
 
 class SamplerOutput(NamedTuple):
@@ -164,7 +167,8 @@ def apply_bias(logits: torch.Tensor, reqs: list[Request],
     dev = logits.device
     if rows:
         logits = logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                                  torch.tensor(vals, device=dev), accumulate=True)
+                                  torch.tensor(vals, dtype=logits.dtype, device=dev),
+                                  accumulate=True)
     if banned:
         before = logits
         logits = logits.clone()
@@ -206,3 +210,30 @@ class Sampler:
                        for r in reqs])
         return SamplerOutput(token_list, [d[t] for d, t in zip(top, token_list, strict=True)],
                              top)
+
+
+def sample_isolated(sampler: Sampler, logits: torch.Tensor, reqs: list[Request],
+                    ) -> tuple[SamplerOutput, list[tuple[Request, str]]]:
+    """The batched sampler; if it fails, each request is sampled alone, and those that fail
+    alone are returned as (request, why) with a placeholder token the caller must not use:
+    one bad request never fails the batch."""
+    try:
+        return sampler(logits, reqs), []
+    except Exception:  # noqa: BLE001 - isolated below, row by row
+        logger.exception("batched sampling failed; sampling each request alone")
+    failed: list[tuple[Request, str]] = []
+    tokens: list[int] = []
+    lps: list[float] = []
+    tops: list[dict[int, float]] = []
+    for i, req in enumerate(reqs):
+        try:
+            one = sampler(logits[i:i + 1], [req])
+        except Exception as e:  # noqa: BLE001 - this request's own failure
+            logger.exception("request %s: sampling failed", req.rid)
+            failed.append((req, f"sampling failed: {type(e).__name__}: {e}"))
+            one = SamplerOutput([0], None, None)
+        tokens += one.token_ids
+        lps += one.logprobs or [0.0]
+        tops += one.top_logprobs or [{}]
+    want = any(r.params.logprobs is not None for r in reqs)
+    return SamplerOutput(tokens, lps if want else None, tops if want else None), failed

@@ -173,23 +173,29 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         self._order_waiting()
-        for req in list(self.waiting):
+        # admission pops from the front and stops at the first request that does not fit:
+        # O(admitted) a step, whatever the queue's length (thousands of n > 1 siblings)
+        deferred: list[Request] = []
+        while self.waiting:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            req = self.waiting.popleft()
             if self._defer_for_shared_prefix(req, batch):
+                deferred.append(req)
                 continue
             if self.states.num_free == 0 and not (self.cache and self.cache.evict_snapshots(1)):
+                self.waiting.appendleft(req)
                 break
             req.state_slot = self.states.allocate()
             self._resume_from_cache(req)
             n = self._chunk(req, budget)
             if not self._grow(req, req.num_computed_tokens + n):
                 self._release(req)  # back to waiting untouched: cache refs, slot, blocks
+                self.waiting.appendleft(req)
                 break
             if self.cache is not None:
                 self.cache.queried_tokens += len(req.prompt_ids)
                 self.cache.hit_tokens += min(req.num_cached_prompt, len(req.prompt_ids))
-            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             if self.hooks is not None:
@@ -197,6 +203,7 @@ class Scheduler:
             batch.reqs.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # in their places, at the front
         self._plan_snapshots(batch)
         return batch
 

@@ -8,6 +8,7 @@ status. The handlers live in one module per API (completions, chat, responses, n
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -21,6 +22,7 @@ from kdaserve.engine.client import EngineError
 from kdaserve.request import SamplingParams
 from kdaserve.server import native
 from kdaserve.server.completions import create_completion
+from kdaserve.server.guards import ApiKeyMiddleware, BodyGuard
 from kdaserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,25 +32,14 @@ from kdaserve.server.protocol import (
     error_body,
 )
 from kdaserve.server.responses import ResponsesRequest, create_response
-from kdaserve.server.serving import ModelNotFoundError, ServerState, until_disconnect
+from kdaserve.server.serving import (
+    ModelNotFoundError,
+    QueueFullError,
+    ServerState,
+    until_disconnect,
+)
 
 __all__ = ["ServerState", "create_app"]
-
-
-class ApiKeyMiddleware:
-    """Bearer-token check on every path but /health and /metrics."""
-
-    def __init__(self, app: Any, key: str) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in ("/health", "/metrics"):
-            headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization") != self.expected:
-                response = JSONResponse(error_body("invalid API key", 401), status_code=401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -81,20 +72,27 @@ def create_app(state: ServerState) -> FastAPI:
                                        exc.status_code), status_code=exc.status_code,
                             headers=exc.headers)
 
+    @app.exception_handler(QueueFullError)
+    async def _full(request: Request, exc: QueueFullError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), 429), status_code=429,
+                            headers={"Retry-After": "1"})
+
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), exc.status), status_code=exc.status)
 
+    # the last added runs first: the key is checked before the body is read
+    app.add_middleware(BodyGuard, max_bytes=state.limits.max_body_bytes,
+                       read_timeout=state.limits.body_read_timeout)
     if state.api_key:
-        # a plain ASGI wrapper, not @app.middleware: Starlette's BaseHTTPMiddleware hides
-        # client disconnects from the endpoints, which must abort abandoned requests
         app.add_middleware(ApiKeyMiddleware, key=state.api_key)
 
     @app.get("/health")
     async def health() -> Response:
-        dead = getattr(state.client, "dead", None)
-        if dead:
-            return JSONResponse(error_body(dead, 503), status_code=503)
+        problem = getattr(state.client, "problem", None)  # an engine process
+        why = problem(state.limits.watchdog_timeout) if problem is not None else None
+        if why:
+            return JSONResponse(error_body(why, 503), status_code=503)
         return Response(status_code=200)
 
     @app.get("/health_generate")
@@ -109,7 +107,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = state.metrics.render(await state.client.get_metrics())
         return Response(body, media_type="text/plain; version=0.0.4")
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache")
     async def flush_cache() -> Response:
         """Empties the prefix cache (SGLang's endpoint); 400 while requests lock entries."""
         if await state.client.call("flush_cache"):
@@ -146,7 +144,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        return native.tokenize(state, req)
+        return await asyncio.to_thread(native.tokenize, state, req)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:

@@ -4,6 +4,7 @@ output parser (reasoning, content, tool calls), whole or streamed."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -188,7 +189,8 @@ class ChatHandler:
             req = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
-        plan = self.plan(req, state.max_request_tokens)
+        # off the event loop: rendering and tokenizing a long conversation takes a while
+        plan = await asyncio.to_thread(self.plan, req, state.max_request_tokens)
         check_model(state, req.model)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": cid, "created": int(time.time()), "model": state.model_name}

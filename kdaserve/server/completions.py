@@ -14,13 +14,13 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kdaserve.request import RequestOutput
-from kdaserve.server.protocol import CompletionRequest
+from kdaserve.server.protocol import CompletionRequest, check_sequences
 from kdaserve.server.serving import (
     ServerState,
+    all_finals,
     check_length,
     check_model,
     first_then_rest,
-    last,
     sse,
     stream_error,
     timed,
@@ -48,14 +48,17 @@ class Logprobs:
     offset: int = 0
     echoed: bool = False  # the prompt went out (with echo, in front of the first text)
 
-    def build(self, ids: list[int], lps: list[dict[int, float] | None]) -> dict[str, Any]:
+    def build(self, ids: list[int], lps: list[dict[int, float] | None],
+              skip_special: bool) -> dict[str, Any]:
+        """`skip_special`: as the text was decoded (special tokens then take no room)."""
         out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                "text_offset": []}
         for t, lp in zip(ids, lps, strict=True):
             raw = self.tok.decode_bytes([t])
             out["tokens"].append(raw.decode("utf-8", errors="replace"))
             out["text_offset"].append(self.offset)
-            self.offset += sum((b & 0xC0) != 0x80 for b in raw)
+            shown = self.tok.decode_bytes([t], skip_special_tokens=skip_special)
+            self.offset += sum((b & 0xC0) != 0x80 for b in shown)
             if lp is None:  # the first prompt token: nothing predicts it
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -68,7 +71,9 @@ class Logprobs:
 
 async def create_completion(state: ServerState, req: CompletionRequest) -> Response:
     tok = state.need_tokenizer("/v1/completions")
-    prompts = prompt_ids(tok, req.prompt)
+    # off the event loop: a 10 MB prompt takes a second to tokenize
+    prompts = await asyncio.to_thread(prompt_ids, tok, req.prompt)
+    check_sequences(len(prompts), req.n or 1)
     cid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     score_only = req.max_tokens == 0
@@ -88,7 +93,7 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Respo
     head = {"id": cid, "object": "text_completion", "created": created,
             "model": state.model_name}
     if not req.stream:
-        finals = await asyncio.gather(*(last(s) for s in streams))
+        finals = await all_finals(streams)
         choices = []
         for i, fo in enumerate(finals):
             for o in fo.outputs:
@@ -104,11 +109,16 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Respo
         return JSONResponse({**head, "choices": choices, "usage": _usage(prompts, finals)})
     if score_only:
         raise ValueError("max_tokens 0 (scoring the prompt) cannot stream")
-    firsts, rests = [], []
-    for s in streams:
-        f, r = await first_then_rest(s)
-        firsts.append(f)
-        rests.append(r)
+    rests = []
+    try:
+        for s in streams:
+            rests.append((await first_then_rest(s))[1])
+    except BaseException:  # one failed before streaming: abort the ones already running
+        for r in rests:
+            await r.aclose()  # type: ignore[attr-defined]
+        for s in streams[len(rests):]:
+            await s.aclose()  # type: ignore[attr-defined]
+        raise
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return StreamingResponse(_stream(state, req, prompts, rests, head, n, include_usage),
                              media_type="text/event-stream")
@@ -124,12 +134,12 @@ def _choice_text(tok: Tokenizer, req: CompletionRequest, prompt: list[int],
         builder.echoed = True
         if lps is not None:
             assert out.prompt_logprobs is not None
-            logprobs = builder.build(prompt, out.prompt_logprobs)
+            logprobs = builder.build(prompt, out.prompt_logprobs, False)
         else:
             builder.offset = len(tok.decode_bytes(prompt).decode("utf-8", errors="replace"))
         text = tok.decode(prompt) + text
     if lps is not None:
-        tail = builder.build(ids, list(lps))
+        tail = builder.build(ids, list(lps), req.skip_special_tokens)
         logprobs = tail if logprobs is None else {k: logprobs[k] + tail[k] for k in tail}
     return text, logprobs
 
@@ -189,6 +199,7 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts: list[list
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # off the generators first
         for r in rests:
             await r.aclose()  # type: ignore[attr-defined]
 
@@ -197,4 +208,5 @@ def _usage(prompts: list[list[int]], finals: list[RequestOutput]) -> dict[str, A
     # as OpenAI and vLLM count: each prompt once, whatever n
     completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
     return usage(sum(len(p) for p in prompts), completion,
-                 sum(f.num_cached_tokens for f in finals))
+                 sum(min(f.num_cached_tokens, len(p)) for f, p in zip(finals, prompts,
+                                                                    strict=True)))

@@ -8,11 +8,16 @@ pickled tuples (see engine_loop). A watchdog turns an engine crash into 503s, ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import zmq
@@ -61,10 +66,14 @@ def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str) -> None:
 
 
 class EngineProcess(EngineClient):
-    """Starts the engine process and is the HTTP process's client of it."""
+    """Starts the engine process and is the HTTP process's client of it. If the engine dies,
+    every request in flight gets a 503 and a fresh engine is started, up to `max_restarts`
+    times; then `on_fatal` is called (the server exits non-zero, for a supervisor to act)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, max_restarts: int = 3,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         super().__init__()
+        self.config, self.max_restarts, self.on_fatal = config, max_restarts, on_fatal
         self._dir = tempfile.mkdtemp(prefix="kdaserve-")
         self.cmd_addr = f"ipc://{self._dir}/cmd"
         self.out_addr = f"ipc://{self._dir}/out"
@@ -75,41 +84,87 @@ class EngineProcess(EngineClient):
         # a synchronous send needs no awaiting from the endpoints
         self._cmd_ctx = zmq.Context()
         self._cmd = self._cmd_ctx.socket(zmq.PUSH)
-        self.proc = mp.get_context("spawn").Process(
-            target=_engine_main, args=(config, self.cmd_addr, self.out_addr), daemon=True,
-            name="kdaserve-engine")
+        self._cmd.connect(self.cmd_addr)  # reconnects by itself to a restarted engine
+        self.proc = self._new_process()
         self.info: dict[str, Any] = {}
         self.dead: str | None = None
+        self.restarts = 0
+        self._ready: asyncio.Queue = asyncio.Queue()  # "ready" of a restarted engine
         self._tasks: list[asyncio.Task] = []
+        self.last_tick = time.monotonic()
+
+    def _new_process(self) -> BaseProcess:
+        return mp.get_context("spawn").Process(
+            target=_engine_main, args=(self.config, self.cmd_addr, self.out_addr),
+            daemon=True, name="kdaserve-engine")
 
     async def start(self, timeout: float = 600.0) -> None:
         self.loop = asyncio.get_running_loop()
         self.proc.start()
-        self._cmd.connect(self.cmd_addr)
         msg = await asyncio.wait_for(self._wait_ready(), timeout)
         if msg[0] == "failed":
             raise RuntimeError(f"engine failed to start: {msg[1]}")
         self.info = msg[1]
+        self.last_tick = time.monotonic()
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
 
     async def _wait_ready(self) -> tuple[Any, ...]:
         while True:
             if await self._out.poll(200):
-                return await self._out.recv_pyobj()
+                msg = await self._out.recv_pyobj()
+                if msg[0] in ("ready", "failed"):
+                    return msg
+                continue  # late messages of a dead engine
             if not self.proc.is_alive():
                 return ("failed", f"engine process exited with code {self.proc.exitcode}")
 
     async def _receive(self) -> None:
         while True:
             msg = await self._out.recv_pyobj()
+            if msg[0] == "ready":  # a restarted engine, awaited by _watch
+                self._ready.put_nowait(msg)
+                continue
             self._on_message(msg)
 
     async def _watch(self) -> None:
-        while self.proc.is_alive():
-            await asyncio.sleep(0.2)
-        self.dead = f"engine process died (exit code {self.proc.exitcode})"
-        logger.error("%s; failing all requests with 503", self.dead)
-        self.fail_all(self.dead, 503)
+        while True:
+            while self.proc.is_alive():
+                await asyncio.sleep(0.2)
+            self.dead = f"engine process died (exit code {self.proc.exitcode})"
+            logger.error("%s; failing all requests with 503", self.dead)
+            self.fail_all(self.dead, 503)
+            if self.restarts >= self.max_restarts:
+                self._fatal(f"{self.dead}; {self.restarts} restarts used up")
+                return
+            self.restarts += 1
+            logger.error("restarting the engine (%d of at most %d)", self.restarts,
+                         self.max_restarts)
+            self.dead = f"engine restarting after a crash ({self.restarts}/{self.max_restarts})"
+            self.proc = self._new_process()
+            self.proc.start()
+            msg = None
+            while msg is None and self.proc.is_alive():
+                with contextlib.suppress(TimeoutError):
+                    msg = await asyncio.wait_for(self._ready.get(), 0.5)
+            if msg is None:
+                continue  # died while starting: counted, tried again
+            self.info, self.dead, self.last_tick = msg[1], None, time.monotonic()
+            logger.error("engine restarted")
+
+    def problem(self, stuck_after: float) -> str | None:
+        """Why the engine cannot serve now, or None: dead, restarting, or alive but stuck (no
+        step finished for `stuck_after` seconds while requests wait)."""
+        if self.dead:
+            return self.dead
+        quiet = time.monotonic() - self.last_tick
+        if self._streams and quiet > stuck_after:
+            return f"engine stuck: no progress for {quiet:.0f} s with requests in flight"
+        return None
+
+    def _fatal(self, why: str) -> None:
+        logger.error("giving up: %s", why)
+        if self.on_fatal is not None:
+            self.on_fatal(why)
 
     def _send(self, cmd: tuple[Any, ...]) -> None:
         from kdaserve.engine.client import EngineError
@@ -131,3 +186,4 @@ class EngineProcess(EngineClient):
         self._cmd.close(linger=0)
         self.ctx.term()
         self._cmd_ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)  # the IPC sockets' folder

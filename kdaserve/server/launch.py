@@ -8,9 +8,11 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import sys
 from typing import Any
 
 from kdaserve.config import EngineConfig
+from kdaserve.server.serving import Limits
 
 logger = logging.getLogger("kdaserve")
 
@@ -48,14 +50,36 @@ def add_parser(sub: Any) -> None:
                         "generation_config.json, else none); see server/sampling_policy.py")
     p.add_argument("--default-max-tokens", type=int, default=4096,
                    help="max_tokens of a chat request that gives none (bounded by the context)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="most tokens (prompt + output) one request may use (default: the KV "
+                        "cache's size)")
+    p.add_argument("--max-request-body-bytes", type=int, default=Limits.max_body_bytes)
+    p.add_argument("--body-read-timeout", type=float, default=Limits.body_read_timeout,
+                   help="seconds a client may take between request-body chunks (408)")
+    p.add_argument("--max-queued-requests", type=int, default=Limits.max_queued_requests,
+                   help="requests in flight at once; more get 429 with Retry-After")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds from arrival to the last token; then aborted (504)")
+    p.add_argument("--watchdog-timeout", type=float, default=Limits.watchdog_timeout,
+                   help="/health reports 503 when no engine step ends for this many seconds "
+                        "while requests wait")
+    p.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="engine crashes survived by restarting it; one more exits non-zero")
+    p.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
+                   help="seconds SIGTERM lets running requests finish before aborting them "
+                        "(a second signal exits at once)")
     p.set_defaults(func=serve)
 
 
 def serve(args: argparse.Namespace) -> None:
-    asyncio.run(_serve(args))
+    fatal = asyncio.run(_serve(args))
+    if fatal:  # the engine kept dying: exit non-zero so a supervisor restarts us
+        print(f"[kdaserve] exiting: {fatal}", flush=True)
+        sys.exit(1)
 
 
-async def _serve(args: argparse.Namespace) -> None:
+async def _serve(args: argparse.Namespace) -> str | None:
+    """Serves until a signal; returns why it gave up, if the engine could not be kept up."""
     import uvicorn
 
     from kdaserve.engine.llm_engine import resolve_model_path
@@ -82,25 +106,50 @@ async def _serve(args: argparse.Namespace) -> None:
                                            args.chat_template,
                                            load_policy(args.sampling_policy, path),
                                            args.default_max_tokens)
-    engine = EngineProcess(config)
-    await engine.start()
+    fatal: list[str] = []
+    server: Any = None
+
+    def on_fatal(why: str) -> None:
+        fatal.append(why)
+        if server is not None:
+            server.should_exit = server.force_exit = True
+
+    engine = EngineProcess(config, args.max_engine_restarts, on_fatal)
     try:
+        await engine.start()
         name = args.served_model_name or str(args.model)
+        context = engine.info["max_request_tokens"]
+        if args.context_length is not None:
+            if args.context_length < 2:
+                raise ValueError("--context-length must be >= 2")
+            context = min(context, args.context_length)
+        limits = Limits(args.max_request_body_bytes, args.body_read_timeout,
+                        args.max_queued_requests, args.request_timeout,
+                        args.watchdog_timeout)
         state = ServerState(
             client=engine, tokenizer=tokenizer, model_name=name, model_path=str(path),
-            max_request_tokens=engine.info["max_request_tokens"], metrics=ServerMetrics(),
+            max_request_tokens=context, metrics=ServerMetrics(), limits=limits,
             chat=chat, api_key=args.api_key, responses=ResponseStore(),
             server_args={k: v for k, v in vars(args).items()
                          if isinstance(v, str | int | float | bool | None) and k != "api_key"})
         app = create_app(state)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level="warning", timeout_keep_alive=30))
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30,
+            timeout_graceful_shutdown=args.graceful_shutdown_timeout))
         # Our own SIGINT/SIGTERM handling: uvicorn's re-raises the signal after its shutdown,
         # which would kill us before the engine process is stopped cleanly.
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            # the first drains (running requests get --graceful-shutdown-timeout seconds,
+            # then are aborted); a second exits at once
+            if server.should_exit:
+                server.force_exit = True
+            server.should_exit = True
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+            loop.add_signal_handler(sig, on_signal)
         print(f"[kdaserve] model {path}: {engine.info['summary']}", flush=True)
         if chat is None:
             print("[kdaserve] no tokenizer (--skip-tokenizer-init): token ids in and out",
@@ -115,3 +164,4 @@ async def _serve(args: argparse.Namespace) -> None:
     finally:
         await engine.shutdown()
         print("[kdaserve] shut down", flush=True)
+    return fatal[0] if fatal else None

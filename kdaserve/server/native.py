@@ -13,13 +13,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import kdaserve
 from kdaserve.engine.client import EngineError
 from kdaserve.request import CompletionOutput, RequestOutput
-from kdaserve.server.protocol import DetokenizeRequest, GenerateRequest, TokenizeRequest
+from kdaserve.server.protocol import (
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+    check_sequences,
+)
 from kdaserve.server.serving import (
     ServerState,
+    all_finals,
     check_length,
     check_model,
     first_then_rest,
-    last,
     sse,
     stream_error,
     timed,
@@ -64,7 +69,8 @@ def _meta(state: ServerState, req: GenerateRequest, rid: str, out: RequestOutput
     prompt = out.prompt_token_ids
     meta: dict[str, Any] = {"id": rid, "finish_reason": reason, "prompt_tokens": len(prompt),
                             "completion_tokens": len(o.token_ids),
-                            "cached_tokens": out.num_cached_tokens, "weight_version": "default"}
+                            "cached_tokens": min(out.num_cached_tokens, len(prompt)),
+                            "weight_version": "default"}
     if req.return_logprob:
         if out.prompt_logprobs is not None:
             start = len(prompt) - len(out.prompt_logprobs)
@@ -93,10 +99,11 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
     if req.text is not None:
         tok = state.need_tokenizer("text")
         texts = [req.text] if isinstance(req.text, str) else req.text
-        prompts = [tok.encode(t) for t in texts]
+        prompts = await asyncio.to_thread(lambda: [tok.encode(t) for t in texts])
     else:
         prompts = [req.input_ids] if single else list(req.input_ids)  # type: ignore[list-item]
     sp = req.sampling_params
+    check_sequences(len(prompts), sp.n)
     if state.tokenizer is None and (sp.stop or sp.regex or sp.json_schema or sp.ebnf):
         raise ValueError("stop strings and grammars need a tokenizer, but the server runs "
                          "with --skip-tokenizer-init")
@@ -124,6 +131,8 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
     if req.stream:
         if not single:
             raise ValueError("streaming /generate takes one prompt")
+        if prefill_only:
+            raise ValueError("max_new_tokens 0 (prefill only) cannot stream")
         _, rest = await first_then_rest(timed(state, prompts[0], results[0], rids[0]))
 
         async def body() -> AsyncIterator[str]:
@@ -138,8 +147,8 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
                 await rest.aclose()  # type: ignore[attr-defined]
 
         return StreamingResponse(body(), media_type="text/event-stream")
-    finals = await asyncio.gather(*(last(timed(state, p, sp_, r))
-                                    for p, sp_, r in zip(prompts, results, rids, strict=True)))
+    finals = await all_finals([timed(state, p, sp_, r)
+                               for p, sp_, r in zip(prompts, results, rids, strict=True)])
     if prefill_only:
         for f in finals:
             for o in f.outputs:

@@ -19,6 +19,7 @@ from kdaserve.request import Grammar, SamplingParams
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 MAX_N = 128  # OpenAI's limit on n
 MAX_PROMPTS = 256  # prompts in one /v1/completions or /generate request
+MAX_SEQUENCES = 256  # prompts x n in one request: more would crowd out every other client
 MAX_STOPS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 Count = Annotated[int, Field(ge=0, lt=2**31)]
@@ -28,10 +29,25 @@ Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """`null` means "not given", as OpenAI's schemas type most fields `X | null`: it
+        takes the field's default (and a null we do not implement is no request for it)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
 
 class StreamOptions(Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+    include_obfuscation: bool = True  # advisory: no obfuscation padding is added
+
+
+def check_sequences(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_SEQUENCES:
+        raise ValueError(f"{num_prompts} prompts x n={n} = {num_prompts * n} sequences; a "
+                         f"request may ask for at most {MAX_SEQUENCES}")
 
 
 def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -102,6 +118,7 @@ class SamplingFields(Strict):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
@@ -181,7 +198,8 @@ class ChatCompletionRequest(SamplingFields):
     thinking: Any = None  # Kimi's {"type": "enabled"|"disabled", "effort": ..., "keep": ...}
     reasoning_effort: Any = None
     chat_template_kwargs: Any = None
-    separate_reasoning: bool = True
+    # reasoning is always reported apart (K3 channels, K2 with a reasoning parser)
+    separate_reasoning: Literal[True] = True
     modalities: list[Literal["text"]] | None = None
 
 
@@ -251,6 +269,9 @@ class GenerateRequest(Strict):
     return_text_in_logprobs: bool = False
     rid: str | None = None
     log_metrics: bool = True  # advisory
+    # what SGLang's clients send as defaults: accepted at those values only
+    return_hidden_states: Literal[False] = False
+    return_routed_experts: Literal[False] = False
 
 
 class TokenizeRequest(Strict):
@@ -276,13 +297,17 @@ class DetokenizeRequest(Strict):
     skip_special_tokens: bool = False
 
 
-ErrorType = Literal["BadRequestError", "NotFoundError", "MethodNotAllowedError",
-                    "ServiceUnavailableError", "AuthenticationError", "InternalServerError"]
+ErrorType = Literal["BadRequestError", "AuthenticationError", "NotFoundError",
+                    "MethodNotAllowedError", "RequestTimeoutError", "RequestTooLargeError",
+                    "UnsupportedMediaTypeError", "RateLimitError", "InternalServerError",
+                    "ServiceUnavailableError", "GatewayTimeoutError"]
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    kind: dict[int, ErrorType] = {400: "BadRequestError", 401: "AuthenticationError",
-                                  404: "NotFoundError", 405: "MethodNotAllowedError",
-                                  503: "ServiceUnavailableError"}
+    kind: dict[int, ErrorType] = {
+        400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+        405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
+        415: "UnsupportedMediaTypeError", 429: "RateLimitError",
+        503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
     return {"error": {"message": message, "type": kind.get(status, "InternalServerError"),
                       "param": param, "code": status}}

@@ -10,6 +10,8 @@ output) in a bounded in-memory store, oldest dropped first.
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import time
 import uuid
 from collections import OrderedDict
@@ -155,6 +157,8 @@ def to_chat(req: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatComple
         choice = {"type": "function", "function": {"name": choice["name"]}}
     fmt = (req.text or {}).get("format")
     response_format = None
+    if fmt is not None and not isinstance(fmt, dict):
+        raise ValueError("text.format must be an object such as {\"type\": \"text\"}")
     if fmt is not None:
         kind = fmt.get("type")
         if kind == "json_schema":
@@ -181,8 +185,9 @@ class Builder:
         self.calls: dict[int, dict[str, Any]] = {}
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """A snapshot: items keep growing after their events went out."""
         self.seq += 1
-        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+        return {"type": kind, "sequence_number": self.seq - 1, **copy.deepcopy(fields)}
 
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         out = self.close()
@@ -201,7 +206,7 @@ class Builder:
                                    output_index=idx, content_index=0, part=dict(part)))
         return out
 
-    def close(self) -> list[dict[str, Any]]:
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
         item, self.open = self.open, None
         if item is None:
             return []
@@ -210,15 +215,17 @@ class Builder:
         if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
             kind = "output_text" if item["type"] == "message" else "reasoning_text"
+            extra = {"logprobs": []} if kind == "output_text" else {}
             out.append(self.event(f"response.{kind}.done", item_id=item["id"],
-                                   output_index=idx, content_index=0, text=part["text"]))
+                                  output_index=idx, content_index=0, text=part["text"],
+                                  **extra))
             out.append(self.event("response.content_part.done", item_id=item["id"],
                                    output_index=idx, content_index=0, part=part))
         else:
             out.append(self.event("response.function_call_arguments.done",
                                    item_id=item["id"], output_index=idx, name=item["name"],
                                    arguments=item["arguments"]))
-        item["status"] = "completed"
+        item["status"] = status
         out.append(self.event("response.output_item.done", output_index=idx, item=item))
         return out
 
@@ -257,9 +264,10 @@ class Builder:
             assert self.open is not None
             self.open["content"][0]["text"] += text
             name = "output_text" if want == "message" else "reasoning_text"
+            extra = {"logprobs": []} if want == "message" else {}
             out.append(self.event(f"response.{name}.delta", item_id=self.open["id"],
-                                   output_index=len(self.items) - 1, content_index=0,
-                                   delta=text))
+                                  output_index=len(self.items) - 1, content_index=0,
+                                  delta=text, **extra))
         return out
 
     def response(self, status: str, usage: dict[str, Any] | None = None,
@@ -268,11 +276,12 @@ class Builder:
                 "usage": usage, "incomplete_details": {"reason": reason} if reason else None}
 
 
-def _usage(plan: ChatPlan, output: int, cached: int) -> dict[str, Any]:
+def _usage(plan: ChatPlan, output: int, cached: int, reasoning: int) -> dict[str, Any]:
     prompt = len(plan.ids) - plan.pending
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": min(cached, prompt)},
             "output_tokens": output + plan.pending,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + output + plan.pending}
 
 
@@ -300,7 +309,7 @@ async def create_response(state: ServerState, req: ResponsesRequest) -> Response
     turn = to_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     creq = to_chat(req, system + history + turn)
-    plan = chat.plan(creq, state.max_request_tokens)
+    plan = await asyncio.to_thread(chat.plan, creq, state.max_request_tokens)
     check_model(state, req.model)
     rid = f"resp_{uuid.uuid4().hex}"
     head = {"id": rid, "object": "response", "created_at": int(time.time()),
@@ -331,9 +340,13 @@ async def create_response(state: ServerState, req: ResponsesRequest) -> Response
             for ev in builder.feed(events):
                 yield ev
             if out.finished:
-                for ev in builder.close():
+                cut = o.finish_reason == "length"
+                for ev in builder.close("incomplete" if cut else "completed"):
                     yield ev
-                usage = _usage(plan, len(o.token_ids), out.num_cached_tokens)
+                # the reasoning channel's tokens, counted again from its text
+                reasoning = sum(len(chat.tokenizer.encode(i["content"][0]["text"]))
+                                for i in builder.items if i["type"] == "reasoning")
+                usage = _usage(plan, len(o.token_ids), out.num_cached_tokens, reasoning)
                 if o.finish_reason == "length":
                     final = builder.response("incomplete", usage, "max_output_tokens")
                 else:

@@ -26,6 +26,21 @@ if TYPE_CHECKING:
     from kdaserve.server.responses import ResponseStore
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one client may take (flags of `kdaserve serve`)."""
+
+    max_body_bytes: int = 8 << 20  # a 128k-token prompt is ~0.5 MB of text
+    body_read_timeout: float = 30.0  # seconds between body chunks
+    max_queued_requests: int = 1024  # requests in flight; more get 429 + Retry-After
+    request_timeout: float | None = None  # seconds from arrival to the last token
+    watchdog_timeout: float = 120.0  # no step this long with requests waiting: unhealthy
+
+
+class QueueFullError(Exception):
+    """Too many requests in flight: HTTP 429 with Retry-After."""
+
+
 @dataclass
 class ServerState:
     client: EngineClient
@@ -38,6 +53,8 @@ class ServerState:
     api_key: str | None = None
     server_args: dict[str, Any] = field(default_factory=dict)  # reported by /get_server_info
     responses: ResponseStore | None = None  # /v1/responses' previous_response_id store
+    limits: Limits = field(default_factory=Limits)
+    in_flight: int = 0  # engine requests submitted and not yet finished
 
     def need_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
@@ -65,17 +82,36 @@ def stream_error(e: Exception) -> str:
 async def timed(state: ServerState, prompt_ids: list[int], params: SamplingParams,
                 rid: str) -> AsyncIterator[RequestOutput]:
     """The engine stream of one request, recording TTFT / ITL / E2E and finish reasons."""
+    limits = state.limits
+    if state.in_flight >= limits.max_queued_requests:
+        raise QueueFullError(f"{state.in_flight} requests in flight, the limit is "
+                             f"{limits.max_queued_requests} (--max-queued-requests); retry")
     start = last_at = time.perf_counter()
     first = True
-    async for out in state.client.generate(prompt_ids, params, rid):
-        now = time.perf_counter()
-        (state.metrics.ttft if first else state.metrics.itl).observe(now - last_at)
-        first, last_at = False, now
-        if out.finished:
-            state.metrics.e2e.observe(now - start)
-            for o in out.outputs:
-                state.metrics.requests.labels(o.finish_reason or "unknown").inc()
-        yield out
+    timeout = limits.request_timeout
+    gen = state.client.generate(prompt_ids, params, rid)
+    state.in_flight += 1
+    try:
+        while True:
+            left = None if timeout is None else start + timeout - time.perf_counter()
+            try:
+                out = await asyncio.wait_for(gen.__anext__(), left)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:  # the engine request is aborted as the generator closes
+                raise EngineError(f"request timed out after {timeout:g} s "
+                                  "(--request-timeout)", 504) from None
+            now = time.perf_counter()
+            (state.metrics.ttft if first else state.metrics.itl).observe(now - last_at)
+            first, last_at = False, now
+            if out.finished:
+                state.metrics.e2e.observe(now - start)
+                for o in out.outputs:
+                    state.metrics.requests.labels(o.finish_reason or "unknown").inc()
+            yield out
+    finally:
+        state.in_flight -= 1
+        await gen.aclose()
 
 
 async def first_then_rest(gen: AsyncIterator[RequestOutput]) -> tuple[RequestOutput,
@@ -97,6 +133,19 @@ async def last(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
         final = out
     assert final is not None
     return final
+
+
+async def all_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """The final output of every stream; if one fails, the others are cancelled (aborting
+    their engine requests) before the error propagates: no orphans keep generating."""
+    tasks = [asyncio.ensure_future(last(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 async def until_disconnect(request: Request, work: Any) -> Response:

@@ -57,7 +57,11 @@ def test_echo_logprobs_score_the_prompt(client: openai.OpenAI, model: str, llm: 
 
 def test_echo_streamed_equals_whole(client: openai.OpenAI, model: str,
                                     prompts: list[list[int]]) -> None:
-    kw = {"model": model, "prompt": [prompts[7], prompts[8]], "max_tokens": 3, "echo": True,
+    # n = 2 over a cached prompt: the second sibling resumes from the cache and decodes
+    # while the first still scores the prompt; nothing goes out before the scores are whole
+    long = (prompts[7] * 20)[:300]
+    client.completions.create(model=model, prompt=long, max_tokens=1)
+    kw = {"model": model, "prompt": [long, prompts[8]], "max_tokens": 3, "echo": True, "n": 2,
           "logprobs": 1, "temperature": 0, "extra_body": IGNORE_EOS}
     whole = client.completions.create(**kw)
     text: dict[int, str] = {}
@@ -289,6 +293,35 @@ def test_unknown_or_unsupported_fields_are_refused(http: httpx.Client, path: str
     assert field in r.json()["error"]["message"]
 
 
+def test_null_means_unset_and_client_defaults_pass(http: httpx.Client) -> None:
+    r = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": None,
+        "stream": None, "stream_options": None, "n": None, "seed": None})
+    assert r.status_code == 200, r.text
+    # sglang.bench_serving's /generate payload, defaults included
+    g = http.post("/generate", json={
+        "text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0,
+                                          "ignore_eos": True}, "stream": False,
+        "return_logprob": False, "logprob_start_len": -1, "lora_path": None,
+        "return_routed_experts": False, "image_data": None})
+    assert g.status_code == 200, g.text
+
+
+def test_one_bad_prompt_leaves_nothing_running(http: httpx.Client) -> None:
+    from .conftest import is_idle, wait_idle
+
+    for path, body in (("/v1/completions", {"prompt": ["hello", ""], "max_tokens": 5000,
+                                            "ignore_eos": True}),
+                       ("/generate", {"input_ids": [[5, 6], [10**6]], "sampling_params": {
+                           "max_new_tokens": 5000, "ignore_eos": True}})):
+        r = http.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert is_idle(wait_idle(http))
+    r = http.post("/generate", json={"text": "x", "stream": True,
+                                     "sampling_params": {"max_new_tokens": 0}})
+    assert r.status_code == 400 and "stream" in r.json()["error"]["message"]
+
+
 def test_advisory_fields_are_accepted(client: openai.OpenAI, model: str) -> None:
     r = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
@@ -319,6 +352,16 @@ def test_responses_text_matches_chat(client: openai.OpenAI, model: str) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == r.output_text == events[-1].response.output_text
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert all(e.item.content == [] for e in added if e.item.type == "message")
+    with client.responses.stream(model=model, instructions="Be brief.", input="Name a colour.",
+                                 max_output_tokens=NEW, temperature=0) as stream:
+        # the SDK's own accumulation of the events (a stale item snapshot doubles text)
+        deltas = [e for e in stream if e.type == "response.output_text.delta"]
+        assert deltas[-1].snapshot == r.output_text  # type: ignore[attr-defined]
+    bad = client.with_options(max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="text.format"):
+        bad.responses.create(model=model, input="x", text={"format": "text"})  # type: ignore[typeddict-item]
 
 
 def test_responses_tool_call_and_previous_response(client: openai.OpenAI, model: str) -> None:

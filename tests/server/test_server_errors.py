@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -278,14 +279,37 @@ def test_engine_crash_gives_503_not_a_hang(tiny_ckpt: Path,
             assert '"code": 503' in last and "engine" in last, last
         assert time.monotonic() - t0 < 10
 
-        t0 = time.monotonic()
-        err = assert_error(h.post(CHAT, json={"messages": USER, "max_tokens": 2}), 503, "engine")
-        assert err["type"] == "ServiceUnavailableError"
-        assert_error(h.post(GEN, json={"text": "hi"}), 503)
-        assert_error(h.post(CMPL, json={"prompt": "hi", "stream": True}), 503)
-        assert time.monotonic() - t0 < 5
-        assert h.get("/health").status_code == 503
-        assert "engine process died" in s.output()  # a clear log line
+        # the server restarts the engine: /health tells the truth on the way, then serves
+        deadline = time.monotonic() + 120
+        while (r := h.get("/health")).status_code != 200:
+            assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+            assert time.monotonic() < deadline, "the engine was not restarted"
+            time.sleep(0.2)
+        assert "engine process died" in s.output() and "engine restarted" in s.output()
+        assert s.engine_pid() != engine
+        r = h.post(CHAT, json={"messages": USER, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        assert is_idle(wait_idle(h))  # nothing of the old engine's requests is left
+
+
+def test_engine_that_keeps_dying_exits_the_server(tiny_ckpt: Path,
+                                                  tmp_path_factory: pytest.TempPathFactory,
+                                                  ) -> None:
+    """Restarts are bounded: past them the server exits non-zero (for a supervisor), with no
+    orphans and its IPC folder removed."""
+    before = set(Path(tempfile.gettempdir()).glob("kdaserve-*"))
+    s = start_server(tiny_ckpt, tmp_path_factory.mktemp("fatal-logs"),
+                     "--max-engine-restarts", "0")
+    assert set(Path(tempfile.gettempdir()).glob("kdaserve-*")) - before  # its IPC folder
+    tree = [s.pid, s.engine_pid()]
+    os.kill(tree[1], signal.SIGKILL)
+    assert s.proc.wait(timeout=60) == 1
+    assert "exiting: engine process died" in s.output()
+    deadline = time.monotonic() + 10
+    while not all(is_gone(p) for p in tree):
+        assert time.monotonic() < deadline, "orphans left"
+        time.sleep(0.1)
+    assert not set(Path(tempfile.gettempdir()).glob("kdaserve-*")) - before
 
 
 def test_unknown_model_is_404(http: httpx.Client, model: str) -> None:

@@ -1,0 +1,167 @@
+"""Hostile or careless clients against a real server: body size and read-time limits, JSON-only
+bodies, POST-only mutations, a full queue (429), the request timeout (504), deep JSON, the
+context-length cap, tokenization off the event loop, and shutdown that drains then exits."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import ServerProc, is_idle, metrics, start_server, stop_server, wait_idle
+
+USER = [{"role": "user", "content": "hi"}]
+LONG = {"prompt": "go", "max_tokens": 90000, "ignore_eos": True}
+BODY_LIMIT = 65536
+
+
+@pytest.fixture(scope="module")
+def limited(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    s = start_server(tiny_ckpt, tmp_path_factory.mktemp("limited-logs"),
+                     "--max-request-body-bytes", str(BODY_LIMIT), "--body-read-timeout", "1",
+                     "--max-queued-requests", "2", "--request-timeout", "4",
+                     "--context-length", "100000")
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def h(limited: ServerProc) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=limited.url, timeout=60) as client:
+        yield client
+
+
+def error_of(r: httpx.Response, status: int) -> str:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status
+    return str(err["message"])
+
+
+def test_mutations_are_post_and_bodies_json(http: httpx.Client) -> None:
+    assert error_of(http.get("/flush_cache"), 405)
+    assert http.post("/flush_cache").status_code in (200, 400)  # scripts: no body, no Origin
+    r = http.post("/flush_cache", headers={"Origin": "https://evil.example"})
+    assert error_of(r, 415)  # a web page's bodiless cross-site POST
+    for kind in ("text/plain", "application/x-www-form-urlencoded", ""):
+        r = http.post("/v1/chat/completions", content=json.dumps({"messages": USER}),
+                      headers={"Content-Type": kind} if kind else {})
+        assert "JSON" in error_of(r, 415)
+    r = http.post("/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 1}),
+                  headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_body_size_limit(h: httpx.Client) -> None:
+    big = {"prompt": "a " * BODY_LIMIT, "max_tokens": 1}
+    assert "limit" in error_of(h.post("/v1/completions", json=big), 413)
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        body = json.dumps(big).encode()
+        for i in range(0, len(body), 8192):
+            yield body[i:i + 8192]
+
+    r = h.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert "limit" in error_of(r, 413)
+    assert h.get("/health").status_code == 200
+
+
+def test_slow_body_times_out(limited: ServerProc) -> None:
+    host, port = limited.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
+        answer = sock.recv(4096).decode()  # the rest never comes
+    assert answer.startswith("HTTP/1.1 408"), answer
+
+
+def test_queue_full_is_429_then_recovers(h: httpx.Client) -> None:
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(h.post, "/v1/completions", json=LONG) for _ in range(2)]
+        deadline = time.monotonic() + 10
+        while metrics(h)["kdaserve_num_running"] < 2:
+            assert time.monotonic() < deadline, "the long requests never started"
+            time.sleep(0.05)
+        r = h.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert "--max-queued-requests" in error_of(r, 429) and r.headers["Retry-After"] == "1"
+        # the two long ones end at the request timeout (504), and the queue frees up
+        for f in running:
+            assert "timed out" in error_of(f.result(timeout=30), 504)
+    assert is_idle(wait_idle(h))
+    assert h.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_request_timeout_ends_streams_too(h: httpx.Client) -> None:
+    with h.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+        assert r.status_code == 200
+        last = [ln for ln in r.iter_lines() if ln.startswith("data: ")][-1]
+    assert '"code": 504' in last
+    assert is_idle(wait_idle(h))
+
+
+def test_deep_json_and_reserved_template_kwargs_are_400(h: httpx.Client) -> None:
+    deep = "[" * 5000 + "]" * 5000
+    body = '{"messages": [{"role": "user", "content": "hi"}], "tools": ' + deep + "}"
+    r = h.post("/v1/chat/completions", content=body,
+               headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    for key in ("tools", "add_generation_prompt", "messages"):
+        r = h.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1,
+                                                 "chat_template_kwargs": {key: 1}})
+        assert key in error_of(r, 400)
+
+
+def test_context_length_caps_one_request(limited: ServerProc, h: httpx.Client) -> None:
+    assert h.get("/v1/models").json()["data"][0]["max_model_len"] == 100000
+    r = h.post("/v1/completions", json={"prompt": "x", "max_tokens": 100001})
+    assert "context" in error_of(r, 400)
+
+
+def test_tokenization_does_not_block_health(http: httpx.Client) -> None:
+    """A multi-megabyte prompt is tokenized on a worker thread: /health answers meanwhile."""
+    big = {"prompt": "word " * 1_000_000, "max_tokens": 1}  # 5 MB: too long, a 400 at the end
+    done = threading.Event()
+    waits: list[float] = []
+
+    def post() -> httpx.Response:
+        try:
+            return http.post("/v1/completions", json=big)
+        finally:
+            done.set()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        result = pool.submit(post)
+        with httpx.Client(base_url=str(http.base_url), timeout=30) as probe:
+            while not done.is_set():
+                t0 = time.monotonic()
+                assert probe.get("/health").status_code == 200
+                waits.append(time.monotonic() - t0)
+        assert result.result().status_code == 400
+    assert max(waits) < 0.5, waits
+
+
+def test_sigterm_drains_then_exits_and_a_second_signal_exits_at_once(
+        tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    for signals, within in ((1, 2.0 + 8.0), (2, 5.0)):
+        s = start_server(tiny_ckpt, tmp_path_factory.mktemp("drain-logs"),
+                         "--graceful-shutdown-timeout", "2")
+        with httpx.Client(base_url=s.url, timeout=60) as client, \
+                client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)  # streaming
+            t0 = time.monotonic()
+            for _ in range(signals):
+                s.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.2)
+            code = s.proc.wait(timeout=within + 5)
+            took = time.monotonic() - t0
+        assert code == 0 and took < within, (signals, took)
+        stop_server(s, check=False)
