@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         prefix_cache,
         scoring,
         serving,
+        soak,
         spec,
         throughput,
     )
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     serving.add_parser(bench_sub)
     spec.add_parser(bench_sub)
     scoring.add_parser(bench_sub)
+    soak.add_parser(bench_sub)
     from kdaserve.server import launch
 
     launch.add_parser(sub)

@@ -15,12 +15,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from kdaserve.engine.client import EngineError
 from kdaserve.request import SamplingParams
 from kdaserve.server import native
+from kdaserve.server import openapi as oa
 from kdaserve.server.completions import create_completion
 from kdaserve.server.guards import ApiKeyMiddleware, BodyGuard
 from kdaserve.server.protocol import (
@@ -87,31 +88,40 @@ def create_app(state: ServerState) -> FastAPI:
     if state.api_key:
         app.add_middleware(ApiKeyMiddleware, key=state.api_key)
 
-    @app.get("/health")
+    @app.get("/health", response_class=PlainTextResponse, responses={
+        **oa.responses(None, {503: oa._error("the engine is down, restarting or stuck")},
+                       text=True)})
     async def health() -> Response:
         problem = getattr(state.client, "problem", None)  # an engine process
         why = problem(state.limits.watchdog_timeout) if problem is not None else None
         if why:
             return JSONResponse(error_body(why, 503), status_code=503)
-        return Response(status_code=200)
+        return PlainTextResponse("")
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=PlainTextResponse, responses={
+        **oa.responses(None, {500: oa._error("the engine failed this request"),
+                              503: oa._error("the engine is down or restarting")},
+                       text=True)})
     async def health_generate() -> Response:
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         async for _ in state.client.generate([0], params, f"health-{uuid.uuid4().hex}"):
             pass
-        return Response(status_code=200)
+        return PlainTextResponse("")
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={**oa.responses(None, {503: oa._error("the engine is down")},
+                                       text=True)})
     async def metrics() -> Response:
         body = state.metrics.render(await state.client.get_metrics())
         return Response(body, media_type="text/plain; version=0.0.4")
 
-    @app.post("/flush_cache")
+    @app.post("/flush_cache", response_class=PlainTextResponse, responses={**oa.responses(
+        None, {400: oa._error("entries in use were kept"),
+               503: oa._error("the engine is down")}, text=True)})
     async def flush_cache() -> Response:
         """Empties the prefix cache (SGLang's endpoint); 400 while requests lock entries."""
         if await state.client.call("flush_cache"):
-            return Response("Cache flushed.", status_code=200)
+            return PlainTextResponse("Cache flushed.")
         return JSONResponse(error_body("cache entries in use by running requests were kept",
                                        400), status_code=400)
 
@@ -120,50 +130,64 @@ def create_app(state: ServerState) -> FastAPI:
                 "owned_by": "kdaserve", "root": state.model_path,
                 "max_model_len": state.max_request_tokens}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=oa.ModelList, responses=oa.responses(oa.ModelList, {}))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", response_model=oa.ModelCard,
+             responses=oa.responses(oa.ModelCard, {404: oa._error("unknown model")}))
     async def model(model: str) -> dict[str, Any]:
         if model not in (state.model_name, state.model_path):
             raise ModelNotFoundError(f"The model {model!r} does not exist; this server "
                                      f"serves {state.model_name!r}")
         return model_card()
 
-    @app.get("/get_model_info")
-    @app.get("/model_info")
+    @app.get("/get_model_info", response_model=oa.ModelInfo,
+             responses=oa.responses(oa.ModelInfo, {}))
+    @app.get("/model_info", response_model=oa.ModelInfo,
+             responses=oa.responses(oa.ModelInfo, {}))
     async def model_info() -> dict[str, Any]:
         return {"model_path": state.model_path, "tokenizer_path": state.model_path,
                 "is_generation": True, "weight_version": "default"}
 
-    @app.get("/get_server_info")
-    @app.get("/server_info")
+    @app.get("/get_server_info", response_model=oa.ServerInfo,
+             responses=oa.responses(oa.ServerInfo, {503: oa._error("the engine is down")}))
+    @app.get("/server_info", response_model=oa.ServerInfo,
+             responses=oa.responses(oa.ServerInfo, {503: oa._error("the engine is down")}))
     async def server_info() -> dict[str, Any]:
         return await native.server_info(state)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=oa.TokenizeResponse,
+              responses=oa.responses(oa.TokenizeResponse, {**oa.BODY, 404: oa._error(
+                  "unknown model")}))
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         return await asyncio.to_thread(native.tokenize, state, req)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=oa.DetokenizeResponse,
+              responses=oa.responses(oa.DetokenizeResponse, {**oa.BODY, 404: oa._error(
+                  "unknown model")}))
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         return native.detokenize(state, req)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=oa.CompletionResponse,
+              responses=oa.responses(oa.CompletionResponse, oa.GENERATION, stream=True))
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await until_disconnect(request, create_completion(state, req))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=oa.ChatCompletionResponse,
+              responses=oa.responses(oa.ChatCompletionResponse, oa.GENERATION, stream=True))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await until_disconnect(request, state.need_chat().handle(state, req))
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", response_model=oa.ResponseObject,
+              responses=oa.responses(oa.ResponseObject, oa.GENERATION, stream=True))
     async def responses(req: ResponsesRequest, request: Request) -> Response:
         return await until_disconnect(request, create_response(state, req))
 
-    @app.post("/generate")
+    @app.post("/generate", response_model=oa.GenerateResult | list[oa.GenerateResult],
+              responses=oa.responses(oa.GenerateResult, oa.GENERATION, stream=True))
     async def generate(req: GenerateRequest, request: Request) -> Response:
         return await until_disconnect(request, native.generate(state, req))
 
+    oa.install(app)
     return app

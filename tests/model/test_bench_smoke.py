@@ -96,3 +96,18 @@ def test_bench_scoring_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert [row["length"] for row in r["rows"]] == [16, 40]
     assert all(row["plain_s"] > 0 and row["scored_s"] > 0 for row in r["rows"])
+
+
+def test_bench_soak_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "soak.json"
+    cli_main(["bench", "soak", "--model", str(tiny_ckpt), "--requests", "40",
+              "--concurrency", "8", "--distinct", "6", "--max-tokens", "8",
+              "--port", str(port), "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["server_errors"] == 0 and r["mismatches"] == 0 and r["pools_back"]
+    assert r["completed"] > 0 and r["completed"] + r["disconnected"] <= 40
