@@ -56,6 +56,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=Limits.max_body_bytes)
     p.add_argument("--body-read-timeout", type=float, default=Limits.body_read_timeout,
                    help="seconds a client may take between request-body chunks (408)")
+    p.add_argument("--header-read-timeout", type=float, default=10.0,
+                   help="seconds a client may take to send its request headers (then the "
+                        "connection is closed)")
     p.add_argument("--max-queued-requests", type=int, default=Limits.max_queued_requests,
                    help="requests in flight at once; more get 429 with Retry-After")
     p.add_argument("--request-timeout", type=float, default=None,
@@ -86,6 +89,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
     from kdaserve.server.api import ServerState, create_app
     from kdaserve.server.chat import ChatHandler
     from kdaserve.server.engine_proc import EngineProcess
+    from kdaserve.server.header_timeout import with_header_timeout
     from kdaserve.server.metrics import ServerMetrics
     from kdaserve.server.responses import ResponseStore
     from kdaserve.server.sampling_policy import load_policy
@@ -135,6 +139,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
         app = create_app(state)
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30,
+            http=with_header_timeout(args.header_read_timeout),
             timeout_graceful_shutdown=args.graceful_shutdown_timeout))
         # Our own SIGINT/SIGTERM handling: uvicorn's re-raises the signal after its shutdown,
         # which would kill us before the engine process is stopped cleanly.

@@ -317,6 +317,8 @@ def test_one_bad_prompt_leaves_nothing_running(http: httpx.Client) -> None:
         r = http.post(path, json=body)
         assert r.status_code == 400, r.text
         assert is_idle(wait_idle(http))
+    many = http.post("/v1/completions", json={"prompt": ["x"] * 200, "n": 2, "max_tokens": 1})
+    assert many.status_code == 400 and "sequences" in many.json()["error"]["message"]
     r = http.post("/generate", json={"text": "x", "stream": True,
                                      "sampling_params": {"max_new_tokens": 0}})
     assert r.status_code == 400 and "stream" in r.json()["error"]["message"]

@@ -184,8 +184,12 @@ def guarded(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def test_api_key(guarded: ServerProc) -> None:
     url = guarded.url
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}):
         assert_error(httpx.get(f"{url}/v1/models", headers=headers), 401)
+    for scheme in ("Bearer", "bearer", "BEARER"):  # RFC 9110: the scheme is case-insensitive
+        r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == 200, r.text
         assert_error(httpx.post(f"{url}/v1/chat/completions", headers=headers,
                                 json={"messages": USER, "max_tokens": 1}), 401)
         assert_error(httpx.post(f"{url}/generate", headers=headers, json={"text": "hi"}), 401)

@@ -28,6 +28,7 @@ def limited(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     s = start_server(tiny_ckpt, tmp_path_factory.mktemp("limited-logs"),
                      "--max-request-body-bytes", str(BODY_LIMIT), "--body-read-timeout", "1",
                      "--max-queued-requests", "2", "--request-timeout", "4",
+                     "--header-read-timeout", "1",
                      "--context-length", "100000")
     yield s
     stop_server(s)
@@ -81,6 +82,18 @@ def test_slow_body_times_out(limited: ServerProc) -> None:
                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
         answer = sock.recv(4096).decode()  # the rest never comes
     assert answer.startswith("HTTP/1.1 408"), answer
+
+
+def test_slow_headers_are_cut_off(limited: ServerProc, h: httpx.Client) -> None:
+    host, port = limited.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        t0 = time.monotonic()
+        assert sock.recv(4096) == b""  # closed by the server
+        assert time.monotonic() - t0 < 5
+    with socket.create_connection((host, int(port)), timeout=10) as idle:
+        assert idle.recv(4096) == b""  # connected, sent nothing: closed too
+    assert h.get("/health").status_code == 200  # complete requests are unaffected
 
 
 def test_queue_full_is_429_then_recovers(h: httpx.Client) -> None:
