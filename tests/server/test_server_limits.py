@@ -178,3 +178,35 @@ def test_sigterm_drains_then_exits_and_a_second_signal_exits_at_once(
             took = time.monotonic() - t0
         assert code == 0 and took < within, (signals, took)
         stop_server(s, check=False)
+
+
+def test_watchdog_reports_a_stuck_engine(tiny_ckpt: Path,
+                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    """An engine alive but making no progress (here: stopped with SIGSTOP) while a request
+    waits turns /health to 503; once it moves again, /health is 200 and the request ends."""
+    import os
+
+    s = start_server(tiny_ckpt, tmp_path_factory.mktemp("stuck-logs"),
+                     "--watchdog-timeout", "2")
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as client, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            engine = s.engine_pid()
+            os.kill(engine, signal.SIGSTOP)
+            try:
+                pending = pool.submit(client.post, "/v1/completions",
+                                      json={"prompt": "x", "max_tokens": 4})
+                deadline = time.monotonic() + 20
+                while (r := client.get("/health")).status_code == 200:
+                    assert time.monotonic() < deadline, "a stuck engine looked healthy"
+                    time.sleep(0.2)
+                assert "stuck" in error_of(r, 503)
+            finally:
+                os.kill(engine, signal.SIGCONT)
+            assert pending.result(timeout=30).status_code == 200
+            deadline = time.monotonic() + 10
+            while client.get("/health").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        stop_server(s)
