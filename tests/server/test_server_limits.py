@@ -52,6 +52,11 @@ def test_mutations_are_post_and_bodies_json(http: httpx.Client) -> None:
     assert http.post("/flush_cache").status_code in (200, 400)  # scripts: no body, no Origin
     r = http.post("/flush_cache", headers={"Origin": "https://evil.example"})
     assert error_of(r, 415)  # a web page's bodiless cross-site POST
+    # no CORS: a browser's preflight gets no Access-Control-Allow-Origin, so it sends nothing
+    pre = http.options("/v1/chat/completions", headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    assert "access-control-allow-origin" not in pre.headers and pre.status_code == 405
     for kind in ("text/plain", "application/x-www-form-urlencoded", ""):
         r = http.post("/v1/chat/completions", content=json.dumps({"messages": USER}),
                       headers={"Content-Type": kind} if kind else {})
