@@ -135,6 +135,7 @@ class Request:
     num_preemptions: int = 0
     # prefix cache
     cache_node: Any = None  # radix node whose path this request locks
+    prefix_hint: int | None = None  # cached tokens found when first queued (queue order)
     num_cached_prompt: int = 0  # tokens reused from the cache at admission
     snapshot_points: list[int] = field(default_factory=list)  # prefill positions to snapshot
     track_slot: int | None = None  # latest grid-aligned state copy during decode

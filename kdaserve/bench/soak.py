@@ -30,6 +30,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("soak", help="concurrent load with disconnects; outputs and pools checked")
     p.add_argument("--model", default="tiny")
     p.add_argument("--url", default=None, help="an already running server (else one is started)")
+    p.add_argument("--api-key", default=None, help="the --url server's API key")
     p.add_argument("--requests", type=int, default=500)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--disconnect-rate", type=float, default=0.2)
@@ -60,17 +61,29 @@ def distinct_requests(n: int, max_tokens: int, rng: random.Random) -> list[dict[
     return out
 
 
+LEFT, BROKEN = 0, -1  # pseudo statuses: the client left on purpose; the connection failed
+
+
 async def call(client: Any, req: dict[str, Any], give_up_after: int | None = None,
                ) -> tuple[int, str | None]:
     """(status, output text); text None when the client went away or the request failed.
     `give_up_after`: streams close after that many chunks, others time out quickly."""
+    import httpx
+
+    try:
+        return await _call(client, req, give_up_after)
+    except httpx.TimeoutException:
+        return (LEFT if give_up_after is not None else BROKEN), None
+    except httpx.TransportError:  # reset, refused, cut mid-stream: the server's fault
+        return BROKEN, None
+
+
+async def _call(client: Any, req: dict[str, Any],
+                give_up_after: int | None) -> tuple[int, str | None]:
     body = {**req["body"], "stream": req["stream"]}
     if not req["stream"]:
-        try:
-            timeout = 0.05 if give_up_after is not None else 600
-            r = await client.post(req["path"], json=body, timeout=timeout)
-        except Exception:  # noqa: BLE001 - the disconnect we asked for
-            return 0, None
+        timeout = 0.05 if give_up_after is not None else 600
+        r = await client.post(req["path"], json=body, timeout=timeout)
         if r.status_code != 200:
             return r.status_code, None
         c = r.json()["choices"][0]
@@ -88,7 +101,7 @@ async def call(client: Any, req: dict[str, Any], give_up_after: int | None = Non
                 return int(event["error"]["code"]), None
             chunks += 1
             if give_up_after is not None and chunks >= give_up_after:
-                return 0, None  # closing the stream aborts the request
+                return LEFT, None  # closing the stream aborts the request
             for c in event["choices"]:
                 text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
     return 200, "".join(text)
@@ -99,7 +112,8 @@ async def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
     rng = random.Random(args.seed)
     reqs = distinct_requests(args.distinct, args.max_tokens, rng)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=url, timeout=600, headers=headers) as client:
         refs = [(await call(client, r))[1] for r in reqs]  # alone on an idle server
         sem = asyncio.Semaphore(args.concurrency)
         statuses: dict[int, int] = {}
@@ -116,7 +130,7 @@ async def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
                 latencies.append(time.perf_counter() - t0)
             statuses[status] = statuses.get(status, 0) + 1
             if text is None:
-                gone += status == 0
+                gone += status == LEFT
                 return
             completed += 1
             mismatches += text != refs[k]
@@ -140,6 +154,8 @@ async def soak(url: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"requests": args.requests, "concurrency": args.concurrency, "wall_s": wall,
             "statuses": statuses, "completed": completed, "disconnected": gone,
             "server_errors": sum(v for k, v in statuses.items() if k >= 500),
+            # anything but a 200 or a client that left on purpose: 4xx, 5xx, broken connections
+            "failures": sum(v for k, v in statuses.items() if k not in (200, LEFT)),
             "mismatches": mismatches, "pools_back": pools_ok,
             "preemptions": values.get("kdaserve_num_preemptions", 0.0),
             "p50_s": latencies[len(latencies) // 2], "p99_s": latencies[int(len(latencies) * .99)]}
@@ -176,8 +192,9 @@ def run(args: argparse.Namespace) -> None:
     print(f"{result['requests']} requests at concurrency {result['concurrency']} in "
           f"{result['wall_s']:.1f} s: {result['completed']} completed, "
           f"{result['disconnected']} disconnected on purpose, statuses {result['statuses']}")
-    print(f"server errors {result['server_errors']}, outputs differing from an idle run "
-          f"{result['mismatches']}, pools back to full {result['pools_back']}, "
+    print(f"failures {result['failures']} (5xx {result['server_errors']}), outputs "
+          f"differing from an idle run {result['mismatches']}, pools back to full "
+          f"{result['pools_back']}, "
           f"preemptions {result['preemptions']:.0f}, latency p50 {result['p50_s']:.2f} s "
           f"p99 {result['p99_s']:.2f} s")
     write_result(args.out, result)

@@ -7,6 +7,7 @@ Subclasses provide the transport (`_send`) and feed every message from the loop 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import uuid
@@ -80,7 +81,11 @@ class EngineClient:
             raise EngineError(f"request id {rid!r} is already in use", 400)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
-        self._send(("add", rid, prompt, params or SamplingParams()))
+        try:
+            self._send(("add", rid, prompt, params or SamplingParams()))
+        except BaseException:  # e.g. the engine is restarting: the id stays free
+            self._streams.pop(rid, None)
+            raise
         return rid, self._stream(rid, q)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -109,7 +114,8 @@ class EngineClient:
         finally:
             if not finished:
                 self._streams.pop(rid, None)
-                self._send(("abort", rid))
+                with contextlib.suppress(EngineError):  # a dead engine has nothing to abort
+                    self._send(("abort", rid))
 
     async def abort(self, rid: str) -> None:
         self._streams.pop(rid, None)

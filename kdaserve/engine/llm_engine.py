@@ -281,57 +281,59 @@ class LLMEngine:
                                                       - req.num_computed_tokens)
         spec = self.spec
         saved = spec.save(batch) if spec is not None else {}
-        record = spec.record(batch, saved, self.device) if spec is not None and saved else None
-        wants_hidden = spec is not None and spec.drafter.wants_hidden
-        # Grammar masks are computed after the forward, not beside it on a thread: the closing
-        # estimate is Python, and GIL hand-offs (5 ms switch interval) against the model's
-        # Python-level op dispatch made tests/model/test_grammar.py 5x slower (160 s vs 32 s).
-        logits, to_sample, hidden, prompt = self.runner.run(batch, wants_hidden, record)
-        for req, rows in prompt:
-            record_prompt_logprobs(req, rows, self.model.compute_logits)
-        self.scheduler.insert_snapshots(batch)
-        self.counters["num_steps"] += 1
-        touched: dict[str, None] = {}
-        # logits rows: one per sampled request, 1 + k for a request verifying k drafts
-        row, plain, plain_rows = 0, [], []
-        replay: list[tuple[Request, int]] = []  # (req, accepted steps to replay)
-        accepted: list[tuple[Request, int, int]] = []  # (req, drafts kept, its hidden row)
-        for req in to_sample:
-            if id(req) not in saved:
-                plain.append(req)
-                plain_rows.append(row)
-                accepted.append((req, 0, row))
-                row += 1
-                continue
-            assert spec is not None
-            k = len(req.draft_ids)
-            scratch, start = saved[id(req)]
-            rows = logits[row:row + 1 + k]
-            if req.matcher is not None:  # each position masked by the state after its drafts
-                assert self._grammar is not None
-                bitmask = self._grammar.allocate_bitmask(1 + k)
-                try:
-                    req.matcher.fill_drafts(bitmask, req.draft_ids)
-                    rows = rows.clone()
-                    apply_bitmask(rows, bitmask)
-                except ValueError:  # a grammar bug: `_append` then ends this request alone
-                    logger.exception("request %s: grammar failed on its drafts", req.rid)
-            tokens, rollback = spec.accept(req, rows, start)
-            accepted.append((req, len(tokens) - 1, row + len(tokens) - 1))
-            row += 1 + k
-            for t in tokens:
-                self._append(req, t, None, None)
-                if req.is_finished:
-                    break
-            touched[self._group_id(req)] = None
-            if rollback and not req.is_finished:
-                spec.restore(req, scratch)
-                replay.append((req, req.num_computed_tokens - start))
-        if replay:
-            assert record is not None
-            self.runner.replay(record, replay)  # the accepted KDA steps only
-        if spec is not None:
-            spec.release(saved)
+        try:  # the scratch slots go back to the pool whatever happens
+            record = spec.record(batch, saved, self.device) if spec is not None and saved else None
+            wants_hidden = spec is not None and spec.drafter.wants_hidden
+            # Grammar masks are computed after the forward, not beside it on a thread: the closing
+            # estimate is Python, and GIL hand-offs (5 ms switch interval) against the model's
+            # Python-level op dispatch made tests/model/test_grammar.py 5x slower (160 s vs 32 s).
+            logits, to_sample, hidden, prompt = self.runner.run(batch, wants_hidden, record)
+            for req, rows in prompt:
+                record_prompt_logprobs(req, rows, self.model.compute_logits)
+            self.scheduler.insert_snapshots(batch)
+            self.counters["num_steps"] += 1
+            touched: dict[str, None] = {}
+            # logits rows: one per sampled request, 1 + k for a request verifying k drafts
+            row, plain, plain_rows = 0, [], []
+            replay: list[tuple[Request, int]] = []  # (req, accepted steps to replay)
+            accepted: list[tuple[Request, int, int]] = []  # (req, drafts kept, its hidden row)
+            for req in to_sample:
+                if id(req) not in saved:
+                    plain.append(req)
+                    plain_rows.append(row)
+                    accepted.append((req, 0, row))
+                    row += 1
+                    continue
+                assert spec is not None
+                k = len(req.draft_ids)
+                scratch, start = saved[id(req)]
+                rows = logits[row:row + 1 + k]
+                if req.matcher is not None:  # each position masked by the state after its drafts
+                    assert self._grammar is not None
+                    bitmask = self._grammar.allocate_bitmask(1 + k)
+                    try:
+                        req.matcher.fill_drafts(bitmask, req.draft_ids)
+                        rows = rows.clone()
+                        apply_bitmask(rows, bitmask)
+                    except ValueError:  # a grammar bug: `_append` then ends this request alone
+                        logger.exception("request %s: grammar failed on its drafts", req.rid)
+                tokens, rollback = spec.accept(req, rows, start)
+                accepted.append((req, len(tokens) - 1, row + len(tokens) - 1))
+                row += 1 + k
+                for t in tokens:
+                    self._append(req, t, None, None)
+                    if req.is_finished:
+                        break
+                touched[self._group_id(req)] = None
+                if rollback and not req.is_finished:
+                    spec.restore(req, scratch)
+                    replay.append((req, req.num_computed_tokens - start))
+            if replay:
+                assert record is not None
+                self.runner.replay(record, replay)  # the accepted KDA steps only
+        finally:
+            if spec is not None:
+                spec.release(saved)
         if plain:
             plain_logits = logits[plain_rows]
             constrained = [i for i, r in enumerate(plain) if needs_mask(r)]

@@ -217,10 +217,15 @@ def sample_isolated(sampler: Sampler, logits: torch.Tensor, reqs: list[Request],
     """The batched sampler; if it fails, each request is sampled alone, and those that fail
     alone are returned as (request, why) with a placeholder token the caller must not use:
     one bad request never fails the batch."""
+    # seeded requests' generators as they were: a batch that fails after drawing their noise
+    # must not move them on, or their tokens would differ from an undisturbed run
+    seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
     try:
         return sampler(logits, reqs), []
     except Exception:  # noqa: BLE001 - isolated below, row by row
         logger.exception("batched sampling failed; sampling each request alone")
+    for generator, state in seeded:
+        generator.set_state(state)
     failed: list[tuple[Request, str]] = []
     tokens: list[int] = []
     lps: list[float] = []

@@ -117,6 +117,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/flush_cache", response_class=PlainTextResponse, responses={**oa.responses(
         None, {400: oa._error("entries in use were kept"),
+               415: oa._error("a bodiless POST from another site's page"),
                503: oa._error("the engine is down")}, text=True)})
     async def flush_cache() -> Response:
         """Empties the prefix cache (SGLang's endpoint); 400 while requests lock entries."""

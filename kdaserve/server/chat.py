@@ -36,6 +36,7 @@ from kdaserve.server.protocol import ChatCompletionRequest
 from kdaserve.server.sampling_policy import SamplingPolicy
 from kdaserve.server.serving import (
     ServerState,
+    admit,
     check_length,
     check_model,
     first_then_rest,
@@ -192,6 +193,7 @@ class ChatHandler:
         # off the event loop: rendering and tokenizing a long conversation takes a while
         plan = await asyncio.to_thread(self.plan, req, state.max_request_tokens)
         check_model(state, req.model)
+        admit(state, plan.params.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": cid, "created": int(time.time()), "model": state.model_name}
         stream = timed(state, plan.ids, plan.params, cid)

@@ -17,6 +17,7 @@ from kdaserve.request import RequestOutput
 from kdaserve.server.protocol import CompletionRequest, check_sequences
 from kdaserve.server.serving import (
     ServerState,
+    admit,
     all_finals,
     check_length,
     check_model,
@@ -88,6 +89,7 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Respo
                                   req.logprobs, **extra) for p in prompts]
     check_model(state, req.model)  # after the 400s, as chat
     n = params[0].n
+    admit(state, len(prompts) * n)
     streams = [timed(state, p, sp, f"{cid}-{i}")
                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     head = {"id": cid, "object": "text_completion", "created": created,
@@ -116,7 +118,7 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Respo
     except BaseException:  # one failed before streaming: abort the ones already running
         for r in rests:
             await r.aclose()  # type: ignore[attr-defined]
-        for s in streams[len(rests):]:
+        for s in streams:  # closing a chain does not close the stream it wraps
             await s.aclose()  # type: ignore[attr-defined]
         raise
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -34,8 +34,10 @@ POLL_MS = 50
 def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str) -> None:
     """Entry point of the engine process."""
     logging.basicConfig(level=logging.INFO, format="[kdaserve engine] %(message)s")
-    # Ctrl-C reaches the whole process group; the HTTP process decides when we stop
+    # Ctrl-C and a group-wide SIGTERM (systemd, `kill -- -PGID`) reach us too; the HTTP
+    # process decides when we stop, after draining
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from kdaserve.engine.engine_loop import run_engine_loop
     from kdaserve.engine.llm_engine import LLMEngine
 
@@ -68,14 +70,17 @@ def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str) -> None:
 class EngineProcess(EngineClient):
     """Starts the engine process and is the HTTP process's client of it. If the engine dies,
     every request in flight gets a 503 and a fresh engine is started, up to `max_restarts`
-    times; then `on_fatal` is called (the server exits non-zero, for a supervisor to act)."""
+    times; then `on_fatal` is called (the server exits non-zero, for a supervisor to act).
+
+    Each engine gets its own command socket (a new IPC path per generation): commands queued
+    for a dead engine are dropped with its socket, never delivered to its successor as
+    requests nobody waits for."""
 
     def __init__(self, config: EngineConfig, max_restarts: int = 3,
                  on_fatal: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self.config, self.max_restarts, self.on_fatal = config, max_restarts, on_fatal
         self._dir = tempfile.mkdtemp(prefix="kdaserve-")
-        self.cmd_addr = f"ipc://{self._dir}/cmd"
         self.out_addr = f"ipc://{self._dir}/out"
         self.ctx = zmq.asyncio.Context()
         self._out = self.ctx.socket(zmq.PULL)
@@ -83,19 +88,26 @@ class EngineProcess(EngineClient):
         # commands go out on a plain socket: a PUSH send never waits while the peer is up, and
         # a synchronous send needs no awaiting from the endpoints
         self._cmd_ctx = zmq.Context()
-        self._cmd = self._cmd_ctx.socket(zmq.PUSH)
-        self._cmd.connect(self.cmd_addr)  # reconnects by itself to a restarted engine
+        self._cmd: Any = None
+        self.generation = 0
         self.proc = self._new_process()
         self.info: dict[str, Any] = {}
         self.dead: str | None = None
+        self.stopping = False  # shutting down: a dying engine is not restarted
         self.restarts = 0
         self._ready: asyncio.Queue = asyncio.Queue()  # "ready" of a restarted engine
         self._tasks: list[asyncio.Task] = []
         self.last_tick = time.monotonic()
 
     def _new_process(self) -> BaseProcess:
+        if self._cmd is not None:
+            self._cmd.close(linger=0)  # what the old engine never read goes with it
+        self.generation += 1
+        cmd_addr = f"ipc://{self._dir}/cmd-{self.generation}"
+        self._cmd = self._cmd_ctx.socket(zmq.PUSH)
+        self._cmd.connect(cmd_addr)
         return mp.get_context("spawn").Process(
-            target=_engine_main, args=(self.config, self.cmd_addr, self.out_addr),
+            target=_engine_main, args=(self.config, cmd_addr, self.out_addr),
             daemon=True, name="kdaserve-engine")
 
     async def start(self, timeout: float = 600.0) -> None:
@@ -127,12 +139,25 @@ class EngineProcess(EngineClient):
             self._on_message(msg)
 
     async def _watch(self) -> None:
+        try:
+            await self._keep_alive()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. a process that cannot start: give up
+            logger.exception("engine watchdog failed")
+            self.dead = f"engine watchdog failed: {e}"
+            self.fail_all(self.dead, 503)
+            self._fatal(self.dead)
+
+    async def _keep_alive(self) -> None:
         while True:
             while self.proc.is_alive():
                 await asyncio.sleep(0.2)
             self.dead = f"engine process died (exit code {self.proc.exitcode})"
             logger.error("%s; failing all requests with 503", self.dead)
             self.fail_all(self.dead, 503)
+            if self.stopping:
+                return
             if self.restarts >= self.max_restarts:
                 self._fatal(f"{self.dead}; {self.restarts} restarts used up")
                 return
@@ -140,6 +165,8 @@ class EngineProcess(EngineClient):
             logger.error("restarting the engine (%d of at most %d)", self.restarts,
                          self.max_restarts)
             self.dead = f"engine restarting after a crash ({self.restarts}/{self.max_restarts})"
+            while not self._ready.empty():  # a "ready" of an engine that died since
+                self._ready.get_nowait()
             self.proc = self._new_process()
             self.proc.start()
             msg = None
@@ -174,13 +201,15 @@ class EngineProcess(EngineClient):
         self._cmd.send_pyobj(cmd)
 
     async def shutdown(self) -> None:
+        self.stopping = True
         for t in self._tasks:
             t.cancel()
-        if self.proc.is_alive() and not self.dead:
+        self.fail_all("the server is shutting down", 503)
+        if self.proc.is_alive() and not self.dead and self.info:
             self._cmd.send_pyobj(("stop",))
             await asyncio.to_thread(self.proc.join, 10)
-        if self.proc.is_alive():
-            self.proc.terminate()
+        if self.proc.is_alive():  # still starting, or stuck: it ignores SIGTERM and SIGINT
+            self.proc.kill()
             await asyncio.to_thread(self.proc.join, 5)
         self._out.close(linger=0)
         self._cmd.close(linger=0)

@@ -39,8 +39,8 @@ class ApiKeyMiddleware:
 
 class BodyGuard:
     """POST bodies: JSON only (a `text/plain` POST is a CORS "simple request" any web page can
-    send; JSON is not; a bodiless POST only without an Origin, i.e. not from a browser), at
-    most `max_bytes`, each chunk within `read_timeout` seconds (the timeout ends with the
+    send; JSON is not; a bodiless POST only from a script or this server's own pages), at
+    most `max_bytes`, all of it within `read_timeout` seconds (the timeout ends with the
     body: a streaming response then waits on receive for a disconnect)."""
 
     def __init__(self, app: Any, max_bytes: int, read_timeout: float) -> None:
@@ -54,9 +54,11 @@ class BodyGuard:
         kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         bodiless = headers.get(b"content-length", b"0") == b"0" \
             and b"transfer-encoding" not in headers
-        # a bodiless POST (SGLang's clients call /flush_cache so) passes unless a browser
-        # sent it: browsers always name the Origin of a cross-site POST, scripts do not
-        if bodiless and b"origin" not in headers:
+        # a bodiless POST (SGLang's clients call /flush_cache so) passes unless a browser on
+        # another site sent it: browsers name the Origin of every POST, scripts do not
+        origin = headers.get(b"origin")
+        same_site = origin is not None and origin.split(b"://", 1)[-1] == headers.get(b"host")
+        if bodiless and (origin is None or same_site):
             await self.app(scope, receive, send)
             return
         if kind != b"application/json" and not kind.endswith(b"+json"):
@@ -71,13 +73,15 @@ class BodyGuard:
         seen = 0
         body_done = False
         failed: list[tuple[int, str]] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout  # for the whole body, not per chunk
 
         async def guarded_receive() -> dict[str, Any]:
             nonlocal seen, body_done
             if body_done:  # later receives wait for a disconnect, as long as a stream runs
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout)
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
             except TimeoutError:
                 failed.append((408, f"request body not received within {self.read_timeout:g} "
                                     "s (--body-read-timeout)"))

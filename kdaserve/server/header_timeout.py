@@ -42,6 +42,12 @@ def with_header_timeout(timeout: float) -> type[H11Protocol]:
             self._disarm()
             super().connection_lost(exc)
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # a pipelined request already buffered is parsed from here, not data_received
+            if self._between_requests() and self.conn.trailing_data[0]:
+                self._arm()
+
         def timeout_keep_alive_handler(self) -> None:
             self._disarm()
             super().timeout_keep_alive_handler()

@@ -95,6 +95,37 @@ async def _serve(args: argparse.Namespace) -> str | None:
     from kdaserve.server.sampling_policy import load_policy
     from kdaserve.tokenizer import Tokenizer
 
+    loop = asyncio.get_running_loop()
+    signals = 0
+    server: Any = None
+    engine: Any = None
+    starting: asyncio.Future | None = None
+
+    def on_signal() -> None:
+        """The first drains: no new connections, running requests get
+        --graceful-shutdown-timeout seconds, then end with a 503 (streams: an error event);
+        a second exits at once. During start-up: stop starting."""
+        nonlocal signals
+        signals += 1
+        if engine is not None:
+            engine.stopping = True  # an engine dying now is not restarted
+        if server is None:
+            if starting is not None:
+                starting.cancel()
+            return
+        if signals == 1:
+            grace = args.graceful_shutdown_timeout
+            # just before uvicorn cancels the handlers, which would answer a bare 500
+            loop.call_later(max(grace - 0.3, 0.0), engine.fail_all,
+                            "the server is shutting down", 503)
+        else:
+            server.force_exit = True
+        server.should_exit = True
+
+    # Our own SIGINT/SIGTERM handling, from the start: uvicorn's re-raises the signal after
+    # its shutdown, which would kill us before the engine process is stopped cleanly.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
     config = engine_config(args)
     # resolve (and for a preset, generate) the checkpoint once, before the engine process
     path = resolve_model_path(config.model)
@@ -111,7 +142,6 @@ async def _serve(args: argparse.Namespace) -> str | None:
                                            load_policy(args.sampling_policy, path),
                                            args.default_max_tokens)
     fatal: list[str] = []
-    server: Any = None
 
     def on_fatal(why: str) -> None:
         fatal.append(why)
@@ -119,8 +149,17 @@ async def _serve(args: argparse.Namespace) -> str | None:
             server.should_exit = server.force_exit = True
 
     engine = EngineProcess(config, args.max_engine_restarts, on_fatal)
+    if signals:  # asked to stop while loading the tokenizer
+        await engine.shutdown()
+        print("[kdaserve] stopped during start-up", flush=True)
+        return None
+    starting = asyncio.ensure_future(engine.start())
     try:
-        await engine.start()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            print("[kdaserve] stopped during start-up", flush=True)
+            return None
         name = args.served_model_name or str(args.model)
         context = engine.info["max_request_tokens"]
         if args.context_length is not None:
@@ -141,20 +180,9 @@ async def _serve(args: argparse.Namespace) -> str | None:
             app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30,
             http=with_header_timeout(args.header_read_timeout),
             timeout_graceful_shutdown=args.graceful_shutdown_timeout))
-        # Our own SIGINT/SIGTERM handling: uvicorn's re-raises the signal after its shutdown,
-        # which would kill us before the engine process is stopped cleanly.
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-        loop = asyncio.get_running_loop()
-
-        def on_signal() -> None:
-            # the first drains (running requests get --graceful-shutdown-timeout seconds,
-            # then are aborted); a second exits at once
-            if server.should_exit:
-                server.force_exit = True
-            server.should_exit = True
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
+        if fatal or signals:  # the engine gave up, or a signal came, before we got here
+            server.should_exit = server.force_exit = True
         print(f"[kdaserve] model {path}: {engine.info['summary']}", flush=True)
         if chat is None:
             print("[kdaserve] no tokenizer (--skip-tokenizer-init): token ids in and out",

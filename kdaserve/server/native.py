@@ -21,6 +21,7 @@ from kdaserve.server.protocol import (
 )
 from kdaserve.server.serving import (
     ServerState,
+    admit,
     all_finals,
     check_length,
     check_model,
@@ -126,6 +127,7 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
         params = sp.to_params(logprobs, **extra)
         check_length(state.max_request_tokens, p, params.max_tokens)
         results.append(params)
+    admit(state, len(prompts) * sp.n)
     base = req.rid or uuid.uuid4().hex
     rids = [base if single else f"{base}-{i}" for i in range(len(prompts))]
     if req.stream:

@@ -25,7 +25,14 @@ from kdaserve.engine.client import EngineError
 from kdaserve.server.chat import ChatPlan
 from kdaserve.server.k3_parser import Event
 from kdaserve.server.protocol import ChatCompletionRequest, Seed, Strict
-from kdaserve.server.serving import ServerState, check_model, first_then_rest, sse, timed
+from kdaserve.server.serving import (
+    ServerState,
+    admit,
+    check_model,
+    first_then_rest,
+    sse,
+    timed,
+)
 from kdaserve.server.tool_parser import ToolCallDelta
 
 STORE_SIZE = 1024
@@ -311,6 +318,7 @@ async def create_response(state: ServerState, req: ResponsesRequest) -> Response
     creq = to_chat(req, system + history + turn)
     plan = await asyncio.to_thread(chat.plan, creq, state.max_request_tokens)
     check_model(state, req.model)
+    admit(state, 1)
     rid = f"resp_{uuid.uuid4().hex}"
     head = {"id": rid, "object": "response", "created_at": int(time.time()),
             "model": state.model_name, "instructions": req.instructions,

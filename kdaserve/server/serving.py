@@ -32,7 +32,7 @@ class Limits:
 
     max_body_bytes: int = 8 << 20  # a 128k-token prompt is ~0.5 MB of text
     body_read_timeout: float = 30.0  # seconds between body chunks
-    max_queued_requests: int = 1024  # requests in flight; more get 429 + Retry-After
+    max_queued_requests: int = 1024  # sequences in flight; more get 429 + Retry-After
     request_timeout: float | None = None  # seconds from arrival to the last token
     watchdog_timeout: float = 120.0  # no step this long with requests waiting: unhealthy
 
@@ -83,14 +83,11 @@ async def timed(state: ServerState, prompt_ids: list[int], params: SamplingParam
                 rid: str) -> AsyncIterator[RequestOutput]:
     """The engine stream of one request, recording TTFT / ITL / E2E and finish reasons."""
     limits = state.limits
-    if state.in_flight >= limits.max_queued_requests:
-        raise QueueFullError(f"{state.in_flight} requests in flight, the limit is "
-                             f"{limits.max_queued_requests} (--max-queued-requests); retry")
     start = last_at = time.perf_counter()
     first = True
     timeout = limits.request_timeout
     gen = state.client.generate(prompt_ids, params, rid)
-    state.in_flight += 1
+    state.in_flight += params.n
     try:
         while True:
             left = None if timeout is None else start + timeout - time.perf_counter()
@@ -110,8 +107,20 @@ async def timed(state: ServerState, prompt_ids: list[int], params: SamplingParam
                     state.metrics.requests.labels(o.finish_reason or "unknown").inc()
             yield out
     finally:
-        state.in_flight -= 1
+        state.in_flight -= params.n
         await gen.aclose()
+
+
+def admit(state: ServerState, sequences: int) -> None:
+    """Room for a request's sequences (prompts x n) among those in flight, checked before it
+    starts: 429 when the server is full now, 400 when it never could take this many."""
+    limit = state.limits.max_queued_requests
+    if sequences > limit:
+        raise ValueError(f"{sequences} sequences in one request; the server takes at most "
+                         f"{limit} at once (--max-queued-requests)")
+    if state.in_flight + sequences > limit:
+        raise QueueFullError(f"{state.in_flight} sequences in flight, the limit is {limit} "
+                             "(--max-queued-requests); retry")
 
 
 async def first_then_rest(gen: AsyncIterator[RequestOutput]) -> tuple[RequestOutput,
@@ -120,9 +129,12 @@ async def first_then_rest(gen: AsyncIterator[RequestOutput]) -> tuple[RequestOut
     first = await gen.__anext__()
 
     async def chain() -> AsyncIterator[RequestOutput]:
-        yield first
-        async for item in gen:
-            yield item
+        try:
+            yield first
+            async for item in gen:
+                yield item
+        finally:  # closing the chain closes the stream (and so aborts its request)
+            await gen.aclose()  # type: ignore[attr-defined]
 
     return first, chain()
 
@@ -153,15 +165,22 @@ async def until_disconnect(request: Request, work: Any) -> Response:
     it, which aborts its engine requests and frees their blocks and slots. (A streaming
     response returns at once; its disconnects end the stream the same way.)"""
     task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.2)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, EngineError):
-                await task
-            return Response(status_code=499)  # nginx's "client closed request"
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                break
+    except asyncio.CancelledError:  # we are cancelled (shutdown): so is the work, now
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, EngineError):
+            await task
+        raise
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, EngineError):
+        await task
+    return Response(status_code=499)  # nginx's "client closed request"
 
 
 class ModelNotFoundError(Exception):

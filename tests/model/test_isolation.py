@@ -81,3 +81,29 @@ def test_engine_loop_reports_the_failure_to_its_request_only(tiny_ckpt: Path) ->
     finally:
         engine.shutdown()
     engine.engine.check_integrity()
+
+
+class FailsAfterDrawing(Sampler):
+    """Draws everyone's noise (seeded generators move on), then fails for the batch."""
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]):  # noqa: ANN204
+        out = super().__call__(logits, reqs)
+        if len(reqs) > 1 and any(r.params.temperature == POISON for r in reqs):
+            raise RuntimeError("failed after drawing")
+        if any(r.params.temperature == POISON for r in reqs):
+            raise RuntimeError("the poisoned request fails alone too")
+        return out
+
+
+def test_seeded_neighbours_of_a_failed_batch_are_undisturbed(tiny_ckpt: Path) -> None:
+    llm = LLM(tiny_ckpt)
+    prompts = [[5 + i, 9, 17 + 3 * i] for i in range(3)]
+    seeded = [SamplingParams(temperature=0.9, seed=11 + i, max_tokens=6, ignore_eos=True)
+              for i in range(2)]
+    want = llm.generate(prompt_token_ids=prompts[:2], sampling_params=seeded)
+    llm.engine.sampler = FailsAfterDrawing(llm.engine.sampler.stop_ids)
+    poisoned = SamplingParams(temperature=POISON, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=[*seeded, poisoned])
+    assert outs[2].finish_reason == "abort"
+    assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in want]
+    llm.check_integrity()

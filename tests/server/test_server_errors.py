@@ -274,6 +274,12 @@ def test_engine_crash_gives_503_not_a_hang(tiny_ckpt: Path,
             time.sleep(0.05)
         os.kill(engine, signal.SIGKILL)
         t0 = time.monotonic()
+        # requests sent as it dies and while it restarts get 503s, and never run later as
+        # ghosts (their commands die with the dead engine's socket); their ids are free again
+        for i in range(10):
+            r = h.post(GEN, json={"text": "go", "rid": f"during-{i}", "sampling_params": {
+                "max_new_tokens": 5000, "ignore_eos": True}})
+            assert r.status_code == 503, r.text
         assert_error(blocking.result(timeout=10), 503, "engine")
         for future in streaming:
             # ends with an error event, and is not passed off as a complete answer
@@ -294,6 +300,9 @@ def test_engine_crash_gives_503_not_a_hang(tiny_ckpt: Path,
         r = h.post(CHAT, json={"messages": USER, "max_tokens": 2})
         assert r.status_code == 200, r.text
         assert is_idle(wait_idle(h))  # nothing of the old engine's requests is left
+        r = h.post(GEN, json={"text": "go", "rid": "during-0",
+                              "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200, r.text
 
 
 def test_engine_that_keeps_dying_exits_the_server(tiny_ckpt: Path,

@@ -52,6 +52,8 @@ def test_mutations_are_post_and_bodies_json(http: httpx.Client) -> None:
     assert http.post("/flush_cache").status_code in (200, 400)  # scripts: no body, no Origin
     r = http.post("/flush_cache", headers={"Origin": "https://evil.example"})
     assert error_of(r, 415)  # a web page's bodiless cross-site POST
+    own = str(http.base_url).rstrip("/")  # this server's own pages (e.g. /docs) may
+    assert http.post("/flush_cache", headers={"Origin": own}).status_code in (200, 400)
     # no CORS: a browser's preflight gets no Access-Control-Allow-Origin, so it sends nothing
     pre = http.options("/v1/chat/completions", headers={
         "Origin": "https://evil.example", "Access-Control-Request-Method": "POST",
@@ -101,6 +103,44 @@ def test_slow_headers_are_cut_off(limited: ServerProc, h: httpx.Client) -> None:
     assert h.get("/health").status_code == 200  # complete requests are unaffected
 
 
+def test_trickled_body_times_out_as_a_whole(limited: ServerProc) -> None:
+    host, port = limited.url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n")
+        t0 = time.monotonic()
+        answer = b""
+        for byte in body:  # each byte well within the timeout, the whole body not
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            time.sleep(0.3)
+            sock.setblocking(False)
+            try:
+                answer += sock.recv(4096)
+            except BlockingIOError:
+                pass
+            sock.setblocking(True)
+            if answer:
+                break
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert time.monotonic() - t0 < 3
+
+
+def test_pipelined_partial_request_is_cut_off(limited: ServerProc) -> None:
+    host, port = limited.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /he")
+        t0 = time.monotonic()
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200") and time.monotonic() - t0 < 5
+
+
 def test_queue_full_is_429_then_recovers(h: httpx.Client) -> None:
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         running = [pool.submit(h.post, "/v1/completions", json=LONG) for _ in range(2)]
@@ -115,6 +155,13 @@ def test_queue_full_is_429_then_recovers(h: httpx.Client) -> None:
             assert "timed out" in error_of(f.result(timeout=30), 504)
     assert is_idle(wait_idle(h))
     assert h.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_the_queue_counts_sequences(h: httpx.Client) -> None:
+    r = h.post("/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 1})
+    assert r.status_code == 200, r.text  # two sequences fit the limit of 2 on an idle server
+    r = h.post("/v1/completions", json={"prompt": "a", "n": 3, "max_tokens": 1})
+    assert "--max-queued-requests" in error_of(r, 400)  # never could fit
 
 
 def test_request_timeout_ends_streams_too(h: httpx.Client) -> None:
@@ -168,21 +215,64 @@ def test_tokenization_does_not_block_health(http: httpx.Client) -> None:
 
 def test_sigterm_drains_then_exits_and_a_second_signal_exits_at_once(
         tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    for signals, within in ((1, 2.0 + 8.0), (2, 5.0)):
+    """SIGTERM (to the server alone, or to the whole group as systemd sends it): running
+    requests get the grace period, then a 503 (whole) or a 503 error event (streamed), never a
+    bare 500 or a restarted engine; a second signal exits at once."""
+    import os
+
+    for signals, group, within in ((1, False, 2.0 + 8.0), (1, True, 2.0 + 8.0),
+                                   (2, False, 5.0)):
         s = start_server(tiny_ckpt, tmp_path_factory.mktemp("drain-logs"),
                          "--graceful-shutdown-timeout", "2")
+        engine = s.engine_pid()
         with httpx.Client(base_url=s.url, timeout=60) as client, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool, \
                 client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            whole = pool.submit(client.post, "/v1/completions", json=LONG)
             lines = r.iter_lines()
             next(lines)  # streaming
+            while metrics(client)["kdaserve_num_running"] < 2:
+                time.sleep(0.05)
             t0 = time.monotonic()
             for _ in range(signals):
                 s.proc.send_signal(signal.SIGTERM)
+                if group:
+                    os.kill(engine, signal.SIGTERM)
                 time.sleep(0.2)
+            rest = list(lines)
             code = s.proc.wait(timeout=within + 5)
             took = time.monotonic() - t0
-        assert code == 0 and took < within, (signals, took)
+            if signals == 1:
+                assert "shutting down" in error_of(whole.result(timeout=10), 503)
+                assert '"code": 503' in [ln for ln in rest if ln.startswith("data: ")][-1]
+        assert code == 0 and took < within, (signals, group, took)
+        assert "restarting" not in s.output()
         stop_server(s, check=False)
+
+
+def test_signal_during_start_up_stops_cleanly(tiny_ckpt: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("kdaserve-*"))
+    from .conftest import children, cmdline
+
+    proc = subprocess.Popen([sys.executable, "-m", "kdaserve.cli", "serve", "--model",
+                             str(tiny_ckpt), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not any("spawn_main" in cmdline(c) for c in children(proc.pid)):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # the engine process is starting
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out.decode()
+    assert b"stopped during start-up" in out
+    deadline = time.monotonic() + 10
+    while set(Path(tempfile.gettempdir()).glob("kdaserve-*")) - before:
+        assert time.monotonic() < deadline, "temp folder left"
+        time.sleep(0.1)
 
 
 def test_watchdog_reports_a_stuck_engine(tiny_ckpt: Path,
