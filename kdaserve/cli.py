@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         soak,
         spec,
         throughput,
+        weight_sync,
     )
 
     gsm8k.add_parser(bench_sub)
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     spec.add_parser(bench_sub)
     scoring.add_parser(bench_sub)
     soak.add_parser(bench_sub)
+    weight_sync.add_parser(bench_sub)
     from kdaserve.server import launch
 
     launch.add_parser(sub)

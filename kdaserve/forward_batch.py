@@ -32,6 +32,8 @@ class ForwardBatch:
     # prefix-cache snapshots inside this step's chunks: (sequence index [S], tokens of that
     # sequence's chunk up to and including the snapshot position [S], state pool slot [S])
     snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # rollout routing replay: when a list, each MoE layer appends its chosen experts [T, k]
+    routing: list[torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

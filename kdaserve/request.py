@@ -47,6 +47,9 @@ class SamplingParams:
     logprob_start_len: int = 0
     token_ids_logprob: list[int] = field(default_factory=list)  # always reported, per position
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits
+    # rollout routing replay: each forwarded position's experts per MoE layer, from this one
+    return_routed_experts: bool = False
+    routed_experts_start: int = 0
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) banned until this many are out
     skip_special_tokens: bool = True
     keep_special_ids: tuple[int, ...] = ()  # decoded even with skip_special_tokens (markers)
@@ -150,6 +153,8 @@ class Request:
     # prompt logprobs, one entry per prompt position from params.logprob_start_len (None for
     # position 0); None when not wanted (only the first of n siblings computes them)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [n, layers, k] chunks
+    num_routed: int = 0  # positions recorded, from params.routed_experts_start
 
     @property
     def all_ids(self) -> list[int]:
@@ -177,8 +182,13 @@ class Request:
     def max_cached_prefix(self) -> int:
         """How many leading tokens may come from the prefix cache: one token must always run
         (to produce logits), and rows still needed for prompt logprobs must run too."""
+        caps = [self.num_tokens - 1]
         row = self.prompt_logits_row
-        return self.num_tokens - 1 if row is None else row
+        if row is not None:
+            caps.append(row)
+        if self.params.return_routed_experts:  # routing is recorded only by a forward
+            caps.append(self.params.routed_experts_start + self.num_routed)
+        return max(min(caps), 0)
 
     @property
     def is_prefilling(self) -> bool:
@@ -199,6 +209,8 @@ class CompletionOutput:
     spec_num_drafted: int = 0
     spec_num_accepted: int = 0
     spec_num_verifies: int = 0
+    # with return_routed_experts, in the final output: [positions, MoE layers, top_k] int32
+    routed_experts: torch.Tensor | None = None
 
     @property
     def spec_acceptance_length(self) -> float:
@@ -220,6 +232,8 @@ class RequestOutput:
     finished: bool = True
     # one entry per prompt position from logprob_start_len (None for position 0), when asked
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [n, layers, k] chunks
+    num_routed: int = 0  # positions recorded, from params.routed_experts_start
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
     @property

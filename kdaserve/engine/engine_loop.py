@@ -13,7 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kdaserve.engine import rl
 from kdaserve.engine.llm_engine import LLMEngine
+from kdaserve.engine.rl import EngineAsleep
 
 logger = logging.getLogger("kdaserve")
 
@@ -25,6 +27,12 @@ CALLS: dict[str, Callable[..., Any]] = {
     "get_metrics": lambda e: e.get_metrics(),
     "check_integrity": lambda e: e.check_integrity(),
     "flush_cache": lambda e: e.flush_cache(),
+    "weight_version": lambda e: e.weight_version,
+    **{name: getattr(rl, name) for name in (
+        "update_weights_from_disk", "update_weights_from_tensor", "init_weights_update_group",
+        "update_weights_from_distributed", "destroy_weights_update_group",
+        "release_memory_occupation", "resume_memory_occupation", "pause_generation",
+        "continue_generation")},
     "model_info": lambda e: {"model_path": str(e.path), "vocab_size": e.model_config.vocab_size,
                              "max_request_tokens": e.scheduler.max_request_tokens()},
 }
@@ -42,13 +50,13 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             last_tick = now
         # wait for commands when there is nothing to run, or when the last step could schedule
         # nothing (requests waiting for memory): never spin
-        block = idle_step or not engine.has_unfinished()
+        block = idle_step or not engine.has_unfinished() or engine.paused
         while (cmd := recv(block)) is not None:
             block = False
             if cmd[0] == "stop":
                 return
             _handle(engine, cmd, send)
-        if not engine.has_unfinished():
+        if not engine.has_unfinished() or engine.paused:
             continue
         steps = engine.counters["num_steps"]
         try:
@@ -77,6 +85,8 @@ def _handle(engine: LLMEngine, cmd: Command, send: Callable[[tuple[Any, ...]], N
         _, rid, prompt, params = cmd
         try:
             engine.add_request(prompt, params, rid)
+        except EngineAsleep as e:
+            send(("error", rid, str(e), 503))
         except ValueError as e:
             send(("error", rid, str(e), 400))
         except Exception as e:  # noqa: BLE001 - a bug, but this request's: the loop goes on

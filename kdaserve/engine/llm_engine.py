@@ -10,6 +10,7 @@ import logging
 import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +30,7 @@ from kdaserve.engine.grammar import (
 )
 from kdaserve.engine.logprobs import record_prompt_logprobs
 from kdaserve.engine.model_runner import ModelRunner
+from kdaserve.engine.rl import EngineAsleep
 from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.kernels import resolve_kernels
@@ -100,6 +102,16 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.stop_ids |= set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(frozenset(self.stop_ids))
+        # RL (engine/rl.py): the weights' version and where they last came from on disk,
+        # paused generation, released memory and the sizes to restore it
+        self.weight_version = "default"
+        self.weights_source: Path | None = Path(self.path)
+        self.update_groups: dict[str, Any] = {}
+        self.paused = False
+        self.released: set[str] = set()
+        self.param_shapes = [p.shape for p in self.model.parameters()]
+        self.kv_shape = self.blocks.kv.shape
+        self.state_shapes = (self.states.recurrent.shape, self.states.conv.shape)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests": 0,
                          "num_finished": 0, "num_aborted": 0, "num_steps": 0}
         self._pending_outputs: list[RequestOutput] = []
@@ -211,6 +223,10 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None) -> str:
         params = params or SamplingParams()
+        if self.released:
+            released = ", ".join(sorted(self.released))
+            raise EngineAsleep(f"the engine's memory is released ({released}): "
+                               "resume_memory_occupation first")
         rid = rid or uuid.uuid4().hex
         if rid in self.groups:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -221,6 +237,9 @@ class LLMEngine:
             bad = [t for t in toks if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]!r} outside the vocabulary of {vocab}")
+        if params.return_routed_experts and params.routed_experts_start > len(ids):
+            raise ValueError(f"routed_experts_start_len ({params.routed_experts_start}) is past "
+                             f"the prompt's {len(ids)} tokens")
         if params.logprob_start_len > len(ids):
             raise ValueError(f"logprob_start_len ({params.logprob_start_len}) is past the "
                              f"prompt's {len(ids)} tokens")
@@ -393,7 +412,7 @@ class LLMEngine:
             if not req.draft_ids:
                 continue
             p, k = req.params, len(req.draft_ids)
-            if p.logit_bias or len(req.output_ids) < p.min_tokens:
+            if p.logit_bias or len(req.output_ids) < p.min_tokens or p.return_routed_experts:
                 req.draft_ids = []  # verification samples raw rows: bias and bans need plain
                 continue
             if p.reasoning_budget is not None and not req.reasoning_done \
@@ -456,7 +475,9 @@ class LLMEngine:
                 logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
                 cumulative_logprob=r.cumulative_logprob if r.params.logprobs is not None
                 else None, spec_num_drafted=r.num_drafted, spec_num_accepted=r.num_accepted,
-                spec_num_verifies=r.num_verifies))
+                spec_num_verifies=r.num_verifies,
+                routed_experts=torch.cat(r.routed_experts) if r.is_finished
+                and r.params.return_routed_experts and r.routed_experts else None))
         first = children[0]
         finished = all(r.is_finished for r in children)
         # prompt logprobs go out once (the first update) and with the final one, not with

@@ -18,6 +18,22 @@ from kdaserve.request import Request
 from kdaserve.spec.record import StepRecord
 
 
+def record_routing(batch: ScheduledBatch, ids: torch.Tensor) -> None:
+    """Appends each asking request's new positions' experts ([T, layers, k] rows of this
+    forward), once per position: a recomputed one (after preemption) is not added twice."""
+    row = 0
+    for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+        p = req.params
+        if p.return_routed_experts:
+            first = req.num_computed_tokens  # absolute position of this chunk's first row
+            want = p.routed_experts_start + req.num_routed
+            a = max(want - first, 0)
+            if a < n:
+                req.routed_experts.append(ids[row + a:row + n])
+                req.num_routed += n - a
+        row += n
+
+
 class StepOutput(NamedTuple):
     logits: torch.Tensor  # [L, vocab] fp32, the rows that sample, in `to_sample` order
     to_sample: list[Request]
@@ -76,6 +92,8 @@ class ModelRunner:
         with their step inputs."""
         fb, to_sample, prompt_rows = self.prepare(batch)
         fb.record = record
+        if any(r.params.return_routed_experts for r in batch.reqs):
+            fb.routing = []
         hidden = self.model.forward_hidden(fb, self.states, self.blocks)
         prompt: list[tuple[Request, torch.Tensor]] = []
         if prompt_rows:
@@ -93,6 +111,8 @@ class ModelRunner:
                     row += m
             hidden = hidden[keep]
         logits = self.model.compute_logits(hidden)
+        if fb.routing:
+            record_routing(batch, torch.stack(fb.routing, 1).cpu())
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
         return StepOutput(logits, to_sample, hidden if return_hidden else None, prompt)

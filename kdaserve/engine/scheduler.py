@@ -138,6 +138,12 @@ class Scheduler:
             req.state_slot = None
         req.num_computed_tokens = 0
 
+    def retract_all(self) -> None:
+        """Every running request back to the queue, its memory freed (it is recomputed when
+        it runs again; RL's pause in retract mode)."""
+        for req in sorted(self.running, key=lambda r: r.arrival, reverse=True):
+            self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._cache_request(req)
@@ -244,7 +250,8 @@ class Scheduler:
         """In-batch dedup: a request sharing a long prefix with one still prefilling waits
         until that one has snapshotted the shared part (the leader is told to snapshot there),
         then resumes from it instead of computing the same prefix twice."""
-        if self.cache is None or req.num_preemptions or req.prompt_logits_row is not None:
+        if self.cache is None or req.num_preemptions or \
+                req.max_cached_prefix < req.num_tokens - 1:  # rows it must run itself
             return False
         grid = self.snapshot_interval
         ids = req.all_ids

@@ -58,12 +58,15 @@ class MoE(nn.Module):
             views.update(self.shared_experts.checkpoint_tensors(f"{prefix}shared_experts."))
         return views
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """`routing`: if a list, the chosen experts [T, k] are appended (routing replay)."""
         c = self.config
         logits = F.linear(x.float(), self.gate_weight)
         weights, ids = self.kernels.moe_route(
             logits, self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
             c.topk_group, c.moe_renormalize, c.routed_scaling_factor, c.router_activation)
+        if routing is not None:
+            routing.append(ids.to(torch.int32))
         y = self.kernels.moe_experts(x, weights, ids, self.w13, self.w2)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)

@@ -89,7 +89,8 @@ class KimiLinearForCausalLM(nn.Module):
             else:
                 x = layer.self_attn(x, batch, blocks.kv[j])
             h = h + x
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            h = h + (layer.mlp(x, batch.routing) if layer.is_moe else layer.mlp(x))
         return self.norm(h[batch.logits_indices])
 
     def replay_kda(self, record: StepRecord, rows: torch.Tensor, cu_seqlens: torch.Tensor,

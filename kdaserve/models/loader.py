@@ -65,32 +65,54 @@ def _aliases(name: str) -> str:
     return name
 
 
-def load_weights(model: KimiLinearForCausalLM, path: Path) -> None:
+def _plan(model: KimiLinearForCausalLM, path: Path,
+          ) -> list[tuple[Path, int, list[tuple[str, dict, torch.Tensor]]]]:
+    """Every tensor of the checkpoint checked against the model (known name, once, its shape,
+    a supported dtype, bytes inside the file) and none missing, before any is read."""
     views = model.checkpoint_tensors()
-    loaded: set[str] = set()
+    seen: set[str] = set()
+    plan = []
     for file in checkpoint_files(path):
         header, data_start = read_header(file)
-        with open(file, "rb") as f:
-            for raw_name, meta in header.items():
-                name = _aliases(raw_name)
-                if name not in views:
-                    raise ValueError(f"unexpected tensor {raw_name!r} in {file.name}")
-                if name in loaded:
-                    raise ValueError(f"tensor {raw_name!r} appears twice in the checkpoint")
-                dest = views[name]
-                if list(meta["shape"]) != list(dest.shape):
-                    raise ValueError(f"tensor {raw_name!r} has shape {meta['shape']}, "
-                                     f"expected {list(dest.shape)}")
-                if meta["dtype"] not in DTYPES:
-                    raise ValueError(f"tensor {raw_name!r} has unsupported dtype {meta['dtype']}")
-                begin, end = meta["data_offsets"]
-                f.seek(data_start + begin)
-                _read_into(f, dest, DTYPES[meta["dtype"]], end - begin, raw_name)
-                loaded.add(name)
-    missing = sorted(set(views) - loaded)
+        size = file.stat().st_size
+        tensors = []
+        for raw_name, meta in header.items():
+            name = _aliases(raw_name)
+            if name not in views:
+                raise ValueError(f"unexpected tensor {raw_name!r} in {file.name}")
+            if name in seen:
+                raise ValueError(f"tensor {raw_name!r} appears twice in the checkpoint")
+            dest = views[name]
+            if list(meta["shape"]) != list(dest.shape):
+                raise ValueError(f"tensor {raw_name!r} has shape {meta['shape']}, "
+                                 f"expected {list(dest.shape)}")
+            if meta["dtype"] not in DTYPES:
+                raise ValueError(f"tensor {raw_name!r} has unsupported dtype {meta['dtype']}")
+            begin, end = meta["data_offsets"]
+            if not 0 <= begin <= end or data_start + end > size:
+                raise ValueError(f"tensor {raw_name!r}: file truncated ({file.name})")
+            seen.add(name)
+            tensors.append((raw_name, meta, dest))
+        plan.append((file, data_start, tensors))
+    missing = sorted(set(views) - seen)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint {path} is missing tensors: {missing[:5]}{more}")
+    return plan
+
+
+def check_weights(model: KimiLinearForCausalLM, path: Path) -> None:
+    """Raises ValueError if `load_weights(model, path)` could fail on the checkpoint's form."""
+    _plan(model, path)
+
+
+def load_weights(model: KimiLinearForCausalLM, path: Path) -> None:
+    for file, data_start, tensors in _plan(model, path):
+        with open(file, "rb") as f:
+            for raw_name, meta, dest in tensors:
+                begin, end = meta["data_offsets"]
+                f.seek(data_start + begin)
+                _read_into(f, dest, DTYPES[meta["dtype"]], end - begin, raw_name)
 
 
 def _read_into(f, dest: torch.Tensor, src_dtype: torch.dtype, nbytes: int, name: str) -> None:

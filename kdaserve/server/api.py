@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 
 from kdaserve.engine.client import EngineError
 from kdaserve.request import SamplingParams
-from kdaserve.server import native
+from kdaserve.server import native, rl
 from kdaserve.server import openapi as oa
 from kdaserve.server.completions import create_completion
 from kdaserve.server.guards import ApiKeyMiddleware, BodyGuard
@@ -142,6 +142,42 @@ def create_app(state: ServerState) -> FastAPI:
             raise ModelNotFoundError(f"The model {model!r} does not exist; this server "
                                      f"serves {state.model_name!r}")
         return model_card()
+
+    rl_errors = {400: oa._error("a bad update (nothing changed) or bad request"),
+                 503: oa._error("the engine is down")}
+
+    def rl_route(path: str, handler: Any, body: type[Any] | None) -> None:
+        """One SGLang RL endpoint: POST, a JSON body (or none), {"success", "message"}."""
+        if body is None:
+            async def endpoint() -> dict[str, Any]:
+                return await handler(state)
+        else:
+            async def endpoint(req: Any) -> dict[str, Any]:
+                return await handler(state, req)
+            endpoint.__annotations__["req"] = body  # a real class: FastAPI reads the body
+        app.post(path, response_model=oa.RLResult, name=path.strip("/"),
+                 responses=oa.responses(oa.RLResult, {**oa.BODY, **rl_errors}))(endpoint)
+
+    rl_route("/update_weights_from_disk", rl.from_disk, rl.UpdateFromDisk)
+    rl_route("/update_weights_from_tensor", rl.from_tensor, rl.UpdateFromTensor)
+    rl_route("/update_weights_from_distributed", rl.from_distributed,
+             rl.UpdateFromDistributed)
+    rl_route("/init_weights_update_group", lambda s, r: rl.call(
+        s, "init_weights_update_group", r.master_address, r.master_port, r.rank_offset,
+        r.world_size, r.group_name, r.backend), rl.InitGroup)
+    rl_route("/destroy_weights_update_group", lambda s, r: rl.call(
+        s, "destroy_weights_update_group", r.group_name), rl.GroupName)
+    rl_route("/release_memory_occupation", lambda s, r: rl.call(
+        s, "release_memory_occupation", r.tags), rl.Tags)
+    rl_route("/resume_memory_occupation", lambda s, r: rl.call(
+        s, "resume_memory_occupation", r.tags), rl.Tags)
+    rl_route("/pause_generation", rl.pause, rl.Pause)
+    rl_route("/continue_generation", lambda s, r: rl.resume(s), rl.Continue)
+
+    @app.get("/get_weight_version", response_model=oa.WeightVersion,
+             responses=oa.responses(oa.WeightVersion, {503: oa._error("the engine is down")}))
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": await state.client.call("weight_version")}
 
     @app.get("/get_model_info", response_model=oa.ModelInfo,
              responses=oa.responses(oa.ModelInfo, {}))

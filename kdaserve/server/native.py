@@ -4,6 +4,7 @@ trainers call), /get_server_info, /tokenize and /detokenize."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -71,12 +72,14 @@ def _meta(state: ServerState, req: GenerateRequest, rid: str, out: RequestOutput
     meta: dict[str, Any] = {"id": rid, "finish_reason": reason, "prompt_tokens": len(prompt),
                             "completion_tokens": len(o.token_ids),
                             "cached_tokens": min(out.num_cached_tokens, len(prompt)),
-                            "weight_version": "default"}
+                            "weight_version": state.weight_version}
     if req.return_logprob:
         if out.prompt_logprobs is not None:
             start = len(prompt) - len(out.prompt_logprobs)
             meta.update(_positions(state, req, prompt[start:], out.prompt_logprobs, "input"))
         meta.update(_positions(state, req, o.token_ids, list(o.logprobs or []), "output"))
+    if o.routed_experts is not None:
+        meta["routed_experts"] = base64.b64encode(o.routed_experts.numpy().tobytes()).decode()
     if o.spec_num_verifies:
         meta["spec_verify_ct"] = o.spec_num_verifies
         meta["spec_accept_length"] = o.spec_acceptance_length
@@ -112,7 +115,9 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
     # max_new_tokens 0 (SGLang's prefix-cache warm-up and its select scoring): prefill only,
     # the one sampled token is dropped
     prefill_only = sp.max_new_tokens == 0
-    extra: dict[str, Any] = {"token_ids_logprob": list(req.token_ids_logprob or [])}
+    extra: dict[str, Any] = {"token_ids_logprob": list(req.token_ids_logprob or []),
+                             "return_routed_experts": req.return_routed_experts,
+                             "routed_experts_start": req.routed_experts_start_len}
     results = []
     for p in prompts:
         if len(p) == 0:

@@ -111,6 +111,15 @@ class TokenizeResponse(Open):
     max_model_len: int
 
 
+class RLResult(Open):
+    success: bool
+    message: str
+
+
+class WeightVersion(Open):
+    weight_version: str
+
+
 class DetokenizeResponse(Open):
     text: str
 

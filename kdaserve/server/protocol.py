@@ -271,7 +271,10 @@ class GenerateRequest(Strict):
     log_metrics: bool = True  # advisory
     # what SGLang's clients send as defaults: accepted at those values only
     return_hidden_states: Literal[False] = False
-    return_routed_experts: Literal[False] = False
+    # rollout routing replay: meta_info.routed_experts, base64 of int32 [positions, MoE
+    # layers, top_k] for positions [routed_experts_start_len, prompt + output - 1)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(0, ge=0, lt=2**31)
 
 
 class TokenizeRequest(Strict):

@@ -55,6 +55,13 @@ class ServerState:
     responses: ResponseStore | None = None  # /v1/responses' previous_response_id store
     limits: Limits = field(default_factory=Limits)
     in_flight: int = 0  # engine requests submitted and not yet finished
+    # RL (server/rl.py): new requests wait at the gate while weights change
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    paused: bool = False
+    weight_version: str = "default"
+
+    def __post_init__(self) -> None:
+        self.gate.set()
 
     def need_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
@@ -86,6 +93,7 @@ async def timed(state: ServerState, prompt_ids: list[int], params: SamplingParam
     start = last_at = time.perf_counter()
     first = True
     timeout = limits.request_timeout
+    await state.gate.wait()  # a weight update in progress
     gen = state.client.generate(prompt_ids, params, rid)
     state.in_flight += params.n
     try:

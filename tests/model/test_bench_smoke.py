@@ -111,3 +111,12 @@ def test_bench_soak_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert r["failures"] == 0 and r["mismatches"] == 0 and r["pools_back"]
     assert r["completed"] > 0 and r["completed"] + r["disconnected"] <= 40
+
+
+def test_bench_weight_sync_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ws.json"
+    cli_main(["bench", "weight-sync", "--model", str(tiny_ckpt), "--repeats", "1",
+              "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert [row["method"] for row in r["rows"]] == ["disk", "tensor", "distributed"]
+    assert all(row["seconds"] > 0 for row in r["rows"])

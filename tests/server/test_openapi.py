@@ -57,7 +57,14 @@ def test_openapi_document_is_the_truth(api_schema) -> None:  # noqa: ANN001
     failures: list[str] = []
     operations = [r.ok() for r in api_schema.get_all_operations()]
     assert len(operations) >= 16, [op.label for op in operations]
+    # these change how the server serves (pause, sleep, a rendezvous that waits for a
+    # trainer): fuzzed, they would stall every later case; tests/server/test_rl_server.py
+    # drives them instead
+    stateful = {"/pause_generation", "/continue_generation", "/release_memory_occupation",
+                "/resume_memory_occupation", "/init_weights_update_group"}
     for op in operations:
+        if op.path in stateful:
+            continue
         @settings(max_examples=25, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
         @given(case=op.as_strategy())

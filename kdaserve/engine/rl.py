@@ -1,0 +1,210 @@
+"""What an RL trainer does to a rollout engine between steps (SGLang's names and meanings):
+refit the weights (disk, shared tensors, a torch.distributed broadcast), sleep and wake
+(release and restore the weights' and the KV cache's memory), and pause generation.
+
+Weights change only while no request runs: cached prefixes and running states were computed
+with the old weights, so the prefix cache is flushed with every update. The server waits for
+running requests (or aborts them, as the caller asks) before it calls these.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdaserve.engine import weights
+
+TAGS = ("weights", "kv_cache")
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class EngineAsleep(Exception):
+    """A request while memory is released: HTTP 503."""
+
+
+def rss_mb() -> float:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _require_idle(e: Any, what: str) -> None:
+    if e.scheduler.running:
+        raise ValueError(f"{what} needs no running requests ({len(e.scheduler.running)} run): "
+                         "finish, abort (abort_all_requests) or retract them first")
+    if e.released:
+        raise ValueError(f"{what}: memory is released ({', '.join(sorted(e.released))}); "
+                         "resume it first")
+
+
+def _updated(e: Any, version: str | None, flush_cache: bool) -> dict[str, Any]:
+    if version is not None:
+        e.weight_version = version
+    if flush_cache and e.cache is not None:
+        e.cache.flush()  # nothing runs, so nothing is locked: all of it goes
+    return {"success": True, "message": "weights updated", "weight_version": e.weight_version}
+
+
+def update_weights_from_disk(e: Any, model_path: str, weight_version: str | None = None,
+                             flush_cache: bool = True) -> dict[str, Any]:
+    _require_idle(e, "update_weights_from_disk")
+    weights.update_from_disk(e.model, e.model_config, Path(model_path))
+    e.weights_source = Path(model_path)
+    return _updated(e, weight_version, flush_cache)
+
+
+def update_weights_from_tensor(e: Any, blobs: list[bytes], weight_version: str | None = None,
+                               flush_cache: bool = True) -> dict[str, Any]:
+    _require_idle(e, "update_weights_from_tensor")
+    if len(blobs) != 1:
+        raise ValueError(f"serialized_named_tensors has {len(blobs)} entries; this server has "
+                         "one rank (one entry)")
+    pairs = weights.check_update(e.model, weights.load_named_tensors(blobs[0]))
+    weights.apply(pairs)
+    e.weights_source = None  # the disk copy is no longer what serves
+    return _updated(e, weight_version, flush_cache)
+
+
+def init_weights_update_group(e: Any, master_address: str, master_port: int, rank_offset: int,
+                              world_size: int, group_name: str = "weight_update_group",
+                              backend: str = "gloo") -> dict[str, Any]:
+    import torch.distributed as dist
+
+    if backend != "gloo" and e.device.type == "cpu":
+        raise ValueError(f"backend {backend!r} needs an accelerator; use gloo on CPU")
+    if group_name in e.update_groups:
+        raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
+    if not 1 <= rank_offset < world_size:
+        raise ValueError("rank_offset must be in [1, world_size): rank 0 is the trainer")
+    if dist.is_initialized():
+        raise ValueError("one weight update group at a time on this engine")
+    # the engine loop waits here for the trainer: bounded, so a trainer that never comes
+    # costs a minute, not the engine
+    dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}",
+                            world_size=world_size, rank=rank_offset,
+                            timeout=datetime.timedelta(seconds=60))
+    e.update_groups[group_name] = dist.group.WORLD
+    return {"success": True, "message": f"joined {group_name} as rank {rank_offset}"}
+
+
+def update_weights_from_distributed(e: Any, names: list[str], dtypes: list[str],
+                                    shapes: list[list[int]],
+                                    group_name: str = "weight_update_group",
+                                    weight_version: str | None = None,
+                                    flush_cache: bool = True) -> dict[str, Any]:
+    group = e.update_groups.get(group_name)
+    if group is None:
+        raise ValueError(f"no weight update group {group_name!r}: init_weights_update_group "
+                         "first")
+    named = weights.receive_distributed(group, names, dtypes, shapes)  # all, always
+    _require_idle(e, "update_weights_from_distributed")
+    weights.apply(weights.check_update(e.model, named))
+    e.weights_source = None
+    return _updated(e, weight_version, flush_cache)
+
+
+def destroy_weights_update_group(e: Any, group_name: str = "weight_update_group",
+                                 ) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    if e.update_groups.pop(group_name, None) is None:
+        raise ValueError(f"no weight update group {group_name!r}")
+    dist.destroy_process_group()
+    return {"success": True, "message": f"left {group_name}"}
+
+
+def _return_to_os() -> None:
+    """glibc keeps freed blocks below its (adaptive, up to 32 MB) mmap threshold in its heap;
+    malloc_trim hands them back, so released memory leaves the RSS whatever its history."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.util.find_library("c")
+    if libc is not None:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+
+
+def _tags(tags: list[str] | None) -> list[str]:
+    tags = list(TAGS) if tags is None else tags
+    bad = [t for t in tags if t not in TAGS]
+    if bad:
+        raise ValueError(f"unknown memory tags {bad}; the tags are {list(TAGS)}")
+    return tags
+
+
+def release_memory_occupation(e: Any, tags: list[str] | None = None) -> dict[str, Any]:
+    """Frees the memory for real: parameters and pool tensors become empty (their sizes are
+    kept to restore them); requests meanwhile are refused (503)."""
+    tags = _tags(tags)
+    if e.has_unfinished():
+        raise ValueError("release_memory_occupation needs an idle engine: pause (abort) or "
+                         "finish the requests first")
+    before = rss_mb()
+    if "kv_cache" in tags and "kv_cache" not in e.released:
+        if e.cache is not None:
+            e.cache.flush()
+        e.blocks.kv = torch.empty(0, dtype=e.blocks.kv.dtype)
+        e.states.recurrent = torch.empty(0, dtype=e.states.recurrent.dtype)
+        e.states.conv = torch.empty(0, dtype=e.states.conv.dtype)
+    if "weights" in tags and "weights" not in e.released:
+        for p in e.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    e.released |= set(tags)
+    _return_to_os()
+    return {"success": True, "message": f"released {tags}", "rss_mb_before": before,
+            "rss_mb_after": rss_mb()}
+
+
+def resume_memory_occupation(e: Any, tags: list[str] | None = None) -> dict[str, Any]:
+    """Restores what was released: the pools zeroed; the weights reloaded from the checkpoint
+    they last came from on disk (weights pushed as tensors since must be pushed again: the
+    version goes back to the disk one's)."""
+    tags = _tags(tags)
+    before = rss_mb()
+    if "kv_cache" in tags and "kv_cache" in e.released:
+        e.blocks.kv = torch.zeros(e.kv_shape, dtype=e.blocks.kv.dtype, device=e.device)
+        e.states.recurrent = torch.zeros(e.state_shapes[0], dtype=e.states.recurrent.dtype,
+                                         device=e.device)
+        e.states.conv = torch.zeros(e.state_shapes[1], dtype=e.states.conv.dtype,
+                                    device=e.device)
+    if "weights" in tags and "weights" in e.released:
+        for p, shape in zip(e.model.parameters(), e.param_shapes, strict=True):
+            p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
+        source = e.weights_source or e.path
+        from kdaserve.models.loader import init_random, load_weights
+
+        if e.config.load_format == "dummy":
+            init_random(e.model, e.config.seed)
+        else:
+            load_weights(e.model, Path(source))
+        if e.weights_source is None:
+            e.weight_version = "default"
+        e.weights_source = Path(source)
+    e.released -= set(tags)
+    return {"success": True, "message": f"resumed {tags}", "rss_mb_before": before,
+            "rss_mb_after": rss_mb(), "weight_version": e.weight_version}
+
+
+def pause_generation(e: Any, mode: str = "abort") -> dict[str, Any]:
+    """abort: every request ends now (finish_reason "abort"); retract: running requests go back
+    to the queue, freeing their memory, and are recomputed after continue; in_place: they keep
+    their caches and simply stop."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+    if mode == "abort":
+        for rid in list(e.groups):
+            e.abort(rid)
+    elif mode == "retract":
+        e.scheduler.retract_all()
+    e.paused = True
+    return {"success": True, "message": f"generation paused ({mode})"}
+
+
+def continue_generation(e: Any) -> dict[str, Any]:
+    e.paused = False
+    return {"success": True, "message": "generation continues"}

@@ -1,0 +1,136 @@
+"""Weight sync for RL (SGLang's refit API): new weights from a checkpoint on disk, from named
+tensors a trainer shares, or broadcast by a trainer over torch.distributed; and the weights'
+version. Every update is checked whole before a byte is written (names, shapes, dtypes,
+completeness), so a bad one leaves the old weights serving.
+
+Named tensors arrive pickled the way SGLang's `MultiprocessingSerializer` sends them
+(`ForkingPickler`, so a CPU tensor travels as a shared-memory handle, not a copy). Unpickling
+what a client sent would run any code it names, so only the few torch functions that rebuild
+tensors and storages are allowed (`SafeUnpickler`); file-descriptor passing, which needs a
+shared parent process, is refused with a hint to use the `file_system` sharing strategy.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kdaserve.models.loader import check_weights, load_weights
+
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "float64": torch.float64}
+SAFE_GLOBALS = {
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch.storage", "_load_from_bytes"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("torch", "Tensor"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    *(("torch", name) for name in FLOAT_DTYPES),
+}
+
+
+class SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("multiprocessing.resource_sharer", "DupFd"):
+            raise ValueError("tensors shared by file descriptor can only reach a child process; "
+                             "call torch.multiprocessing.set_sharing_strategy('file_system') "
+                             "before serializing")
+        if (module, name) not in SAFE_GLOBALS:
+            raise ValueError(f"serialized_named_tensors may hold tensors only, not {module}."
+                             f"{name}")
+        return super().find_class(module, name)
+
+
+def load_named_tensors(blob: bytes) -> list[tuple[str, torch.Tensor]]:
+    import torch.multiprocessing  # noqa: F401 - registers the shared-memory rebuilders
+
+    try:
+        named = SafeUnpickler(io.BytesIO(blob)).load()
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a malformed payload, whatever broke
+        raise ValueError(f"serialized_named_tensors: not a serialized tensor list ({e})") from None
+    if isinstance(named, dict):
+        named = list(named.items())
+    if not isinstance(named, list) or not all(
+            isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+            and isinstance(x[1], torch.Tensor) for x in named):
+        raise ValueError("serialized_named_tensors must hold (name, tensor) pairs")
+    return named
+
+
+def check_update(model: Any, named: list[tuple[str, torch.Tensor]],
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) pairs after checking every name, shape and dtype."""
+    views = model.checkpoint_tensors()
+    pairs, seen = [], set()
+    for name, tensor in named:
+        dest = views.get(name)
+        if dest is None:
+            raise ValueError(f"unknown tensor name {name!r} (expected checkpoint names such as "
+                             f"{next(iter(views))!r})")
+        if name in seen:
+            raise ValueError(f"tensor {name!r} given twice")
+        seen.add(name)
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)}, expected "
+                             f"{list(dest.shape)}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
+        pairs.append((dest, tensor))
+    return pairs
+
+
+@torch.no_grad()
+def apply(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dest, src in pairs:
+        dest.copy_(src)
+
+
+def update_from_disk(model: Any, config: Any, path: Path) -> None:
+    """Same architecture (config), every tensor present with its shape, then loaded."""
+    from kdaserve.config import ModelConfig
+
+    if not Path(path).is_dir():
+        raise ValueError(f"model_path {str(path)!r} is not a checkpoint folder")
+    new = ModelConfig.from_pretrained(Path(path))
+    if new != config:
+        import dataclasses
+
+        diff = [f.name for f in dataclasses.fields(config)
+                if getattr(config, f.name) != getattr(new, f.name)]
+        raise ValueError(f"checkpoint {path} has another architecture (differs in "
+                         f"{', '.join(diff[:5])})")
+    check_weights(model, Path(path))
+    load_weights(model, Path(path))
+
+
+def receive_distributed(group: Any, names: list[str], dtypes: list[str],
+                        shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors rank 0 of `group` (the trainer) broadcasts, in order. Every broadcast is
+    received even when a name is wrong, so the collective never deadlocks the trainer."""
+    import torch.distributed as dist
+
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ValueError("names, dtypes and shapes must have the same length")
+    for d in dtypes:
+        if d.removeprefix("torch.") not in FLOAT_DTYPES:
+            raise ValueError(f"dtype {d!r} is not a float dtype ({', '.join(FLOAT_DTYPES)})")
+    out = []
+    for name, d, shape in zip(names, dtypes, shapes, strict=True):
+        buf = torch.empty([int(x) for x in shape], dtype=FLOAT_DTYPES[d.removeprefix("torch.")])
+        dist.broadcast(buf, src=0, group=group)
+        out.append((name, buf))
+    return out

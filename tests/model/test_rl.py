@@ -1,0 +1,135 @@
+"""RL refit and sleep/wake in the engine: after each kind of weight update the engine's greedy
+tokens and logprobs equal a fresh engine on the new weights (and transformers' on them); bad
+updates are refused whole with the old weights serving; released memory is really freed and
+generation after resuming is unchanged; pause modes."""
+
+from __future__ import annotations
+
+import io
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdaserve import LLM, SamplingParams
+from kdaserve.checkpoint import make_checkpoint
+from kdaserve.engine import rl
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+PROMPTS = [[5, 9, 17, 33], list(range(40, 90))]
+
+
+@pytest.fixture(scope="module")
+def other_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny architecture with other weights (another seed)."""
+    return make_checkpoint(tmp_path_factory.mktemp("tiny-other"), "tiny", seed=7)
+
+
+def run(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    return [(o.token_ids, o.outputs[0].logprobs or []) for o in outs]
+
+
+def same(a, b) -> None:  # noqa: ANN001
+    for (ta, la), (tb, lb) in zip(a, b, strict=True):
+        assert ta == tb
+        for x, y in zip(la, lb, strict=True):
+            assert x.keys() == y.keys()
+            assert all(abs(x[k] - y[k]) <= 1e-4 for k in x)
+
+
+def serialize(named: list[tuple[str, torch.Tensor]]) -> bytes:
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return buf.getvalue()
+
+
+def test_update_from_disk_and_tensor(tiny_ckpt: Path, other_ckpt: Path) -> None:
+    llm = LLM(tiny_ckpt)
+    e = llm.engine
+    old = run(llm)
+    new = run(LLM(other_ckpt))
+    assert [t for t, _ in old] != [t for t, _ in new]
+    out = rl.update_weights_from_disk(e, str(other_ckpt), weight_version="v1")
+    assert out["weight_version"] == e.weight_version == "v1"
+    same(run(llm), new)
+    # back to the old weights as shared tensors (what a trainer on the same host sends)
+    named = list(LLM(tiny_ckpt).model.checkpoint_tensors().items())
+    rl.update_weights_from_tensor(e, [serialize([(k, v.clone()) for k, v in named])], "v2")
+    same(run(llm), old)
+    llm.check_integrity()
+
+
+def test_bad_updates_are_refused_whole(tiny_ckpt: Path, small_ckpt: Path) -> None:
+    llm = LLM(tiny_ckpt)
+    e = llm.engine
+    before = run(llm)
+    name, tensor = next(iter(llm.model.checkpoint_tensors().items()))
+    bad = [
+        (lambda: rl.update_weights_from_disk(e, str(small_ckpt)), "architecture"),
+        (lambda: rl.update_weights_from_disk(e, "/no/such/dir"), "not a checkpoint"),
+        (lambda: rl.update_weights_from_tensor(e, [serialize([(name, tensor * 0 + 1),
+                                                              ("nope", tensor)])]), "nope"),
+        (lambda: rl.update_weights_from_tensor(e, [serialize([(name, tensor[:1])])]), "shape"),
+        (lambda: rl.update_weights_from_tensor(e, [b"not a pickle"]), "serialized"),
+        (lambda: rl.update_weights_from_tensor(e, [serialize([("os", print)])]), "tensors"),
+    ]
+    import pickle
+
+    evil = pickle.dumps(__import__("os").system)  # would run a command if unpickled freely
+    bad.append((lambda: rl.update_weights_from_tensor(e, [evil]), "tensors only"))
+    for call, message in bad:
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert e.weight_version == "default"
+    same(run(llm), before)  # the first tensor of the refused batch was never written
+    llm.check_integrity()
+
+
+def test_release_frees_memory_and_resume_restores(tiny_ckpt: Path) -> None:
+    llm = LLM(tiny_ckpt, max_total_tokens=200_000)  # a KV cache big enough to see
+    e = llm.engine
+    before = run(llm)
+    e.blocks.kv.fill_(1.0)  # a used cache is resident; a fresh calloc'ed one is not yet
+    out = rl.release_memory_occupation(e)
+    freed = out["rss_mb_before"] - out["rss_mb_after"]
+    assert freed > 0.5 * (e.blocks.bytes_per_block(e.model_config, e.config.block_size,
+                                                   e.dtype) * e.blocks.num_blocks) / 2**20
+    with pytest.raises(rl.EngineAsleep):
+        llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="released"):
+        rl.update_weights_from_disk(e, str(tiny_ckpt))
+    rl.resume_memory_occupation(e, ["kv_cache"])
+    rl.resume_memory_occupation(e, ["weights"])
+    same(run(llm), before)
+    llm.check_integrity()
+
+
+def test_pause_modes(tiny_ckpt: Path) -> None:
+    llm = LLM(tiny_ckpt)
+    e = llm.engine
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = llm.generate(prompt_token_ids=PROMPTS, sampling_params=long)
+    for mode in ("retract", "in_place"):
+        rids = [e.add_request(p, long) for p in PROMPTS]
+        for _ in range(5):
+            e.step()
+        rl.pause_generation(e, mode)
+        if mode == "retract":
+            assert not e.scheduler.running and e.blocks.num_free + len(
+                e.cache.tree_blocks()) == e.blocks.num_blocks
+        rl.continue_generation(e)
+        done = {}
+        while e.has_unfinished():
+            for o in e.step():
+                if o.finished:
+                    done[o.rid] = o
+        assert [done[r].token_ids for r in rids] == [w.token_ids for w in want]
+    e.add_request(PROMPTS[0], long)
+    e.step()
+    rl.pause_generation(e, "abort")
+    assert not e.has_unfinished()
+    e.step()  # the abort outputs
+    llm.check_integrity()
