@@ -57,6 +57,9 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
                 return
             _handle(engine, cmd, send)
         if not engine.has_unfinished() or engine.paused:
+            pending = engine.drain_outputs()  # e.g. requests aborted by a pause: tell them
+            if pending:
+                send(("outputs", pending))
             continue
         steps = engine.counters["num_steps"]
         try:

@@ -395,6 +395,11 @@ class LLMEngine:
         self.failures += [(self._group_id(r), why) for r, why in failed]
         return result
 
+    def drain_outputs(self) -> list[RequestOutput]:
+        """Updates waiting for the next step (aborts), for a loop that is not stepping."""
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
     def take_failures(self) -> list[tuple[str, str]]:
         """Requests that failed on their own since the last call, aborted (their blocks and
         slots freed); the caller reports each as an error."""

@@ -29,7 +29,7 @@ def record_routing(batch: ScheduledBatch, ids: torch.Tensor) -> None:
             want = p.routed_experts_start + req.num_routed
             a = max(want - first, 0)
             if a < n:
-                req.routed_experts.append(ids[row + a:row + n])
+                req.routed_experts.append(ids[row + a:row + n].clone())  # not the batch's
                 req.num_routed += n - a
         row += n
 

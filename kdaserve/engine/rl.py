@@ -99,7 +99,7 @@ def update_weights_from_distributed(e: Any, names: list[str], dtypes: list[str],
     if group is None:
         raise ValueError(f"no weight update group {group_name!r}: init_weights_update_group "
                          "first")
-    named = weights.receive_distributed(group, names, dtypes, shapes)  # all, always
+    named = weights.receive_distributed(group, names, dtypes, shapes, e.device)  # all, always
     _require_idle(e, "update_weights_from_distributed")
     weights.apply(weights.check_update(e.model, named))
     e.weights_source = None
@@ -178,7 +178,7 @@ def resume_memory_occupation(e: Any, tags: list[str] | None = None) -> dict[str,
         source = e.weights_source or e.path
         from kdaserve.models.loader import init_random, load_weights
 
-        if e.config.load_format == "dummy":
+        if e.weights_source is None and e.config.load_format == "dummy":
             init_random(e.model, e.config.seed)
         else:
             load_weights(e.model, Path(source))

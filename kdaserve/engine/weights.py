@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,7 @@ FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
 SAFE_GLOBALS = {
     ("torch.multiprocessing.reductions", "rebuild_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
     ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch.storage", "_load_from_bytes"),
     ("torch.storage", "UntypedStorage"),
     ("torch.storage", "TypedStorage"),
     ("torch", "Tensor"),
@@ -41,8 +39,26 @@ SAFE_GLOBALS = {
 }
 
 
+# torch's own shared-memory segment names (`file_system` strategy) and its manager's socket:
+# nothing else in /dev/shm may be mapped (another process's segment, or a path trick)
+TORCH_SHM = re.compile(rb"/torch_\d+_\d+_\d+")
+MAX_SHARED_BYTES = 1 << 36
+
+
+def _shared_storage(cls: Any, manager: Any, handle: Any, size: Any, dtype: Any = None) -> Any:
+    from torch.multiprocessing.reductions import rebuild_storage_filename
+
+    if not (isinstance(handle, bytes) and TORCH_SHM.fullmatch(handle)
+            and isinstance(manager, bytes) and manager.endswith(b"/manager.sock")
+            and isinstance(size, int) and 0 <= size <= MAX_SHARED_BYTES):
+        raise ValueError("serialized_named_tensors: not a torch shared-memory tensor handle")
+    return rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+
 class SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename"):
+            return _shared_storage
         if (module, name) == ("multiprocessing.resource_sharer", "DupFd"):
             raise ValueError("tensors shared by file descriptor can only reach a child process; "
                              "call torch.multiprocessing.set_sharing_strategy('file_system') "
@@ -74,9 +90,12 @@ def load_named_tensors(blob: bytes) -> list[tuple[str, torch.Tensor]]:
 def check_update(model: Any, named: list[tuple[str, torch.Tensor]],
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination, source) pairs after checking every name, shape and dtype."""
+    from kdaserve.models.loader import canonical_name
+
     views = model.checkpoint_tensors()
     pairs, seen = [], set()
     for name, tensor in named:
+        name = canonical_name(name)
         dest = views.get(name)
         if dest is None:
             raise ValueError(f"unknown tensor name {name!r} (expected checkpoint names such as "
@@ -100,17 +119,21 @@ def apply(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def update_from_disk(model: Any, config: Any, path: Path) -> None:
-    """Same architecture (config), every tensor present with its shape, then loaded."""
+    """Same architecture (config), every tensor present with its shape and bytes, then
+    loaded."""
+    import dataclasses
+
     from kdaserve.config import ModelConfig
 
     if not Path(path).is_dir():
         raise ValueError(f"model_path {str(path)!r} is not a checkpoint folder")
     new = ModelConfig.from_pretrained(Path(path))
-    if new != config:
-        import dataclasses
-
-        diff = [f.name for f in dataclasses.fields(config)
-                if getattr(config, f.name) != getattr(new, f.name)]
+    # what the weights' shapes and the forward depend on; not the on-disk dtype or the special
+    # token ids a retrained checkpoint may change
+    ignore = {"checkpoint_dtype", "bos_token_id", "eos_token_ids", "pad_token_id", "extra"}
+    diff = [f.name for f in dataclasses.fields(config) if f.name not in ignore
+            and getattr(config, f.name) != getattr(new, f.name)]
+    if diff:
         raise ValueError(f"checkpoint {path} has another architecture (differs in "
                          f"{', '.join(diff[:5])})")
     check_weights(model, Path(path))
@@ -118,7 +141,8 @@ def update_from_disk(model: Any, config: Any, path: Path) -> None:
 
 
 def receive_distributed(group: Any, names: list[str], dtypes: list[str],
-                        shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+                        shapes: list[list[int]], device: torch.device,
+                        ) -> list[tuple[str, torch.Tensor]]:
     """The tensors rank 0 of `group` (the trainer) broadcasts, in order. Every broadcast is
     received even when a name is wrong, so the collective never deadlocks the trainer."""
     import torch.distributed as dist
@@ -130,7 +154,10 @@ def receive_distributed(group: Any, names: list[str], dtypes: list[str],
             raise ValueError(f"dtype {d!r} is not a float dtype ({', '.join(FLOAT_DTYPES)})")
     out = []
     for name, d, shape in zip(names, dtypes, shapes, strict=True):
-        buf = torch.empty([int(x) for x in shape], dtype=FLOAT_DTYPES[d.removeprefix("torch.")])
+        if any(int(x) < 0 for x in shape):
+            raise ValueError(f"tensor {name!r}: negative shape {shape}")
+        buf = torch.empty([int(x) for x in shape], dtype=FLOAT_DTYPES[d.removeprefix("torch.")],
+                          device=device)
         dist.broadcast(buf, src=0, group=group)
         out.append((name, buf))
     return out

@@ -55,7 +55,7 @@ def read_header(file: Path) -> tuple[dict[str, dict], int]:
     return header, 8 + n
 
 
-def _aliases(name: str) -> str:
+def canonical_name(name: str) -> str:
     # transformers' save_pretrained writes dense layers under block_sparse_moe.{gate,up,down}_proj
     # (its MoE->mlp renaming run in reverse); Moonshot's own checkpoints use mlp.*.
     for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -77,7 +77,7 @@ def _plan(model: KimiLinearForCausalLM, path: Path,
         size = file.stat().st_size
         tensors = []
         for raw_name, meta in header.items():
-            name = _aliases(raw_name)
+            name = canonical_name(raw_name)
             if name not in views:
                 raise ValueError(f"unexpected tensor {raw_name!r} in {file.name}")
             if name in seen:
@@ -91,6 +91,9 @@ def _plan(model: KimiLinearForCausalLM, path: Path,
             begin, end = meta["data_offsets"]
             if not 0 <= begin <= end or data_start + end > size:
                 raise ValueError(f"tensor {raw_name!r}: file truncated ({file.name})")
+            itemsize = torch.empty(0, dtype=DTYPES[meta["dtype"]]).element_size()
+            if end - begin != dest.numel() * itemsize:
+                raise ValueError(f"tensor {raw_name!r}: byte size does not match its shape")
             seen.add(name)
             tensors.append((raw_name, meta, dest))
         plan.append((file, data_start, tensors))

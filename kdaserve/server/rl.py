@@ -81,17 +81,19 @@ async def update(state: ServerState, req: UpdateCommon, method: str,
                  *args: Any) -> dict[str, Any]:
     """Holds new requests at the gate, lets the running ones finish (or aborts them), then
     updates; a paused engine is updated as it stands (retracted requests resume after)."""
-    state.gate.clear()
-    try:
-        if req.abort_all_requests:
-            await call(state, "pause_generation", "abort")
-            await call(state, "continue_generation")
-        elif not state.paused:
-            while state.in_flight:
+    async with state.update_lock:  # one update at a time; the gate opens after the last
+        state.gate.clear()
+        try:
+            if req.abort_all_requests:
+                paused = state.paused
+                await call(state, "pause_generation", "abort")
+                if not paused:  # aborting is not un-pausing what the trainer paused
+                    await call(state, "continue_generation")
+            while state.in_flight and not state.paused:  # paused: updated as it stands
                 await asyncio.sleep(0.02)
-        return await call(state, method, *args, req.weight_version)
-    finally:
-        state.gate.set()
+            return await call(state, method, *args, req.weight_version)
+        finally:
+            state.gate.set()
 
 
 async def from_disk(state: ServerState, req: UpdateFromDisk) -> dict[str, Any]:

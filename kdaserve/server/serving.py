@@ -57,6 +57,7 @@ class ServerState:
     in_flight: int = 0  # engine requests submitted and not yet finished
     # RL (server/rl.py): new requests wait at the gate while weights change
     gate: asyncio.Event = field(default_factory=asyncio.Event)
+    update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     paused: bool = False
     weight_version: str = "default"
 

@@ -80,6 +80,20 @@ def test_bad_updates_are_refused_whole(tiny_ckpt: Path, small_ckpt: Path) -> Non
 
     evil = pickle.dumps(__import__("os").system)  # would run a command if unpickled freely
     bad.append((lambda: rl.update_weights_from_tensor(e, [evil]), "tensors only"))
+
+    class Nested:  # a second, unrestricted unpickle through torch.load: refused
+        def __reduce__(self):  # noqa: ANN204
+            return (torch.storage._load_from_bytes, (b"x",))
+
+    class Foreign:  # another process's shared memory by name: refused
+        def __reduce__(self):  # noqa: ANN204
+            from torch.multiprocessing.reductions import rebuild_storage_filename
+
+            return (rebuild_storage_filename, (torch.UntypedStorage, b"", b"/other", 16))
+
+    for payload, message in ((Nested(), "tensors only"), (Foreign(), "shared-memory")):
+        blob = pickle.dumps([(name, payload)])
+        bad.append((lambda blob=blob: rl.update_weights_from_tensor(e, [blob]), message))
     for call, message in bad:
         with pytest.raises(ValueError, match=message):
             call()

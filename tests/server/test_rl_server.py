@@ -160,6 +160,19 @@ def test_sleep_and_wake(h: httpx.Client, rl_server: ServerProc, tiny_ckpt: Path)
     assert generate(h)["output_ids"] == before["output_ids"]
 
 
+def test_pause_abort_answers_the_aborted(h: httpx.Client) -> None:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long = pool.submit(h.post, "/generate", json={"input_ids": PROMPT, "sampling_params": {
+            "max_new_tokens": 20000, "ignore_eos": True}})
+        while h.get("/metrics").text.find("kdaserve_num_running 1") < 0:
+            pass
+        post(h, "/pause_generation", {"mode": "abort"})
+        r = long.result(timeout=10)  # answered now, not when some later request comes
+        assert r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+        post(h, "/continue_generation", {})
+    assert generate(h)["output_ids"]
+
+
 def test_pause_retract_and_continue(h: httpx.Client) -> None:
     want = generate(h)["output_ids"]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
