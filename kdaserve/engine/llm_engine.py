@@ -14,9 +14,7 @@ from typing import Any
 
 import torch
 
-from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
-from kdaserve.cache.state_pool import StatePool
 from kdaserve.checkpoint import PRESETS, RANDOM_MARKER, default_model_path
 from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
@@ -30,6 +28,7 @@ from kdaserve.engine.grammar import (
 )
 from kdaserve.engine.logprobs import record_prompt_logprobs
 from kdaserve.engine.model_runner import ModelRunner
+from kdaserve.engine.pools import make_pools, num_snapshot_slots
 from kdaserve.engine.rl import EngineAsleep
 from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
 from kdaserve.engine.scheduler import Scheduler
@@ -45,9 +44,6 @@ from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
 
-DEFAULT_MAX_KV_TOKENS = 131072
-
-
 def resolve_model_path(model: str | os.PathLike) -> os.PathLike:
     """A checkpoint folder, or a preset name for the built-in random-weight checkpoints."""
     path = Path(model)
@@ -57,10 +53,6 @@ def resolve_model_path(model: str | os.PathLike) -> os.PathLike:
         return default_model_path(str(model))
     raise ValueError(f"model {str(model)!r} is neither a checkpoint folder nor a preset "
                      f"({', '.join(sorted(PRESETS))})")
-
-
-def physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class LLMEngine:
@@ -82,13 +74,14 @@ class LLMEngine:
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} token ids but the "
                              f"model's vocabulary is {self.model_config.vocab_size}: ids past it "
                              "have no embedding (a tokenizer from another model?)")
-        self.blocks, self.states = self._make_pools()
+        self.blocks, self.states = make_pools(config, self.model_config, self.model, self.dtype,
+                                              self.device)
         self.cache = None if config.disable_prefix_cache else RadixCache(self.blocks, self.states)
         # running requests: at most one per working state slot
         max_running = min(config.max_num_seqs, config.num_state_slots or config.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, self.states, max_running,
                                    config.max_num_batched_tokens, self.cache,
-                                   config.snapshot_interval, self._num_snapshots())
+                                   config.snapshot_interval, num_snapshot_slots(config))
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device)
         self.spec = None
         if config.speculative_algorithm is not None:
@@ -120,14 +113,6 @@ class LLMEngine:
         torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
 
     # ---- set-up ----
-    def _num_snapshots(self) -> int:
-        c = self.config
-        if c.disable_prefix_cache:
-            return 0
-        # a snapshot per running request's fork point and prompt end, and some history
-        return max(2 * c.max_num_seqs, 16) if c.num_snapshot_slots is None \
-            else c.num_snapshot_slots
-
     def _make_drafter(self, max_running: int) -> Drafter:
         c = self.config
         k = c.speculative_num_draft_tokens
@@ -141,42 +126,6 @@ class LLMEngine:
             path, self.model_config, self.kernels, self.dtype, self.device, k, max_running,
             self.blocks.num_blocks * self.blocks.block_size, c.block_size,
             c.max_num_batched_tokens)
-
-    def _make_pools(self) -> tuple[BlockPool, StatePool]:
-        c, mc = self.config, self.model_config
-        model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        working = c.num_state_slots or c.max_num_seqs
-        # with the prefix cache: a decode-track slot per running request + the snapshots
-        num_slots = working if c.disable_prefix_cache else 2 * working + self._num_snapshots()
-        slot_bytes = StatePool.bytes_per_slot(mc, self.dtype)
-        block_bytes = BlockPool.bytes_per_block(mc, c.block_size, self.dtype)
-        budget = int(c.mem_fraction * physical_memory()) - model_bytes - num_slots * slot_bytes
-        if budget <= 0:
-            raise ValueError(
-                f"{num_slots} state slots ({slot_bytes / 2**20:.1f} MiB each) and the model "
-                f"({model_bytes / 2**30:.2f} GiB) exceed mem_fraction={c.mem_fraction}; "
-                "lower max_num_seqs / num_state_slots")
-        if c.max_total_tokens is not None:
-            num_blocks = -(-c.max_total_tokens // c.block_size)
-        else:
-            fit = budget // max(block_bytes, 1)
-            num_blocks = min(fit, DEFAULT_MAX_KV_TOKENS // c.block_size)
-        blocks = BlockPool(mc, num_blocks, c.block_size, self.dtype, self.device)
-        states = StatePool(mc, num_slots, self.dtype, self.device)
-        # The slot pool, not KV, usually bounds concurrency: a KDA state is worth thousands of
-        # tokens of MLA latents.
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB); KDA state pool: %d slots "
-            "(%.2f MiB each, %.1f MiB); one slot = %d tokens of KV; max running requests %d; "
-            "prefix cache %s",
-            num_blocks, c.block_size, num_blocks * c.block_size,
-            num_blocks * block_bytes / 2**20, num_slots, slot_bytes / 2**20,
-            num_slots * slot_bytes / 2**20, slot_bytes * c.block_size // max(block_bytes, 1),
-            min(working, c.max_num_seqs),
-            "off" if c.disable_prefix_cache else
-            f"on ({self._num_snapshots()} snapshot slots, snapshots every "
-            f"{c.snapshot_interval} tokens)")
-        return blocks, states
 
     def summary(self) -> str:
         mc = self.model_config
