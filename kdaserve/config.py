@@ -346,6 +346,9 @@ class EngineConfig:
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_draft_model: str | None = None  # checkpoint folder (or preset, for "draft")
+    # Same request, same tokens and logprobs to the bit, whatever it is batched with, chunked
+    # into or cached from: every op from the batch-invariant kernels (CPU, fp32)
+    enable_deterministic_inference: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -368,6 +371,18 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.enable_deterministic_inference:
+            if self.device != "cpu" or self.dtype not in (None, "float32"):
+                raise ValueError("enable_deterministic_inference runs on the CPU in float32 "
+                                 f"(got device={self.device!r}, dtype={self.dtype!r})")
+            if self.speculative_algorithm is not None:
+                # a verify forward scores 1 + k rows of a request where plain decoding scores
+                # one: the rows would be batch-invariant but the sampled stream is not the same
+                raise ValueError("enable_deterministic_inference does not combine with "
+                                 "speculative decoding")
+            if self.kernel_backend not in (None, "batch_invariant"):
+                raise ValueError("enable_deterministic_inference chooses every kernel itself; "
+                                 f"kernel_backend={self.kernel_backend!r} contradicts it")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -50,6 +50,9 @@ class SamplingParams:
     # rollout routing replay: each forwarded position's experts per MoE layer, from this one
     return_routed_experts: bool = False
     routed_experts_start: int = 0
+    # the final-normed hidden state (what the LM head sees) of every forwarded position:
+    # the prompt's, then each output token's but the last (SGLang's return_hidden_states)
+    return_hidden_states: bool = False
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) banned until this many are out
     skip_special_tokens: bool = True
     keep_special_ids: tuple[int, ...] = ()  # decoded even with skip_special_tokens (markers)
@@ -155,6 +158,8 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [n, layers, k] chunks
     num_routed: int = 0  # positions recorded, from params.routed_experts_start
+    hidden_states: list[torch.Tensor] = field(default_factory=list)  # [n, D] chunks from 0
+    num_hidden: int = 0  # positions in hidden_states
 
     @property
     def all_ids(self) -> list[int]:
@@ -188,6 +193,8 @@ class Request:
             caps.append(row)
         if self.params.return_routed_experts:  # routing is recorded only by a forward
             caps.append(self.params.routed_experts_start + self.num_routed)
+        if self.params.return_hidden_states:
+            caps.append(self.num_hidden)
         return max(min(caps), 0)
 
     @property
@@ -211,6 +218,8 @@ class CompletionOutput:
     spec_num_verifies: int = 0
     # with return_routed_experts, in the final output: [positions, MoE layers, top_k] int32
     routed_experts: torch.Tensor | None = None
+    # with return_hidden_states, in the final output: [prompt + output - 1, hidden] fp32
+    hidden_states: torch.Tensor | None = None
 
     @property
     def spec_acceptance_length(self) -> float:
@@ -232,8 +241,6 @@ class RequestOutput:
     finished: bool = True
     # one entry per prompt position from logprob_start_len (None for position 0), when asked
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [n, layers, k] chunks
-    num_routed: int = 0  # positions recorded, from params.routed_experts_start
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
     @property

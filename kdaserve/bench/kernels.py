@@ -99,7 +99,8 @@ def main(args: argparse.Namespace) -> None:
     cpu = torch.device("cpu")
     for op, shape, kw in _cases(config, batches, args.prompt_len):
         ref_s = None
-        for b in reversed(registry.backends(op)):  # ref first: the baseline of the row
+        # ref first: the baseline of the row
+        for b in sorted(registry.backends(op), key=lambda b: (b.name != "ref", b.priority)):
             if not b.supports(cpu)[0]:
                 continue
             # the ops update their pools in place: repeated calls keep evolving the same
@@ -109,10 +110,10 @@ def main(args: argparse.Namespace) -> None:
             rows.append({"op": op, "shape": shape, "backend": b.name, "ms": s * 1e3,
                          "vs_ref": (ref_s / s) if ref_s else None})
     overhead = host_overhead_ms(args.overhead_model)
-    print(f"{'op':14} {'shape':28} {'backend':8} {'ms':>10} {'vs ref':>8}")
+    print(f"{'op':14} {'shape':28} {'backend':15} {'ms':>10} {'vs ref':>8}")
     for r in rows:
         vs = f"{r['vs_ref']:.1f}x" if r["vs_ref"] else "-"
-        print(f"{r['op']:14} {r['shape']:28} {r['backend']:8} {r['ms']:10.3f} {vs:>8}")
+        print(f"{r['op']:14} {r['shape']:28} {r['backend']:15} {r['ms']:10.3f} {vs:>8}")
     print(f"engine host overhead per decode step at batch 1 (tiny preset): {overhead:.2f} ms")
     out = Path(args.out)
     write_result(out, {"model": args.model, "threads": torch.get_num_threads(),

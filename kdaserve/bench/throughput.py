@@ -2,8 +2,9 @@
 
 N random prompts of `--input-len` tokens each generate exactly `--output-len` tokens (EOS
 ignored) for each batch size; the same prompts go through transformers' `generate` (static
-batch, same checkpoint) when the `hf` backend is asked for. Backends alternate per batch size so
-drift on a shared machine hits both alike.
+batch, same checkpoint) when the `hf` backend is asked for, and through an engine with
+deterministic inference (batch-invariant kernels) for the `deterministic` backend. Backends
+alternate per batch size so drift on a shared machine hits both alike.
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ def main(args: argparse.Namespace) -> None:
     backends = args.backends.split(",")
     llm = LLM(args.model, max_num_seqs=max(batch_sizes),
               max_num_batched_tokens=args.max_num_batched_tokens)
+    engines = {"kdaserve": llm}
+    if "deterministic" in backends:
+        engines["deterministic"] = LLM(args.model, max_num_seqs=max(batch_sizes),
+                                       max_num_batched_tokens=args.max_num_batched_tokens,
+                                       enable_deterministic_inference=True)
     hf = None
     if "hf" in backends:
         from transformers import KimiLinearForCausalLM
@@ -59,15 +65,16 @@ def main(args: argparse.Namespace) -> None:
         hf.generation_config.eos_token_id = None  # fixed length, like ignore_eos
     vocab = llm.config.vocab_size
     warm = _prompts(2, 8, vocab, 0)
-    run_kdaserve(llm, warm, 2)
+    for engine in engines.values():
+        run_kdaserve(engine, warm, 2)
     if hf is not None:
         run_hf(hf, warm, 2)
     rows = []
     for bs in batch_sizes:
         prompts = _prompts(bs, args.input_len, vocab, seed=bs)
         for backend in backends:
-            dt = (run_kdaserve(llm, prompts, args.output_len) if backend == "kdaserve"
-                  else run_hf(hf, prompts, args.output_len))
+            dt = (run_hf(hf, prompts, args.output_len) if backend == "hf"
+                  else run_kdaserve(engines[backend], prompts, args.output_len))
             rows.append({"backend": backend, "batch": bs, "prompt_tokens": bs * args.input_len,
                          "output_tokens": bs * args.output_len, "seconds": round(dt, 3),
                          "output_tok_s": round(bs * args.output_len / dt, 2)})
@@ -77,7 +84,10 @@ def main(args: argparse.Namespace) -> None:
     print(f"{'backend':>9} {'batch':>5} {'prompt':>7} {'output':>7} {'seconds':>8} "
           f"{'tok/s':>8} {'vs hf':>6}")
     hf_rate = {r["batch"]: r["output_tok_s"] for r in rows if r["backend"] == "hf"}
+    plain_rate = {r["batch"]: r["output_tok_s"] for r in rows if r["backend"] == "kdaserve"}
     for r in rows:
+        if r["backend"] == "deterministic" and r["batch"] in plain_rate:
+            r["vs_plain"] = round(r["output_tok_s"] / plain_rate[r["batch"]], 2)
         ratio = r["output_tok_s"] / hf_rate[r["batch"]] if r["batch"] in hf_rate else None
         r["vs_hf"] = round(ratio, 2) if ratio else None
         print(f"{r['backend']:>9} {r['batch']:>5} {r['prompt_tokens']:>7} {r['output_tokens']:>7} "
@@ -97,7 +107,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--backends", default="kdaserve,hf")
+    p.add_argument("--backends", default="kdaserve,hf",
+                   help="comma-separated: kdaserve, hf, deterministic")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--out", default="bench_results/throughput.json")
     p.set_defaults(func=main)

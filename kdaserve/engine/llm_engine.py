@@ -64,7 +64,8 @@ class LLMEngine:
         # bf16 matmul is ~200x slower than fp32 on common CPUs: fp32 there, bf16 on accelerators
         self.dtype = getattr(torch, config.dtype) if config.dtype else (
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
-        self.kernels = resolve_kernels(self.device, config.kernel_backend)
+        self.kernels = resolve_kernels(self.device, config.kernel_backend,
+                                       config.enable_deterministic_inference)
         self.model = build_model(self.model_config, self.kernels, self.dtype, self.device,
                                  self.path, config.load_format, config.seed)
         self.tokenizer = (None if config.skip_tokenizer_init
@@ -366,7 +367,8 @@ class LLMEngine:
             if not req.draft_ids:
                 continue
             p, k = req.params, len(req.draft_ids)
-            if p.logit_bias or len(req.output_ids) < p.min_tokens or p.return_routed_experts:
+            if p.logit_bias or len(req.output_ids) < p.min_tokens or p.return_routed_experts \
+                    or p.return_hidden_states:
                 req.draft_ids = []  # verification samples raw rows: bias and bans need plain
                 continue
             if p.reasoning_budget is not None and not req.reasoning_done \
@@ -431,7 +433,9 @@ class LLMEngine:
                 else None, spec_num_drafted=r.num_drafted, spec_num_accepted=r.num_accepted,
                 spec_num_verifies=r.num_verifies,
                 routed_experts=torch.cat(r.routed_experts) if r.is_finished
-                and r.params.return_routed_experts and r.routed_experts else None))
+                and r.params.return_routed_experts and r.routed_experts else None,
+                hidden_states=torch.cat(r.hidden_states) if r.is_finished
+                and r.params.return_hidden_states and r.hidden_states else None))
         first = children[0]
         finished = all(r.is_finished for r in children)
         # prompt logprobs go out once (the first update) and with the final one, not with

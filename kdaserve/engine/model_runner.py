@@ -34,6 +34,25 @@ def record_routing(batch: ScheduledBatch, ids: torch.Tensor) -> None:
         row += n
 
 
+def record_hidden(req: Request, pos: int, block: torch.Tensor) -> None:
+    """Appends the rows of `block` (positions pos, pos + 1, ...) not recorded yet: after a
+    preemption the recomputed positions are not added twice."""
+    a = max(req.num_hidden - pos, 0)
+    if a < block.shape[0]:
+        req.hidden_states.append(block[a:].float().cpu().clone())
+        req.num_hidden += block.shape[0] - a
+
+
+class Rows(NamedTuple):
+    """One request's rows among a forward's returned hidden states."""
+    req: Request
+    pos: int  # absolute position of the first
+    size: int
+    prompt_at: int  # prompt-logprob rows [prompt_at, prompt_at + prompt_k) of the block
+    prompt_k: int
+    sampled: int  # the last `sampled` rows produce logits (1 + drafts), 0 if none
+
+
 class StepOutput(NamedTuple):
     logits: torch.Tensor  # [L, vocab] fp32, the rows that sample, in `to_sample` order
     to_sample: list[Request]
@@ -47,13 +66,12 @@ class ModelRunner:
         self.model, self.blocks, self.states, self.device = model, blocks, states, device
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request],
-                                                      list[tuple[Request, int]]]:
+                                                      list[Rows]]:
         """Packs the batch; also returns the requests whose next token is sampled this step
-        (decodes and final prefill chunks), in logits-row order, and the prompt-logprob rows:
-        (request, rows) for requests that asked, their rows first in the logits of their
-        sequence (before its sampling row)."""
+        (decodes and final prefill chunks), in logits-row order, and where each request's
+        rows lie among the hidden states the forward returns."""
         new_tokens, num_cached, sample, logits_from = [], [], [], []
-        prompt_rows: list[tuple[Request, int]] = []
+        layout: list[Rows] = []
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             start = req.num_computed_tokens
             ids = req.all_ids + req.draft_ids  # drafted tokens are verified in this forward
@@ -62,14 +80,20 @@ class ModelRunner:
             sampled = start + n == len(ids)
             sample.append(sampled)
             first = n - 1 - len(req.draft_ids) if sampled else n
-            row = req.prompt_logits_row
+            row, prompt_at, prompt_k = req.prompt_logits_row, 0, 0
             if row is not None and row < start + n:
                 # the scheduler never takes these rows from the cache (max_cached_prefix)
                 assert row >= start, "prompt-logprob rows were skipped"
                 end = min(len(req.prompt_ids) - 1, start + n)  # the last row samples
-                prompt_rows.append((req, end - row))
-                first = row - start
+                prompt_at, prompt_k = row - start, end - row
+            if req.params.return_hidden_states:  # every row not recorded yet
+                assert req.num_hidden >= start, "hidden-state rows were skipped"
+                first = min(first, req.num_hidden - start)
+            if prompt_k:
+                first = min(first, prompt_at)
             logits_from.append(first)
+            layout.append(Rows(req, start + first, n - first, prompt_at - first, prompt_k,
+                               1 + len(req.draft_ids) if sampled else 0))
         fb = ForwardBatch.build(new_tokens, num_cached, [r.state_slot for r in batch.reqs],
                                 [r.block_ids for r in batch.reqs], self.blocks.block_size,
                                 logits_from=logits_from, device=self.device)
@@ -81,7 +105,7 @@ class ModelRunner:
             seqs, n, slots = (torch.tensor(c, dtype=torch.int64, device=self.device)
                               for c in cols)
             fb.snapshots = (seqs, n, slots)
-        return fb, [r for r, s in zip(batch.reqs, sample, strict=True) if s], prompt_rows
+        return fb, [r for r, s in zip(batch.reqs, sample, strict=True) if s], layout
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, return_hidden: bool = False,
@@ -90,25 +114,24 @@ class ModelRunner:
         rows come back as hidden states, whose logits the caller computes in slices (a long
         chunk's full [T, vocab] logits would not fit). With `record`, the KDA layers fill it
         with their step inputs."""
-        fb, to_sample, prompt_rows = self.prepare(batch)
+        fb, to_sample, layout = self.prepare(batch)
         fb.record = record
         if any(r.params.return_routed_experts for r in batch.reqs):
             fb.routing = []
         hidden = self.model.forward_hidden(fb, self.states, self.blocks)
         prompt: list[tuple[Request, torch.Tensor]] = []
-        if prompt_rows:
-            # per sequence: its prompt rows, then its sampling rows; split the two
+        if any(x.size > x.sampled or x.req.params.return_hidden_states for x in layout):
+            # per sequence a block of rows: prompt-logprob rows and hidden states to keep
+            # inside it, its sampling rows last; the logits are the sampling rows only
             keep, row = [], 0
-            by_req = {id(r): k for r, k in prompt_rows}
-            for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
-                k = by_req.get(id(req), 0)
-                if k:
-                    prompt.append((req, hidden[row:row + k]))
-                    row += k
-                if req.num_computed_tokens + n == req.num_tokens + len(req.draft_ids):
-                    m = 1 + len(req.draft_ids)
-                    keep.extend(range(row, row + m))
-                    row += m
+            for x in layout:
+                block = hidden[row:row + x.size]
+                if x.prompt_k:
+                    prompt.append((x.req, block[x.prompt_at:x.prompt_at + x.prompt_k]))
+                if x.req.params.return_hidden_states:
+                    record_hidden(x.req, x.pos, block)
+                keep.extend(range(row + x.size - x.sampled, row + x.size))
+                row += x.size
             hidden = hidden[keep]
         logits = self.model.compute_logits(hidden)
         if fb.routing:

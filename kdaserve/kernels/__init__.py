@@ -2,10 +2,12 @@
 
 Ops (shapes in kernels/ref): `linear` (every projection), `kda_chunk` (prefill),
 `kda_recurrent` (token by token: the oracle of the chunk form), `kda_decode` (a whole KDA
-decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `moe_experts`.
+decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `moe_experts`,
+`rms_norm`, `gated_rmsnorm` (KDA's output norm) and `silu_mul` (the dense SwiGLU).
 Every op has a `ref` backend (plain torch, the oracle); `cpu` is batched torch for decode
 shapes; `native` is C++ compiled for the host on first use; `triton` runs fla-core's Triton
-KDA kernels on CUDA. Importing this package never imports triton or CUDA code.
+KDA kernels on CUDA; `batch_invariant` (C++, never chosen by priority) is the whole forward
+for deterministic inference. Importing this package never imports triton or CUDA code.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from kdaserve.kernels import registry
 from kdaserve.kernels.ref.kda import (
+    gated_rmsnorm,
     kda_chunk_ref,
     kda_decode_ref,
     kda_recurrent_ref,
@@ -36,8 +39,22 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """T5-style (KimiRMSNorm): normalise in fp32, cast back, then multiply by the weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for gate_up = [..., gate | up] (the SwiGLU of a dense MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 OPS = ("linear", "kda_chunk", "kda_recurrent", "kda_decode", "short_conv", "mla_attention",
-       "moe_route", "moe_experts")
+       "moe_route", "moe_experts", "rms_norm", "gated_rmsnorm", "silu_mul")
+BATCH_INVARIANT = "batch_invariant"
 
 registry.register("linear", "ref", linear_ref)
 registry.register("kda_chunk", "ref", kda_chunk_ref)
@@ -47,6 +64,9 @@ registry.register("short_conv", "ref", short_conv_ref)
 registry.register("mla_attention", "ref", mla_attention_ref)
 registry.register("moe_route", "ref", moe_route_ref)
 registry.register("moe_experts", "ref", moe_experts_ref)
+registry.register("rms_norm", "ref", rms_norm_ref)
+registry.register("gated_rmsnorm", "ref", gated_rmsnorm)
+registry.register("silu_mul", "ref", silu_mul_ref)
 
 from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the references
     kda_decode_cpu,
@@ -55,6 +75,7 @@ from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the r
     short_conv_cpu,
 )
 from kdaserve.kernels.cpu.moe import moe_experts_cpu  # noqa: E402
+from kdaserve.kernels.native import batch_invariant as bi  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
 from kdaserve.kernels.native.ops import (  # noqa: E402
     kda_chunk_native,
@@ -89,6 +110,22 @@ registry.register("kda_chunk", "triton", kda_chunk_triton, priority=30, supports
 registry.register("kda_decode", "triton", kda_decode_triton, priority=30, supports=_triton)
 
 
+def _batch_invariant(device: torch.device) -> tuple[bool, str]:
+    if device.type != "cpu":
+        return False, "deterministic inference is implemented for the CPU (fp32) path"
+    return native_build.available(BATCH_INVARIANT)
+
+
+# Below every other backend (priority -1): chosen only by name, for deterministic inference.
+for _op, _fn in (("linear", bi.linear_bi), ("kda_chunk", bi.kda_chunk_bi),
+                 ("kda_recurrent", bi.kda_chunk_bi), ("kda_decode", bi.kda_decode_bi),
+                 ("short_conv", bi.short_conv_bi), ("mla_attention", bi.mla_attention_bi),
+                 ("moe_route", bi.moe_route_bi), ("moe_experts", bi.moe_experts_bi),
+                 ("rms_norm", bi.rms_norm_bi), ("gated_rmsnorm", bi.gated_rmsnorm_bi),
+                 ("silu_mul", bi.silu_mul_bi)):
+    registry.register(_op, BATCH_INVARIANT, _fn, priority=-1, supports=_batch_invariant)
+
+
 class Kernels(NamedTuple):
     linear: Callable
     kda_chunk: Callable
@@ -98,10 +135,19 @@ class Kernels(NamedTuple):
     mla_attention: Callable
     moe_route: Callable
     moe_experts: Callable
+    rms_norm: Callable
+    gated_rmsnorm: Callable
+    silu_mul: Callable
 
 
-def resolve_kernels(device: torch.device, backend: str | None = None) -> Kernels:
+def resolve_kernels(device: torch.device, backend: str | None = None,
+                    deterministic: bool = False) -> Kernels:
+    """Each op's callable on `device`. `deterministic`: every op from the batch-invariant
+    backend, with no fallback (an op without one, or a device it does not support, raises)."""
+    if deterministic:
+        return Kernels(*(registry.resolve(op, device, BATCH_INVARIANT, strict=True)
+                         for op in OPS))
     return Kernels(*(registry.resolve(op, device, backend) for op in OPS))
 
 
-__all__ = ["Kernels", "resolve_kernels", "use_backend", "OPS"]
+__all__ = ["Kernels", "resolve_kernels", "use_backend", "OPS", "BATCH_INVARIANT"]

@@ -44,8 +44,10 @@ def backends(op: str) -> list[Backend]:
     return sorted(_BACKENDS.get(op, []), key=lambda b: -b.priority)
 
 
-def resolve(op: str, device: torch.device, backend: str | None = None) -> Callable:
-    """The callable for `op` on `device`. `backend` (or the override) must be supported."""
+def resolve(op: str, device: torch.device, backend: str | None = None,
+            strict: bool = False) -> Callable:
+    """The callable for `op` on `device`. `backend` (or the override) must be supported;
+    `strict`: an op without that backend raises instead of taking the best available."""
     forced = backend or (_forced[-1] if _forced else None) or os.environ.get("KDASERVE_KERNEL")
     candidates = backends(op)
     if not candidates:
@@ -57,6 +59,8 @@ def resolve(op: str, device: torch.device, backend: str | None = None) -> Callab
                 if not ok:
                     raise ValueError(f"kernel backend {forced!r} for {op} unsupported: {reason}")
                 return b.fn
+        if strict:
+            raise ValueError(f"op {op!r} has no {forced!r} kernel")
         # An op without that backend falls back to the best available: a forced "cpu" must
         # not fail just because some op only has the reference implementation.
     for b in candidates:

@@ -12,7 +12,6 @@ from torch import nn
 from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
-from kdaserve.kernels.ref.kda import gated_rmsnorm
 from kdaserve.layers.linear import Linear
 from kdaserve.spec.record import KDASteps
 
@@ -86,7 +85,7 @@ class KDAttention(nn.Module):
         o = self.kernels.kda_chunk(q, k, v, f, beta, self.A_log, self.dt_bias, recurrent_state,
                                    batch.state_slots, batch.cu_seqlens,
                                    snapshots=snapshots)
-        o = gated_rmsnorm(o, z, self.o_norm_weight, self.eps)
+        o = self.kernels.gated_rmsnorm(o, z, self.o_norm_weight, self.eps)
         return self.o_proj(o.reshape(T, H * K))
 
     def replay_steps(self, steps: KDASteps, cu_seqlens: torch.Tensor, state_slots: torch.Tensor,

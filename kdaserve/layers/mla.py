@@ -28,11 +28,11 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(D, H * config.qk_head_dim, kernels)
         else:
             self.q_a_proj = Linear(D, config.q_lora_rank, kernels)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, kernels)
             self.q_b_proj = Linear(config.q_lora_rank, H * config.qk_head_dim, kernels)
         self.use_q_lora = config.q_lora_rank is not None
         self.kv_a_proj_with_mqa = Linear(D, self.rank + self.dr, kernels)
-        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS, kernels)
         self.kv_b_proj = Linear(self.rank, H * (self.dn + self.dv), kernels)
         self.o_proj = Linear(H * self.dv, D, kernels)
         self.scale = config.qk_head_dim ** -0.5

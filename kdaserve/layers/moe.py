@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kdaserve.config import ModelConfig
@@ -17,6 +16,7 @@ class MLP(nn.Module):
         self.inter = inter
         self.gate_up_proj = Linear(hidden, 2 * inter, kernels)  # gate rows, then up rows
         self.down_proj = Linear(inter, hidden, kernels)
+        self.kernels = kernels
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         gate, up = self.gate_up_proj.weight.data.split(self.inter)
@@ -24,8 +24,7 @@ class MLP(nn.Module):
                 f"{prefix}down_proj.weight": self.down_proj.weight}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class MoE(nn.Module):
@@ -61,7 +60,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
         """`routing`: if a list, the chosen experts [T, k] are appended (routing replay)."""
         c = self.config
-        logits = F.linear(x.float(), self.gate_weight)
+        logits = self.kernels.linear(x.float(), self.gate_weight)
         weights, ids = self.kernels.moe_route(
             logits, self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
             c.topk_group, c.moe_renormalize, c.routed_scaling_factor, c.router_activation)

@@ -5,16 +5,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kdaserve.kernels import Kernels, rms_norm_ref
+
 
 class RMSNorm(nn.Module):
-    """T5-style: normalise in fp32, cast back, then multiply by the weight (KimiRMSNorm)."""
+    """T5-style: normalise in fp32, cast back, then multiply by the weight (KimiRMSNorm).
+    Without `kernels` (a drafter's norm) it runs the reference op."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, kernels: Kernels | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.op = rms_norm_ref if kernels is None else kernels.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.op(x, self.weight, self.eps)

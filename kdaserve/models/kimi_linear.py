@@ -31,8 +31,8 @@ class DecoderLayer(nn.Module):
             MoE(config, kernels) if self.is_moe
             else MLP(config.hidden_size, config.intermediate_size, kernels)
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         views = self.self_attn.checkpoint_tensors(prefix + "self_attn.")
@@ -52,7 +52,7 @@ class KimiLinearForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, kernels)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, kernels)
         self.kernels = kernels

@@ -80,6 +80,10 @@ def _meta(state: ServerState, req: GenerateRequest, rid: str, out: RequestOutput
         meta.update(_positions(state, req, o.token_ids, list(o.logprobs or []), "output"))
     if o.routed_experts is not None:
         meta["routed_experts"] = base64.b64encode(o.routed_experts.numpy().tobytes()).decode()
+    if o.hidden_states is not None:
+        rows = o.hidden_states.tolist()
+        n = len(prompt)
+        meta["hidden_states"] = [rows[:n], *rows[n:]]
     if o.spec_num_verifies:
         meta["spec_verify_ct"] = o.spec_num_verifies
         meta["spec_accept_length"] = o.spec_acceptance_length
@@ -117,6 +121,7 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
     prefill_only = sp.max_new_tokens == 0
     extra: dict[str, Any] = {"token_ids_logprob": list(req.token_ids_logprob or []),
                              "return_routed_experts": req.return_routed_experts,
+                             "return_hidden_states": req.return_hidden_states,
                              "routed_experts_start": req.routed_experts_start_len}
     results = []
     for p in prompts:

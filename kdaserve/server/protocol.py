@@ -270,7 +270,9 @@ class GenerateRequest(Strict):
     rid: str | None = None
     log_metrics: bool = True  # advisory
     # what SGLang's clients send as defaults: accepted at those values only
-    return_hidden_states: Literal[False] = False
+    # meta_info.hidden_states (SGLang's layout): [prompt rows] then one row per later output
+    # token but the last; final-normed fp32, what the LM head sees
+    return_hidden_states: bool = False
     # rollout routing replay: meta_info.routed_experts, base64 of int32 [positions, MoE
     # layers, top_k] for positions [routed_experts_start_len, prompt + output - 1)
     return_routed_experts: bool = False

@@ -12,10 +12,12 @@ from kdaserve.cli import main as cli_main
 def test_bench_throughput_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     cli_main(["bench", "throughput", "--model", str(tiny_ckpt), "--batch-sizes", "1,3",
-              "--input-len", "8", "--output-len", "4", "--out", str(out)])
+              "--input-len", "8", "--output-len", "4", "--backends",
+              "kdaserve,hf,deterministic", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert {(r["backend"], r["batch"]) for r in rows} == {
-        ("kdaserve", 1), ("hf", 1), ("kdaserve", 3), ("hf", 3)}
+        (b, n) for b in ("kdaserve", "hf", "deterministic") for n in (1, 3)}
+    assert all(r["vs_plain"] > 0 for r in rows if r["backend"] == "deterministic")
     assert all(r["output_tokens"] == r["batch"] * 4 for r in rows)
 
 

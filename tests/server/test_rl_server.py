@@ -196,3 +196,21 @@ def test_routed_experts_in_meta_info(h: httpx.Client, tiny_ckpt: Path) -> None:
     raw = base64.b64decode(r.json()["meta_info"]["routed_experts"])
     got = torch.frombuffer(bytearray(raw), dtype=torch.int32).reshape(want.shape)
     assert want.shape[0] == len(PROMPT) + NEW - 1 - 2 and torch.equal(got, want)
+
+
+def test_hidden_states_in_meta_info(h: httpx.Client, tiny_ckpt: Path) -> None:
+    post(h, "/update_weights_from_disk", {"model_path": str(tiny_ckpt)})
+    want = LLM(tiny_ckpt).generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
+        temperature=0, max_tokens=NEW, ignore_eos=True,
+        return_hidden_states=True))[0].outputs[0].hidden_states
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW, "temperature": 0,
+                                                     "ignore_eos": True}}
+    r = h.post("/generate", json={**body, "return_hidden_states": True})
+    assert r.status_code == 200, r.text
+    hs = r.json()["meta_info"]["hidden_states"]
+    # SGLang's layout: the prompt's rows first, then one row per later output token
+    assert len(hs) == NEW and len(hs[0]) == len(PROMPT)
+    got = torch.tensor(hs[0] + hs[1:])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    r = h.post("/generate", json=body)
+    assert "hidden_states" not in r.json()["meta_info"]

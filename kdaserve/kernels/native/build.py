@@ -18,22 +18,46 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "kda_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
-MAX_HEAD_DIM = 512  # kMaxDim in the source
+MAX_HEAD_DIM = 512  # kMaxDim in kda_cpu.cpp
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-SIGNATURES = {
-    "kda_decode_f32": [_P] * 12 + [_I] * 5 + [_F],
-    "kda_prefill_f32": [_P] * 12 + [_I] * 4,
-    "kda_chunked_f32": [_P] * 12 + [_I] * 4,
-    "mla_decode_f32": [_P] * 6 + [_I] * 6 + [_F],
-    "moe_decode_f32": [_P] * 6 + [_I] * 5,
-    "linear_small_f32": [_P] * 3 + [_I] * 3,
+
+
+@dataclass(frozen=True)
+class Library:
+    source: str
+    flags: tuple[str, ...]  # on top of FLAGS
+    signatures: dict[str, list]
+
+
+LIBRARIES = {
+    "kda_cpu": Library("kda_cpu.cpp", (), {
+        "kda_decode_f32": [_P] * 12 + [_I] * 5 + [_F],
+        "kda_prefill_f32": [_P] * 12 + [_I] * 4,
+        "kda_chunked_f32": [_P] * 12 + [_I] * 4,
+        "mla_decode_f32": [_P] * 6 + [_I] * 6 + [_F],
+        "moe_decode_f32": [_P] * 6 + [_I] * 5,
+        "linear_small_f32": [_P] * 3 + [_I] * 3,
+    }),
+    # No fused multiply-add contraction: each value's operations are fixed by the source alone
+    # (deterministic inference; see the file's header).
+    "batch_invariant": Library("batch_invariant.cpp", ("-ffp-contract=off",), {
+        "bi_linear_f32": [_P] * 3 + [_I] * 3,
+        "bi_rms_norm_f32": [_P] * 3 + [_I] * 2 + [_F],
+        "bi_gated_rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
+        "bi_silu_mul_f32": [_P] * 2 + [_I] * 2,
+        "bi_sigmoid_f32": [_P] * 2 + [_I],
+        "bi_short_conv_f32": [_P] * 6 + [_I] * 3,
+        "bi_mla_attention_f32": [_P] * 9 + [_I] * 9 + [_F],
+        "bi_moe_f32": [_P] * 6 + [_I] * 5,
+    }),
 }
 
 
@@ -52,51 +76,53 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _compile(cxx: str, out: Path) -> None:
+def _compile(cxx: str, source: Path, flags: list[str], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes (test workers, a server and
     # its engine) never load a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
+        subprocess.run([cxx, *flags, str(source), "-o", tmp], check=True, capture_output=True,
                        text=True)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{e.stderr}") from e
+        raise RuntimeError(f"compiling {source.name} failed:\n{e.stderr}") from e
 
 
 @functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str]:
+def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         return None, "no C++ compiler (g++) on PATH"
+    spec = LIBRARIES[name]
+    source, flags = CSRC / spec.source, [*FLAGS, *spec.flags]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), version,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"kda_cpu-{key}.so"
+    path = _cache_dir() / f"{name}-{key}.so"
     try:
         if not path.exists():
-            logger.info("compiling %s for this CPU -> %s", SOURCE.name, path)
-            _compile(cxx, path)
+            logger.info("compiling %s for this CPU -> %s", source.name, path)
+            _compile(cxx, source, flags, path)
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as e:
         logger.warning("native CPU kernels unavailable: %s", e)
         return None, str(e)
-    for name, args in SIGNATURES.items():
-        fn = getattr(lib, name)
+    for fn_name, args in spec.signatures.items():
+        fn = getattr(lib, fn_name)
         fn.argtypes, fn.restype = args, None
     return lib, ""
 
 
-def available() -> tuple[bool, str]:
-    lib, reason = _load()
+def available(name: str = "kda_cpu") -> tuple[bool, str]:
+    lib, reason = _load(name)
     return lib is not None, reason
 
 
-def library() -> ctypes.CDLL:
-    lib, reason = _load()
+def library(name: str = "kda_cpu") -> ctypes.CDLL:
+    lib, reason = _load(name)
     if lib is None:
         raise RuntimeError(f"native CPU kernels unavailable: {reason}")
     return lib

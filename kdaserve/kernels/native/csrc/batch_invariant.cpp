@@ -1,0 +1,259 @@
+// Batch-invariant CPU kernels (fp32): every output element is computed by one fixed sequence
+// of floating-point operations that depends only on that element's own inputs, never on how
+// many rows share the call, where a row sits in the batch, the pointer alignment, or the thread
+// count. This is what deterministic inference needs (tokens and logprobs bit-identical whatever
+// a request is batched with, chunked into or cached from); the usual kernels do not give it:
+// sgemm picks its blocking from M, torch's vectorised elementwise loops finish with a scalar
+// tail (a different exp) whose position depends on the tensor size, and reductions split
+// across threads once a tensor is large.
+//
+// How: reductions run over explicit 16-lane vectors (GCC vector extensions, lowered to the
+// host's SIMD width) summed lane by lane in order, then a scalar tail; transcendentals are
+// scalar libm calls; work is split across threads only over independent outputs; and the file
+// is compiled with -ffp-contract=off so no multiply-add is fused in one place and not another.
+// The plain-torch references in kernels/ref are the oracle these are tested against.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum(v16 acc) {
+  float s = 0.0f;
+  for (int l = 0; l < 16; ++l) s += acc[l];
+  return s;
+}
+
+// The one dot product of this file: 16-lane partial sums, lanes summed in order, scalar tail.
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  v16 acc = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) acc += load16(a + j) * load16(b + j);
+  float s = hsum(acc);
+  for (; j < n; ++j) s += a[j] * b[j];
+  return s;
+}
+
+// TN weight rows x TM x rows; each y element gets exactly dot()'s operations (same lanes, same
+// order), so tiling changes speed, never values.
+template <int TN, int TM>
+inline void dot_tile(const float* __restrict w, const float* __restrict x, float* __restrict y,
+                     int64_t N, int64_t K) {
+  v16 acc[TN][TM] = {};
+  int64_t j = 0;
+  for (; j + 16 <= K; j += 16) {
+    v16 xv[TM];
+    for (int tm = 0; tm < TM; ++tm) xv[tm] = load16(x + tm * K + j);
+    for (int tn = 0; tn < TN; ++tn) {
+      const v16 wv = load16(w + tn * K + j);
+      for (int tm = 0; tm < TM; ++tm) acc[tn][tm] += wv * xv[tm];
+    }
+  }
+  for (int tn = 0; tn < TN; ++tn)
+    for (int tm = 0; tm < TM; ++tm) {
+      float s = hsum(acc[tn][tm]);
+      for (int64_t l = j; l < K; ++l) s += w[tn * K + l] * x[tm * K + l];
+      y[tm * N + tn] = s;
+    }
+}
+
+inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// 1 / rms(x) with eps, as KimiRMSNorm: rsqrt(mean(x^2) + eps).
+inline float inv_rms(const float* x, int64_t n, float eps) {
+  return 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
+}
+
+}  // namespace
+
+extern "C" {
+
+// y [M, N] = x [M, K] @ w [N, K]^T.
+void bi_linear_f32(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t kRows = 64;  // a block of weight rows stays in L2 while every x row passes
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < N; n0 += kRows) {
+    const int64_t n1 = std::min(N, n0 + kRows);
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) {
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) dot_tile<4, 4>(w + n * K, x + m * K, y + m * N + n, N, K);
+      for (; m < M; ++m) dot_tile<4, 1>(w + n * K, x + m * K, y + m * N + n, N, K);
+    }
+    for (; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(w + n * K, x + m * K, K);
+  }
+}
+
+// y = w * (x / rms(x)) per row of length D (KimiRMSNorm in fp32).
+void bi_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t D,
+                     float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    const float s = inv_rms(xr, D, eps);
+    for (int64_t i = 0; i < D; ++i) y[r * D + i] = w[i] * (xr[i] * s);
+  }
+}
+
+// y = w * (o / rms(o)) * sigmoid(z) per row of length D (fla's FusedRMSNormGated).
+void bi_gated_rms_norm_f32(const float* o, const float* z, const float* w, float* y,
+                           int64_t rows, int64_t D, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* orow = o + r * D;
+    const float s = inv_rms(orow, D, eps);
+    for (int64_t i = 0; i < D; ++i) y[r * D + i] = w[i] * (orow[i] * s) * sigmoidf(z[r * D + i]);
+  }
+}
+
+// y [rows, I] = SiLU(g) * u with gu [rows, 2I] = gate | up.
+void bi_silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = gu[r * 2 * I + i];
+      y[r * I + i] = g * sigmoidf(g) * gu[r * 2 * I + I + i];
+    }
+}
+
+void bi_sigmoid_f32(const float* x, float* y, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] = sigmoidf(x[i]);
+}
+
+// Causal depthwise conv + SiLU over B packed sequences, continuing from and updating each
+// slot's window. x, out [T, C]; w [C, W] (tap W-1 is the current token); conv_state
+// [N, W-1, C] oldest first; slots [B]; cu [B+1]. Tokens run in order per channel, so a
+// sequence fed in one call or split over many gives the same values.
+void bi_short_conv_f32(const float* x, const float* w, float* conv_state, const int64_t* slots,
+                       const int64_t* cu, float* out, int64_t B, int64_t C, int64_t W) {
+  constexpr int64_t kCols = 64;
+  const int64_t cblocks = (C + kCols - 1) / kCols;
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < B * cblocks; ++task) {
+    const int64_t b = task / cblocks, c0 = (task % cblocks) * kCols;
+    const int64_t c1 = std::min(C, c0 + kCols);
+    float* cs = conv_state + slots[b] * (W - 1) * C;
+    for (int64_t t = cu[b]; t < cu[b + 1]; ++t)
+      for (int64_t c = c0; c < c1; ++c) {
+        const float* wc = w + c * W;
+        float acc = 0.0f;
+        for (int64_t j = 0; j < W - 1; ++j) acc += cs[j * C + c] * wc[j];
+        acc += x[t * C + c] * wc[W - 1];
+        for (int64_t j = 0; j + 1 < W - 1; ++j) cs[j * C + c] = cs[(j + 1) * C + c];
+        if (W > 1) cs[(W - 2) * C + c] = x[t * C + c];
+        out[t * C + c] = acc * sigmoidf(acc);
+      }
+  }
+}
+
+// Weight-absorbed causal MLA over the paged latent cache, any number of new tokens per
+// sequence, one (token, head) per task computed the same way whether it is a prefill row or a
+// decode row. q_nope [T, H, Dn]; q_pe [T, H, Dr]; kv [NB*BS, R+Dr]; block_table [B, M];
+// seq [T] (sequence of each row); pos [T] (its position: it sees cache rows 0..pos);
+// w_uk [H, Dn, R] and w_uv [H, Dv, R] with head stride sH (views of kv_b_proj's weight);
+// out [T, H, Dv].
+void bi_mla_attention_f32(const float* q_nope, const float* q_pe, const float* kv,
+                          const int64_t* block_table, const int64_t* seq, const int64_t* pos,
+                          const float* w_uk, const float* w_uv, float* out, int64_t T,
+                          int64_t H, int64_t Dn, int64_t Dr, int64_t R, int64_t Dv, int64_t sH,
+                          int64_t BS, int64_t M, float scale) {
+  const int64_t D = R + Dr;
+#pragma omp parallel for schedule(dynamic, 4)
+  for (int64_t task = 0; task < T * H; ++task) {
+    const int64_t t = task / H, h = task % H, L = pos[t] + 1;
+    const int64_t* table = block_table + seq[t] * M;
+    std::vector<float> q_lat(R, 0.0f), o_lat(R, 0.0f), p(L);
+    const float* qn = q_nope + task * Dn;
+    const float* qp = q_pe + task * Dr;
+    for (int64_t d = 0; d < Dn; ++d) {  // q_lat = W_UK,h^T q_nope: d in order per r
+      const float qd = qn[d];
+      const float* wr = w_uk + h * sH + d * R;
+      for (int64_t r = 0; r < R; ++r) q_lat[r] += qd * wr[r];
+    }
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < L; ++i) {
+      const float* row = kv + (table[i / BS] * BS + i % BS) * D;
+      p[i] = (dot(q_lat.data(), row, R) + dot(qp, row + R, Dr)) * scale;
+      mx = std::max(mx, p[i]);
+    }
+    float sum = 0.0f;
+    for (int64_t i = 0; i < L; ++i) sum += (p[i] = std::exp(p[i] - mx));
+    for (int64_t i = 0; i < L; ++i) {
+      const float* row = kv + (table[i / BS] * BS + i % BS) * D;
+      const float a = p[i] / sum;
+      for (int64_t r = 0; r < R; ++r) o_lat[r] += a * row[r];
+    }
+    for (int64_t v = 0; v < Dv; ++v)
+      out[task * Dv + v] = dot(o_lat.data(), w_uv + h * sH + v * R, R);
+  }
+}
+
+// Routed experts: sum over each token's k choices, in choice order, of
+// weight * W2 (SiLU(W1 x) * W3 x). x [T, D]; ids, weights [T, k]; w13 [E, 2I, D]; w2 [E, D, I].
+// Choices are grouped by expert so a weight row is read once for all its tokens; the grouping
+// only orders the work, every value is still one dot() of a weight row with a token's row.
+void bi_moe_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
+                const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
+                int64_t D) {
+  const int64_t n = T * k;
+  std::vector<int64_t> offset(E + 1, 0), order(n);
+  for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
+  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
+  {
+    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+    for (int64_t c = 0; c < n; ++c) order[fill[ids[c]]++] = c;
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (offset[e + 1] > offset[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+  std::vector<float> act(n * I), ys(n * D);
+  constexpr int64_t kRows = 32;
+  const int64_t iblocks = (I + kRows - 1) / kRows, dblocks = (D + kRows - 1) / kRows;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < A * iblocks; ++task) {
+      const int64_t e = active[task / iblocks], r0 = (task % iblocks) * kRows;
+      for (int64_t r = r0; r < std::min(I, r0 + kRows); ++r) {
+        const float* wg = w13 + (e * 2 * I + r) * D;
+        const float* wu = wg + I * D;
+        for (int64_t s = offset[e]; s < offset[e + 1]; ++s) {
+          const float* xt = x + (order[s] / k) * D;
+          const float g = dot(wg, xt, D);
+          act[s * I + r] = g * sigmoidf(g) * dot(wu, xt, D);
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < A * dblocks; ++task) {
+      const int64_t e = active[task / dblocks], d0 = (task % dblocks) * kRows;
+      for (int64_t d = d0; d < std::min(D, d0 + kRows); ++d) {
+        const float* wd = w2 + (e * D + d) * I;
+        for (int64_t s = offset[e]; s < offset[e + 1]; ++s)
+          ys[order[s] * D + d] = dot(wd, act.data() + s * I, I) * weights[order[s]];
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      float* o = out + t * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = ys[t * k * D + d];
+      for (int64_t j = 1; j < k; ++j)
+        for (int64_t d = 0; d < D; ++d) o[d] += ys[(t * k + j) * D + d];
+    }
+  }
+}
+
+}  // extern "C"
