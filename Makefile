@@ -31,7 +31,7 @@ verify: $(STAMP)
 	$(PY) scripts/run_verifier.py
 
 lint: $(STAMP)
-	.venv/bin/ruff check kdaserve tests
+	.venv/bin/ruff check kdaserve tests examples
 
 clean:
 	rm -rf .venv build *.egg-info

@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> None:
         port = s.getsockname()[1]
     trainer = mp.get_context("spawn").Process(target=_trainer, args=(path, port, args.repeats))
     trainer.start()
-    rl.init_weights_update_group(e, "127.0.0.1", port, 1, 2)
+    rl.init_weights_update_group(e, "127.0.0.1", port, 1, 2).result()
     names = [k for k, _ in named]
     dtypes = [str(v.dtype) for _, v in named]
     shapes = [list(v.shape) for _, v in named]

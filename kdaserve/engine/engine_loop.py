@@ -3,7 +3,9 @@ server: commands in, step, outputs out. Transport-agnostic: `recv` and `send` ar
 
 Commands: ("add", rid, prompt, params) | ("abort", rid) | ("call", token, method, args) |
 ("stop",). Messages out: ("outputs", [RequestOutput]) | ("error", rid, message, status) |
-("reply", token, result, error) | ("tick",).
+("reply", token, result, error) | ("tick",). A call that waits on something outside the engine
+(a trainer's rendezvous) returns a Future; its reply goes out when it completes, and the loop
+serves meanwhile.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from kdaserve.engine import rl
@@ -43,11 +46,17 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
     """Runs until a ("stop",) command. recv(block) waits briefly for a command when block."""
     idle_step = False
     last_tick = 0.0
+    deferred: list[tuple[Any, Future]] = []  # (token, the call's result to come)
     while True:
         now = time.monotonic()
         if now - last_tick >= TICK_S:  # the HTTP side's watchdog listens
             send(("tick",))
             last_tick = now
+        for token, future in [d for d in deferred if d[1].done()]:
+            deferred.remove((token, future))
+            err = future.exception()
+            send(("reply", token, None if err else future.result(),
+                  f"{type(err).__name__}: {err}" if err else None))
         # wait for commands when there is nothing to run, or when the last step could schedule
         # nothing (requests waiting for memory): never spin
         block = idle_step or not engine.has_unfinished() or engine.paused
@@ -55,7 +64,7 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             block = False
             if cmd[0] == "stop":
                 return
-            _handle(engine, cmd, send)
+            _handle(engine, cmd, send, deferred)
         if not engine.has_unfinished() or engine.paused:
             pending = engine.drain_outputs()  # e.g. requests aborted by a pause: tell them
             if pending:
@@ -82,7 +91,8 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             send(("outputs", outputs))
 
 
-def _handle(engine: LLMEngine, cmd: Command, send: Callable[[tuple[Any, ...]], None]) -> None:
+def _handle(engine: LLMEngine, cmd: Command, send: Callable[[tuple[Any, ...]], None],
+            deferred: list[tuple[Any, Future]]) -> None:
     kind = cmd[0]
     if kind == "add":
         _, rid, prompt, params = cmd
@@ -102,7 +112,11 @@ def _handle(engine: LLMEngine, cmd: Command, send: Callable[[tuple[Any, ...]], N
     elif kind == "call":
         _, token, method, args = cmd
         try:
-            send(("reply", token, CALLS[method](engine, *args), None))
+            result = CALLS[method](engine, *args)
+            if isinstance(result, Future):
+                deferred.append((token, result))
+            else:
+                send(("reply", token, result, None))
         except Exception as e:  # noqa: BLE001 - reported to the caller
             send(("reply", token, None, f"{type(e).__name__}: {e}"))
     else:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +70,15 @@ def update_weights_from_tensor(e: Any, blobs: list[bytes], weight_version: str |
     return _updated(e, weight_version, flush_cache)
 
 
+RENDEZVOUS_TIMEOUT_S = 60.0  # a trainer that never joins costs this, on a side thread
+
+
 def init_weights_update_group(e: Any, master_address: str, master_port: int, rank_offset: int,
                               world_size: int, group_name: str = "weight_update_group",
-                              backend: str = "gloo") -> dict[str, Any]:
+                              backend: str = "gloo") -> Future:
+    """Joins the trainer's group as `rank_offset`. The rendezvous waits for the trainer, so
+    it runs on a thread and the answer comes when it completes (the engine loop sends it):
+    the engine goes on serving meanwhile."""
     import torch.distributed as dist
 
     if backend != "gloo" and e.device.type == "cpu":
@@ -79,15 +87,50 @@ def init_weights_update_group(e: Any, master_address: str, master_port: int, ran
         raise ValueError(f"weight update group {group_name!r} exists; destroy it first")
     if not 1 <= rank_offset < world_size:
         raise ValueError("rank_offset must be in [1, world_size): rank 0 is the trainer")
-    if dist.is_initialized():
+    if dist.is_initialized() or e.update_groups:
         raise ValueError("one weight update group at a time on this engine")
-    # the engine loop waits here for the trainer: bounded, so a trainer that never comes
-    # costs a minute, not the engine
-    dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}",
-                            world_size=world_size, rank=rank_offset,
-                            timeout=datetime.timedelta(seconds=60))
-    e.update_groups[group_name] = dist.group.WORLD
-    return {"success": True, "message": f"joined {group_name} as rank {rank_offset}"}
+    e.update_groups[group_name] = None  # joining: taken, not usable yet
+
+    def join() -> dict[str, Any]:
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            dist.init_process_group(backend,
+                                    init_method=f"tcp://{master_address}:{master_port}",
+                                    world_size=world_size, rank=rank_offset,
+                                    timeout=datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S))
+        except Exception as err:
+            e.update_groups.pop(group_name, None)
+            # a failed init has counted a group already: the next default group would get
+            # another store prefix than the trainer's and never meet it
+            if not dist.is_initialized():
+                c10d._world.group_count = 0
+            raise ValueError(f"joining {group_name!r} at {master_address}:{master_port} "
+                             f"failed: {err}") from err
+        e.update_groups[group_name] = dist.group.WORLD
+        return {"success": True, "message": f"joined {group_name} as rank {rank_offset}"}
+
+    future: Future = Future()
+    threading.Thread(target=_settle, args=(future, join), daemon=True,
+                     name="weight-update-rendezvous").start()
+    return future
+
+
+def _settle(future: Future, fn: Any) -> None:
+    try:
+        future.set_result(fn())
+    except Exception as err:  # noqa: BLE001 - handed to the caller
+        future.set_exception(err)
+
+
+def _group(e: Any, group_name: str) -> Any:
+    if group_name not in e.update_groups:
+        raise ValueError(f"no weight update group {group_name!r}: init_weights_update_group "
+                         "first")
+    group = e.update_groups[group_name]
+    if group is None:
+        raise ValueError(f"weight update group {group_name!r} is still waiting for the trainer")
+    return group
 
 
 def update_weights_from_distributed(e: Any, names: list[str], dtypes: list[str],
@@ -95,11 +138,17 @@ def update_weights_from_distributed(e: Any, names: list[str], dtypes: list[str],
                                     group_name: str = "weight_update_group",
                                     weight_version: str | None = None,
                                     flush_cache: bool = True) -> dict[str, Any]:
-    group = e.update_groups.get(group_name)
-    if group is None:
-        raise ValueError(f"no weight update group {group_name!r}: init_weights_update_group "
-                         "first")
-    named = weights.receive_distributed(group, names, dtypes, shapes, e.device)  # all, always
+    group = _group(e, group_name)
+    try:
+        largest = max(v.numel() for v in weights.update_views(e.model).values())
+        specs = weights.broadcast_specs(names, dtypes, shapes, largest)
+    except ValueError as err:
+        # the trainer is already broadcasting tensors nobody can receive without their
+        # shapes: leaving the group makes its broadcast fail instead of waiting forever
+        destroy_weights_update_group(e, group_name)
+        raise ValueError(f"{err} (the weight update group was left so the trainer's broadcast "
+                         "fails rather than waits: init_weights_update_group again)") from err
+    named = weights.receive_distributed(group, specs, e.device)  # all, always
     _require_idle(e, "update_weights_from_distributed")
     weights.apply(weights.check_update(e.model, named))
     e.weights_source = None
@@ -110,8 +159,8 @@ def destroy_weights_update_group(e: Any, group_name: str = "weight_update_group"
                                  ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    if e.update_groups.pop(group_name, None) is None:
-        raise ValueError(f"no weight update group {group_name!r}")
+    _group(e, group_name)
+    del e.update_groups[group_name]
     dist.destroy_process_group()
     return {"success": True, "message": f"left {group_name}"}
 

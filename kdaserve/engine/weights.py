@@ -13,6 +13,7 @@ shared parent process, is refused with a hint to use the `file_system` sharing s
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import re
 from pathlib import Path
@@ -87,19 +88,25 @@ def load_named_tensors(blob: bytes) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
+def update_views(model: Any) -> dict[str, torch.Tensor]:
+    """Name -> destination of every tensor an update may carry: checkpoint names, or those of
+    transformers' module a trainer holds in memory."""
+    return {**model.checkpoint_tensors(), **model.transformers_tensors()}
+
+
 def check_update(model: Any, named: list[tuple[str, torch.Tensor]],
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(destination, source) pairs after checking every name, shape and dtype."""
     from kdaserve.models.loader import canonical_name
 
-    views = model.checkpoint_tensors()
+    views = update_views(model)
     pairs, seen = [], set()
     for name, tensor in named:
         name = canonical_name(name)
         dest = views.get(name)
         if dest is None:
-            raise ValueError(f"unknown tensor name {name!r} (expected checkpoint names such as "
-                             f"{next(iter(views))!r})")
+            raise ValueError(f"unknown tensor name {name!r} (expected checkpoint or "
+                             f"transformers names such as {next(iter(views))!r})")
         if name in seen:
             raise ValueError(f"tensor {name!r} given twice")
         seen.add(name)
@@ -140,24 +147,38 @@ def update_from_disk(model: Any, config: Any, path: Path) -> None:
     load_weights(model, Path(path))
 
 
-def receive_distributed(group: Any, names: list[str], dtypes: list[str],
-                        shapes: list[list[int]], device: torch.device,
-                        ) -> list[tuple[str, torch.Tensor]]:
-    """The tensors rank 0 of `group` (the trainer) broadcasts, in order. Every broadcast is
-    received even when a name is wrong, so the collective never deadlocks the trainer."""
-    import torch.distributed as dist
+Spec = tuple[str, torch.dtype, list[int]]
 
+
+def broadcast_specs(names: list[str], dtypes: list[str], shapes: list[list[int]],
+                    max_numel: int) -> list[Spec]:
+    """What a broadcast will carry, all checked before the first tensor is received: equal
+    lengths, float dtypes, shapes of at most `max_numel` elements (the model's largest
+    tensor: nothing bigger can be a weight, and it bounds what a request makes us allocate)."""
     if not len(names) == len(dtypes) == len(shapes):
         raise ValueError("names, dtypes and shapes must have the same length")
-    for d in dtypes:
-        if d.removeprefix("torch.") not in FLOAT_DTYPES:
-            raise ValueError(f"dtype {d!r} is not a float dtype ({', '.join(FLOAT_DTYPES)})")
-    out = []
+    specs = []
     for name, d, shape in zip(names, dtypes, shapes, strict=True):
-        if any(int(x) < 0 for x in shape):
-            raise ValueError(f"tensor {name!r}: negative shape {shape}")
-        buf = torch.empty([int(x) for x in shape], dtype=FLOAT_DTYPES[d.removeprefix("torch.")],
-                          device=device)
+        dtype = FLOAT_DTYPES.get(str(d).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"dtype {d!r} is not a float dtype ({', '.join(FLOAT_DTYPES)})")
+        dims = [int(x) for x in shape]
+        if any(x < 0 for x in dims) or math.prod(dims) > max_numel:
+            raise ValueError(f"tensor {name!r}: shape {shape} is no weight of this model")
+        specs.append((name, dtype, dims))
+    return specs
+
+
+def receive_distributed(group: Any, specs: list[Spec], device: torch.device,
+                        ) -> list[tuple[str, torch.Tensor]]:
+    """The tensors rank 0 of `group` (the trainer) broadcasts, in order. Every broadcast is
+    received even when a name is wrong (checked after), so the group stays in step with the
+    trainer and usable for the next update."""
+    import torch.distributed as dist
+
+    out = []
+    for name, dtype, dims in specs:
+        buf = torch.empty(dims, dtype=dtype, device=device)
         dist.broadcast(buf, src=0, group=group)
         out.append((name, buf))
     return out

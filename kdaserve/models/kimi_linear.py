@@ -71,6 +71,31 @@ class KimiLinearForCausalLM(nn.Module):
             views.update(layer.checkpoint_tensors(f"model.layers.{i}."))
         return views
 
+    def transformers_tensors(self) -> dict[str, torch.Tensor]:
+        """transformers' `KimiLinearForCausalLM` parameter names -> destination views, for the
+        names that differ from the checkpoint's: an RL trainer holding that module sends its
+        `named_parameters()` (fused q|k|v conv, the forget gate's own module, experts fused
+        per layer as gate_up_proj [E, 2I, D] and down_proj [E, D, I], MoE under `mlp.`)."""
+        ck = self.checkpoint_tensors()
+        views: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            if isinstance(attn, KDAttention):
+                C, W = attn.conv_weight.shape
+                views[p + "self_attn.conv1d.weight"] = attn.conv_weight.data.view(C, 1, W)
+                for name in ("dt_bias", "A_log", "f_a_proj.weight", "f_b_proj.weight"):
+                    views[p + "self_attn.forget_gate." + name] = ck[p + "self_attn." + name]
+            if isinstance(mlp, MoE):
+                views[p + "mlp.experts.gate_up_proj"] = mlp.w13
+                views[p + "mlp.experts.down_proj"] = mlp.w2
+                views[p + "mlp.gate.weight"] = mlp.gate_weight
+                views[p + "mlp.gate.e_score_correction_bias"] = mlp.e_score_correction_bias
+                shared = p + "block_sparse_moe.shared_experts."
+                views.update({p + "mlp.shared_experts." + k.removeprefix(shared): v
+                              for k, v in ck.items() if k.startswith(shared)})
+        return views
+
     def forward(self, batch: ForwardBatch, states: StatePool, blocks: BlockPool) -> torch.Tensor:
         """Runs the new tokens of every sequence; returns fp32 logits [L, vocab] for the rows in
         `batch.logits_indices`. Caches are read and updated in place."""

@@ -96,6 +96,9 @@ class EngineProcess(EngineClient):
         self.stopping = False  # shutting down: a dying engine is not restarted
         self.restarts = 0
         self._ready: asyncio.Queue = asyncio.Queue()  # "ready" of a restarted engine
+        # called after a restart: the new engine serves the checkpoint it was started on,
+        # unpaused, whatever its predecessor had been sent
+        self.on_restart: list[Callable[[], None]] = []
         self._tasks: list[asyncio.Task] = []
         self.last_tick = time.monotonic()
 
@@ -176,6 +179,8 @@ class EngineProcess(EngineClient):
             if msg is None:
                 continue  # died while starting: counted, tried again
             self.info, self.dead, self.last_tick = msg[1], None, time.monotonic()
+            for fn in self.on_restart:
+                fn()
             logger.error("engine restarted")
 
     def problem(self, stuck_after: float) -> str | None:

@@ -175,6 +175,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
             chat=chat, api_key=args.api_key, responses=ResponseStore(),
             server_args={k: v for k, v in vars(args).items()
                          if isinstance(v, str | int | float | bool | None) and k != "api_key"})
+        engine.on_restart.append(state.engine_restarted)
         app = create_app(state)
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30,

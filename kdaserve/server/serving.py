@@ -64,6 +64,10 @@ class ServerState:
     def __post_init__(self) -> None:
         self.gate.set()
 
+    def engine_restarted(self) -> None:
+        """A restarted engine serves its start-up checkpoint, unpaused: say so."""
+        self.weight_version, self.paused = "default", False
+
     def need_tokenizer(self, what: str) -> Tokenizer:
         if self.tokenizer is None:
             raise ValueError(f"{what} needs a tokenizer, but the server runs with "

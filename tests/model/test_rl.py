@@ -147,3 +147,66 @@ def test_pause_modes(tiny_ckpt: Path) -> None:
     assert not e.has_unfinished()
     e.step()  # the abort outputs
     llm.check_integrity()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer(port: int, out) -> None:  # noqa: ANN001 - a multiprocessing queue
+    """Rank 0: joins, then broadcasts a tensor too big to vanish into a socket buffer."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
+                            rank=0, timeout=datetime.timedelta(seconds=120))
+    t0 = __import__("time").monotonic()
+    try:
+        dist.broadcast(torch.ones(32 * 2**20), src=0)
+        out.put(("sent", 0.0))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out.put((f"failed: {type(e).__name__}", __import__("time").monotonic() - t0))
+
+
+def test_rendezvous_runs_beside_the_engine_and_failures_leave_no_trace(
+        tiny_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing as mp
+
+    monkeypatch.setattr(rl, "RENDEZVOUS_TIMEOUT_S", 2.0)
+    llm = LLM(tiny_ckpt)
+    e = llm.engine
+    want = run(llm)
+    # nobody joins: the call returns at once, the engine serves while it waits, then it fails
+    waiting = rl.init_weights_update_group(e, "127.0.0.1", _free_port(), 1, 2)
+    with pytest.raises(ValueError, match="still waiting"):
+        rl.update_weights_from_distributed(e, ["x"], ["float32"], [[1]])
+    same(run(llm), want)
+    with pytest.raises(ValueError, match="failed"):
+        waiting.result(timeout=60)
+    assert e.update_groups == {}
+    # a later rendezvous meets its trainer (the failed one left torch's group count as it was)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    trainer = ctx.Process(target=_trainer, args=(port, out))
+    trainer.start()
+    try:
+        rl.init_weights_update_group(e, "127.0.0.1", port, 1, 2).result(timeout=60)
+        # a broadcast described wrongly cannot be received: refused, and the group is left so
+        # the trainer's broadcast fails now instead of waiting out its two-minute timeout
+        with pytest.raises(ValueError, match="group was left"):
+            rl.update_weights_from_distributed(e, ["w"], ["int8"], [[32 * 2**20]])
+        status, waited = out.get(timeout=60)
+        assert status.startswith("failed") and waited < 30
+        assert e.update_groups == {}
+    finally:
+        trainer.join(30)
+        if trainer.is_alive():
+            trainer.kill()
+    same(run(llm), want)
+    llm.check_integrity()

@@ -9,7 +9,10 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+import os
+import signal
 import socket
+import time
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -214,3 +217,22 @@ def test_hidden_states_in_meta_info(h: httpx.Client, tiny_ckpt: Path) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     r = h.post("/generate", json=body)
     assert "hidden_states" not in r.json()["meta_info"]
+
+
+def test_a_restarted_engine_reports_its_own_weights(h: httpx.Client, rl_server: ServerProc,
+                                                    tiny_ckpt: Path) -> None:
+    """(Last in this module: it restarts the engine.) The new engine serves its start-up
+    checkpoint, unpaused; the server must not keep reporting what the old one had."""
+    post(h, "/update_weights_from_disk", {"model_path": str(tiny_ckpt), "weight_version": "v9"})
+    post(h, "/pause_generation", {"mode": "in_place"})
+    os.kill(rl_server.engine_pid(), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while h.get("/health").status_code == 200:  # until the server has seen it die
+        assert time.monotonic() < deadline, "the engine's death went unnoticed"
+        time.sleep(0.05)
+    while h.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine was not restarted"
+        time.sleep(0.2)
+    out = generate(h)  # not held back by the dead engine's pause
+    assert out["meta_info"]["weight_version"] == "default"
+    assert h.get("/get_weight_version").json()["weight_version"] == "default"
