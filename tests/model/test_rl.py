@@ -210,3 +210,29 @@ def test_rendezvous_runs_beside_the_engine_and_failures_leave_no_trace(
             trainer.kill()
     same(run(llm), want)
     llm.check_integrity()
+
+
+def test_update_from_a_transformers_module_matches_transformers(tiny_ckpt: Path,
+                                                                other_ckpt: Path) -> None:
+    """A trainer holding transformers' module sends its named_parameters (fused conv, forget
+    gate module, fused experts): the engine then generates what that module computes."""
+    from .conftest import load_hf
+
+    hf = load_hf(other_ckpt)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # weights no checkpoint holds: a training step's worth of change
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02 * p.abs().mean())
+    llm = LLM(tiny_ckpt)
+    # the router's correction bias is a buffer in transformers: sent too (it differs here)
+    named = [(k, v.detach().clone()) for k, v in hf.named_parameters()] + [
+        (k, v.clone()) for k, v in hf.named_buffers() if "e_score_correction_bias" in k]
+    rl.update_weights_from_tensor(llm.engine, [serialize(named)], "hf")
+    for prompt, (tokens, lps) in zip(PROMPTS, run(llm), strict=True):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
+        for i, (t, entry) in enumerate(zip(tokens, lps, strict=True)):
+            row = ref[len(prompt) - 1 + i]
+            assert t == int(row.argmax())
+            assert abs(entry[t] - row[t].item()) <= 1e-4
+    llm.check_integrity()
