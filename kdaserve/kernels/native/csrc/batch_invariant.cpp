@@ -69,6 +69,9 @@ inline void dot_tile(const float* __restrict w, const float* __restrict x, float
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
+// Below this much work an OpenMP team costs more than it saves (row ops of a decode step).
+constexpr int64_t kParallelMin = 1 << 15;
+
 // 1 / rms(x) with eps, as KimiRMSNorm: rsqrt(mean(x^2) + eps).
 inline float inv_rms(const float* x, int64_t n, float eps) {
   return 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
@@ -98,7 +101,7 @@ void bi_linear_f32(const float* x, const float* w, float* y, int64_t M, int64_t 
 // y = w * (x / rms(x)) per row of length D (KimiRMSNorm in fp32).
 void bi_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t D,
                      float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * D >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * D;
     const float s = inv_rms(xr, D, eps);
@@ -109,7 +112,7 @@ void bi_rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int
 // y = w * (o / rms(o)) * sigmoid(z) per row of length D (fla's FusedRMSNormGated).
 void bi_gated_rms_norm_f32(const float* o, const float* z, const float* w, float* y,
                            int64_t rows, int64_t D, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * D >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     const float* orow = o + r * D;
     const float s = inv_rms(orow, D, eps);
@@ -119,7 +122,7 @@ void bi_gated_rms_norm_f32(const float* o, const float* z, const float* w, float
 
 // y [rows, I] = SiLU(g) * u with gu [rows, 2I] = gate | up.
 void bi_silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * I >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < I; ++i) {
       const float g = gu[r * 2 * I + i];
@@ -128,7 +131,7 @@ void bi_silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I) {
 }
 
 void bi_sigmoid_f32(const float* x, float* y, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
   for (int64_t i = 0; i < n; ++i) y[i] = sigmoidf(x[i]);
 }
 
