@@ -324,18 +324,21 @@ def main(args: argparse.Namespace) -> None:
     for r in table:
         r["vs_" + backends[0].name] = round(r["output_tok_s"] / base[r["parallel"]], 3)
         if machine:
-            flops = 2 * costs["active_params"] * (r["prompt_tokens_computed"] + r["output_tokens"])
+            # every computed row pays the row weights and its routed experts; only the rows
+            # that sample (one per output token) pay the lm_head; attention is left out
+            flops = roofline.flops(costs, r["prompt_tokens_computed"] + r["output_tokens"],
+                                   r["output_tokens"])
             r["gflops"] = flops / r["latency_s"] / 1e9
             r["gemm_peak_fraction"] = r["gflops"] / machine["gemm_gflops"]
             steps = r["output_tokens"] / r["parallel"]
-            bw = steps * roofline.decode_bytes_per_step(cfg, r["parallel"]) / r["latency_s"]
+            bw = steps * roofline.decode_step_bytes(costs, r["parallel"]) / r["latency_s"]
             r["decode_read_gbps"] = bw / 1e9
             r["bandwidth_fraction"] = r["decode_read_gbps"] / machine["read_gbps"]
     _print(table, backends[0].name, machine)
     out = Path(args.out)
     write_result(out, {"model": str(path), "num_shots": args.num_shots,
                        "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos,
-                       "machine": machine, "model_costs": costs, "rows": table})
+                       "machine": machine, "model_costs": asdict(costs), "rows": table})
     plot(table, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

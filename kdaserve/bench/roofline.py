@@ -5,6 +5,7 @@ token, so throughput can be put as a fraction of them."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,45 +25,103 @@ def gemm_gflops(n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def read_gbps(mbytes: int = 512, repeats: int = 5) -> float:
-    """Best streaming-read bandwidth: a sum over a buffer much larger than the caches."""
+def read_gbps(mbytes: int = 512, repeats: int = 9) -> float:
+    """Best streaming-read bandwidth over a buffer much larger than the caches: the native
+    read loop (one OpenMP team, wide loads, nothing else), else torch's sum, whose reduction
+    machinery made the probe swing by 2x between runs."""
+    from kdaserve.kernels.native import build
+
     x = torch.ones(mbytes * 2**20 // 4)
-    x.sum()
+    if build.available()[0]:
+        lib = build.library()
+
+        def read() -> None:
+            lib.read_f32(x.data_ptr(), x.numel())
+    else:
+        def read() -> None:
+            x.sum()
+    read()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        x.sum()
+        read()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
 
 
-def model_costs(c: ModelConfig) -> dict[str, float]:
-    """Parameters touched per token (active) and weight bytes read per decode step (fp32) at a
-    given batch: dense weights once, each routed expert once if any token picks it."""
-    D = c.hidden_size
-    P, K = c.kda_dim, c.kda_head_dim
-    kda = 3 * D * P + D * K + K * P + D * c.kda_num_heads + D * K + K * P + P * D
+@dataclass(frozen=True)
+class ModelCosts:
+    """What one token costs a model, by the part of the forward that pays it. Parameter counts
+    are multiply-adds per row (2 FLOPs each, fp32: 4 bytes each when read)."""
+
+    row_params: int  # every forwarded row: attention projections, conv, dense MLPs, routers,
+    # shared experts (not the lm_head, not routed experts)
+    expert_params: int  # one routed expert
+    num_moe_layers: int
+    top_k: int
+    num_experts: int
+    lm_head_params: int  # only rows that produce logits pay it
+    kda_flops: int  # per row, every KDA layer's delta rule on its [H, K, V] state
+    kda_state_bytes: int  # per sequence and step: fp32 states read and written, all KDA layers
+    mla_flops_per_position: int  # per row and attended position, every MLA layer (absorbed)
+    latent_bytes: int  # per cached position: its latents in every MLA layer (fp32)
+
+    @property
+    def active_row_params(self) -> int:
+        return self.row_params + self.num_moe_layers * self.top_k * self.expert_params
+
+
+def model_costs(c: ModelConfig) -> ModelCosts:
+    D, H_kda, K, V = c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.kda_head_dim
+    P = c.kda_dim
+    kda = (D * (3 * P + 2 * K + H_kda) + 2 * K * P + P * D  # in_proj, f_b, g_b, o_proj
+           + 3 * P * c.kda_conv_size)
     H = c.num_attention_heads
     q = (D * H * c.qk_head_dim if c.q_lora_rank is None
          else D * c.q_lora_rank + c.q_lora_rank * H * c.qk_head_dim)
+    # kv_b_proj's W_UK / W_UV are applied per row in the absorbed form: the same count
     mla = q + D * c.latent_dim + c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim) \
         + H * c.v_head_dim * D
     expert = 3 * D * c.moe_intermediate_size
-    dense_mlp = 3 * D * c.intermediate_size
-    attn = sum(kda if t == "kda" else mla for t in c.layer_types)
     n_moe = sum(1 for t in c.mlp_types if t == MOE)
-    shared = n_moe * (expert * c.num_shared_experts + D * c.num_experts)
-    dense = attn + shared + dense_mlp * (c.num_hidden_layers - n_moe) + D * c.vocab_size
-    return {"dense_params": dense, "expert_params": expert, "num_moe_layers": n_moe,
-            "active_params": dense + n_moe * c.num_experts_per_token * expert}
+    n_kda, n_mla = len(c.kda_layers), len(c.mla_layers)
+    row = (n_kda * kda + n_mla * mla + n_moe * (expert * c.num_shared_experts + D * c.num_experts)
+           + 3 * D * c.intermediate_size * (c.num_hidden_layers - n_moe))
+    return ModelCosts(
+        row_params=row, expert_params=expert, num_moe_layers=n_moe,
+        top_k=c.num_experts_per_token, num_experts=c.num_experts,
+        lm_head_params=D * c.vocab_size,
+        # decay (KV), k^T S (2KV), rank-1 update (2KV), read-out with q (2KV) per head
+        kda_flops=n_kda * H_kda * 7 * K * V,
+        kda_state_bytes=n_kda * H_kda * K * V * 4 * 2,
+        # scores against latent and rope key, then the latent-weighted sum, per head
+        mla_flops_per_position=n_mla * H * (2 * c.latent_dim + 2 * c.kv_lora_rank),
+        latent_bytes=n_mla * c.latent_dim * 4)
 
 
-def decode_bytes_per_step(c: ModelConfig, batch: int) -> float:
-    """fp32 weight bytes a decode step of `batch` sequences reads (expected distinct experts
-    under uniform routing: E · (1 - (1 - k/E)^batch))."""
-    m = model_costs(c)
-    distinct = c.num_experts * (1 - (1 - c.num_experts_per_token / max(c.num_experts, 1)) ** batch)
-    return 4 * (m["dense_params"] + m["num_moe_layers"] * distinct * m["expert_params"])
+def flops(m: ModelCosts, rows: int, logits_rows: int, attended: int = 0) -> float:
+    """FLOPs of forwarding `rows` tokens of which `logits_rows` produce logits (prefill rows
+    other than a request's last do not), attending `attended` cached positions in total
+    (sum over rows of each row's context; 0 leaves attention out, which only understates)."""
+    return (2 * (m.active_row_params * rows + m.lm_head_params * logits_rows)
+            + m.kda_flops * rows + m.mla_flops_per_position * attended)
+
+
+def expected_distinct_experts(m: ModelCosts, rows: int) -> float:
+    """Distinct experts per MoE layer that `rows` tokens touch under uniform routing."""
+    E = max(m.num_experts, 1)
+    return E * (1 - (1 - m.top_k / E) ** rows)
+
+
+def decode_step_bytes(m: ModelCosts, batch: int, distinct_experts: float | None = None,
+                      context: int = 0) -> float:
+    """Bytes a decode step of `batch` sequences moves: every row weight and the lm_head once,
+    each touched expert once per MoE layer (`distinct_experts`, else the uniform expectation),
+    the KDA states read and written, and `context` cached positions' latents read."""
+    distinct = expected_distinct_experts(m, batch) if distinct_experts is None \
+        else distinct_experts
+    weights = m.row_params + m.lm_head_params + m.num_moe_layers * distinct * m.expert_params
+    return 4 * weights + batch * m.kda_state_bytes + context * m.latent_bytes
 
 
 def limits() -> dict[str, Any]:

@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 class Library:
     source: str
     flags: tuple[str, ...]  # on top of FLAGS
-    signatures: dict[str, list]
+    signatures: dict[str, list | tuple[list, Any]]  # args, or (args, return type)
 
 
 LIBRARIES = {
@@ -45,6 +46,7 @@ LIBRARIES = {
         "mla_decode_f32": [_P] * 6 + [_I] * 6 + [_F],
         "moe_decode_f32": [_P] * 6 + [_I] * 5,
         "linear_small_f32": [_P] * 3 + [_I] * 3,
+        "read_f32": ([_P, _I], _F),
     }),
     # No fused multiply-add contraction: each value's operations are fixed by the source alone
     # (deterministic inference; see the file's header).
@@ -110,9 +112,9 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     except (RuntimeError, OSError) as e:
         logger.warning("native CPU kernels unavailable: %s", e)
         return None, str(e)
-    for fn_name, args in spec.signatures.items():
+    for fn_name, sig in spec.signatures.items():
         fn = getattr(lib, fn_name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = sig if isinstance(sig, tuple) else (sig, None)
     return lib, ""
 
 

@@ -1,0 +1,48 @@
+"""The benches' cost model against a hand count on the tiny preset: FLOPs per phase (the
+lm_head only for rows that produce logits) and bytes per decode step."""
+
+from __future__ import annotations
+
+import pytest
+
+from kdaserve.bench import roofline
+from kdaserve.checkpoint import preset_config
+
+# tiny: D=64, vocab 3840+256, 4 layers (KDA, KDA, KDA, MLA; dense MLP then 3 MoE), KDA 2 heads
+# of 32 (P=64), conv 4; MLA 2 heads, no q LoRA, R=32, nope 16, rope 8, v 16; 8 experts of
+# I=32, top-2, one shared expert; dense MLP I=128
+D, VOCAB = 64, 4096
+KDA_LAYER = D * (3 * 64 + 2 * 32 + 2) + 2 * 32 * 64 + 64 * D + 3 * 64 * 4
+MLA_LAYER = D * 2 * 24 + D * (32 + 8) + 32 * 2 * (16 + 16) + 2 * 16 * D
+EXPERT = 3 * D * 32
+ROW = 3 * KDA_LAYER + MLA_LAYER + 3 * (EXPERT + D * 8) + 3 * D * 128
+ACTIVE = ROW + 3 * 2 * EXPERT
+
+
+def test_params_by_part() -> None:
+    m = roofline.model_costs(preset_config("tiny"))
+    assert m.row_params == ROW
+    assert m.active_row_params == ACTIVE
+    assert m.lm_head_params == D * VOCAB
+    assert m.kda_flops == 3 * 2 * 7 * 32 * 32
+    assert m.mla_flops_per_position == 2 * (2 * 40 + 2 * 32)
+    assert m.latent_bytes == 40 * 4
+
+
+def test_flops_count_the_lm_head_only_for_logits_rows() -> None:
+    m = roofline.model_costs(preset_config("tiny"))
+    # a 100-token prompt then 10 decode steps: 110 rows, 11 logits rows, no attention counted
+    per_row = 2 * ACTIVE + 3 * 2 * 7 * 32 * 32
+    assert roofline.flops(m, 110, 11) == 110 * per_row + 11 * 2 * D * VOCAB
+    assert roofline.flops(m, 1, 1, attended=50) == per_row + 2 * D * VOCAB + 50 * 288
+
+
+def test_decode_step_bytes() -> None:
+    m = roofline.model_costs(preset_config("tiny"))
+    one = 4 * (ROW + D * VOCAB + 3 * 2 * EXPERT) + 3 * 2 * 32 * 32 * 8
+    assert roofline.decode_step_bytes(m, 1) == pytest.approx(one)
+    # a big batch touches every expert once per layer
+    many = roofline.decode_step_bytes(m, 64, distinct_experts=8, context=1000)
+    assert many == 4 * (ROW + D * VOCAB + 3 * 8 * EXPERT) + 64 * 3 * 2 * 32 * 32 * 8 \
+        + 1000 * 160
+    assert roofline.expected_distinct_experts(m, 1) == pytest.approx(2)
