@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kdaserve.bench import write_result
+from kdaserve.bench import roofline, write_result
 from kdaserve.config import ModelConfig
 from kdaserve.kernels import registry
 
@@ -97,6 +97,10 @@ def main(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     cpu = torch.device("cpu")
+    read = roofline.read_gbps()
+    # a weight's roofline is reading that many bytes: caches (a large L3) and page sizes make
+    # the rate depend on the size, so each weight size is probed with a buffer of its own
+    read_at: dict[int, float] = {}
     for op, shape, kw in _cases(config, batches, args.prompt_len):
         ref_s = None
         # ref first: the baseline of the row
@@ -107,17 +111,28 @@ def main(args: argparse.Namespace) -> None:
             # states (bounded: L2-normalised keys, decays below 1), as serving does
             s = _time(lambda b=b, kw=kw: b.fn(**kw))
             ref_s = s if b.name == "ref" else ref_s
-            rows.append({"op": op, "shape": shape, "backend": b.name, "ms": s * 1e3,
-                         "vs_ref": (ref_s / s) if ref_s else None})
+            row = {"op": op, "shape": shape, "backend": b.name, "ms": s * 1e3,
+                   "vs_ref": (ref_s / s) if ref_s else None}
+            if op == "linear":  # weight streaming: bytes of the weight per call
+                mb = max(1, kw["weight"].numel() * 4 // 2**20)
+                if mb not in read_at:
+                    read_at[mb] = roofline.read_gbps(mb)
+                row["gbps"] = kw["weight"].numel() * 4 / s / 1e9
+                row["read_fraction"] = row["gbps"] / read_at[mb]
+            rows.append(row)
     overhead = host_overhead_ms(args.overhead_model)
-    print(f"{'op':14} {'shape':28} {'backend':15} {'ms':>10} {'vs ref':>8}")
+    probes = ", ".join(f"{mb} MB: {g:.1f} GB/s" for mb, g in read_at.items())
+    print(f"measured read bandwidth {read:.1f} GB/s (512 MB); linear: weight GB/s and its "
+          f"fraction of reading as many bytes ({probes})")
+    print(f"{'op':14} {'shape':28} {'backend':15} {'ms':>10} {'vs ref':>8} {'GB/s':>7}")
     for r in rows:
         vs = f"{r['vs_ref']:.1f}x" if r["vs_ref"] else "-"
-        print(f"{r['op']:14} {r['shape']:28} {r['backend']:15} {r['ms']:10.3f} {vs:>8}")
+        bw = f"{r['gbps']:6.1f} ({r['read_fraction']:.0%})" if "gbps" in r else ""
+        print(f"{r['op']:14} {r['shape']:28} {r['backend']:15} {r['ms']:10.3f} {vs:>8} {bw}")
     print(f"engine host overhead per decode step at batch 1 (tiny preset): {overhead:.2f} ms")
     out = Path(args.out)
     write_result(out, {"model": args.model, "threads": torch.get_num_threads(),
-                       "rows": rows, "host_overhead_ms": overhead})
+                       "read_gbps": read, "rows": rows, "host_overhead_ms": overhead})
     print(f"wrote {out}")
 
 

@@ -7,8 +7,8 @@
 // tail (a different exp) whose position depends on the tensor size, and reductions split
 // across threads once a tensor is large.
 //
-// How: reductions run over explicit 16-lane vectors (GCC vector extensions, lowered to the
-// host's SIMD width) summed lane by lane in order, then a scalar tail; transcendentals are
+// How: reductions run over explicit vectors of the host's width (GCC vector extensions)
+// summed lane by lane in order, then a scalar tail; transcendentals are
 // scalar libm calls; work is split across threads only over independent outputs; and the file
 // is compiled with -ffp-contract=off so no multiply-add is fused in one place and not another.
 // The plain-torch references in kernels/ref are the oracle these are tested against.
@@ -20,25 +20,35 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
+// The host's vector (as kda_cpu.cpp's tiles): 16 lanes in 4 x 4 linear tiles with AVX-512,
+// 8 lanes in 8 x 1 tiles on AVX2, where a 16-lane type is split into register pairs and spills.
+// Values then differ between the two kinds of host, never between calls on one.
+#if defined(__AVX512F__)
+typedef float vec __attribute__((vector_size(64)));
+constexpr int kTileN = 4, kTileM = 4;
+#else
+typedef float vec __attribute__((vector_size(32)));
+constexpr int kTileN = 8, kTileM = 1;
+#endif
+constexpr int kLanes = sizeof(vec) / sizeof(float);
 
-inline v16 load16(const float* p) {
-  v16 v;
+inline vec load_vec(const float* p) {
+  vec v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline float hsum(v16 acc) {
+inline float hsum(vec acc) {
   float s = 0.0f;
-  for (int l = 0; l < 16; ++l) s += acc[l];
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
   return s;
 }
 
-// The one dot product of this file: 16-lane partial sums, lanes summed in order, scalar tail.
+// The one dot product of this file: kLanes partial sums, lanes summed in order, scalar tail.
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  v16 acc = {};
+  vec acc = {};
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) acc += load16(a + j) * load16(b + j);
+  for (; j + kLanes <= n; j += kLanes) acc += load_vec(a + j) * load_vec(b + j);
   float s = hsum(acc);
   for (; j < n; ++j) s += a[j] * b[j];
   return s;
@@ -49,13 +59,13 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 template <int TN, int TM>
 inline void dot_tile(const float* __restrict w, const float* __restrict x, float* __restrict y,
                      int64_t N, int64_t K) {
-  v16 acc[TN][TM] = {};
+  vec acc[TN][TM] = {};
   int64_t j = 0;
-  for (; j + 16 <= K; j += 16) {
-    v16 xv[TM];
-    for (int tm = 0; tm < TM; ++tm) xv[tm] = load16(x + tm * K + j);
+  for (; j + kLanes <= K; j += kLanes) {
+    vec xv[TM];
+    for (int tm = 0; tm < TM; ++tm) xv[tm] = load_vec(x + tm * K + j);
     for (int tn = 0; tn < TN; ++tn) {
-      const v16 wv = load16(w + tn * K + j);
+      const vec wv = load_vec(w + tn * K + j);
       for (int tm = 0; tm < TM; ++tm) acc[tn][tm] += wv * xv[tm];
     }
   }
@@ -88,10 +98,11 @@ void bi_linear_f32(const float* x, const float* w, float* y, int64_t M, int64_t 
   for (int64_t n0 = 0; n0 < N; n0 += kRows) {
     const int64_t n1 = std::min(N, n0 + kRows);
     int64_t n = n0;
-    for (; n + 4 <= n1; n += 4) {
+    for (; n + kTileN <= n1; n += kTileN) {
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) dot_tile<4, 4>(w + n * K, x + m * K, y + m * N + n, N, K);
-      for (; m < M; ++m) dot_tile<4, 1>(w + n * K, x + m * K, y + m * N + n, N, K);
+      for (; m + kTileM <= M; m += kTileM)
+        dot_tile<kTileN, kTileM>(w + n * K, x + m * K, y + m * N + n, N, K);
+      for (; m < M; ++m) dot_tile<kTileN, 1>(w + n * K, x + m * K, y + m * N + n, N, K);
     }
     for (; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(w + n * K, x + m * K, K);
