@@ -157,3 +157,27 @@ def test_linear_native_matches_torch(rows: int, K: int) -> None:
     torch.testing.assert_close(linear_native(x[1], w), torch.nn.functional.linear(x[1], w),
                                atol=1e-4, rtol=1e-5)
     assert linear_native(x, w).shape == (2, rows, 70)
+
+
+def test_linear_native_takes_more_rows_of_a_large_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An lm_head-sized weight stays on the native GEMM up to LARGE_WEIGHT_MAX_ROWS rows."""
+    from kdaserve.kernels.native import ops
+
+    monkeypatch.setattr(ops, "LARGE_WEIGHT", 70 * 40)  # this test's weight counts as large
+    g = gen(5)
+    w = torch.randn(70, 40, generator=g)
+    calls = []
+    real = ops.library
+
+    class Spy:
+        def __getattr__(self, name: str):  # noqa: ANN204
+            calls.append(name)
+            return getattr(real(), name)
+
+    monkeypatch.setattr(ops, "library", Spy)
+    for rows, native in ((64, True), (ops.LARGE_WEIGHT_MAX_ROWS + 1, False)):
+        calls.clear()
+        x = torch.randn(rows, 40, generator=g)
+        torch.testing.assert_close(ops.linear_native(x, w), torch.nn.functional.linear(x, w),
+                                   atol=1e-4, rtol=1e-5)
+        assert (calls == ["linear_small_f32"]) == native
