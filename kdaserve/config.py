@@ -327,7 +327,9 @@ class EngineConfig:
 
     model: str = "bench"
     device: str = "cpu"
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on accelerators
+    # None: float32 on CPU, bfloat16 on accelerators; bfloat16 on a CPU is weight-only (the
+    # projections' and experts' weights bf16, activations, norms and caches fp32)
+    dtype: str | None = None
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     kernel_backend: str | None = None

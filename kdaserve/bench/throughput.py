@@ -3,7 +3,8 @@
 N random prompts of `--input-len` tokens each generate exactly `--output-len` tokens (EOS
 ignored) for each batch size; the same prompts go through transformers' `generate` (static
 batch, same checkpoint) when the `hf` backend is asked for, and through an engine with
-deterministic inference (batch-invariant kernels) for the `deterministic` backend. Backends
+deterministic inference (batch-invariant kernels) for the `deterministic` backend, and with
+weight-only bf16 (`dtype="bfloat16"` on a CPU) for `bf16`. Backends
 alternate per batch size so drift on a shared machine hits both alike.
 """
 
@@ -53,10 +54,12 @@ def main(args: argparse.Namespace) -> None:
     llm = LLM(args.model, max_num_seqs=max(batch_sizes),
               max_num_batched_tokens=args.max_num_batched_tokens)
     engines = {"kdaserve": llm}
-    if "deterministic" in backends:
-        engines["deterministic"] = LLM(args.model, max_num_seqs=max(batch_sizes),
-                                       max_num_batched_tokens=args.max_num_batched_tokens,
-                                       enable_deterministic_inference=True)
+    variants = {"deterministic": {"enable_deterministic_inference": True},
+                "bf16": {"dtype": "bfloat16"}}  # weight-only bf16 on a CPU
+    for name, kw in variants.items():
+        if name in backends:
+            engines[name] = LLM(args.model, max_num_seqs=max(batch_sizes),
+                                max_num_batched_tokens=args.max_num_batched_tokens, **kw)
     hf = None
     if "hf" in backends:
         from transformers import KimiLinearForCausalLM
@@ -86,7 +89,7 @@ def main(args: argparse.Namespace) -> None:
     hf_rate = {r["batch"]: r["output_tok_s"] for r in rows if r["backend"] == "hf"}
     plain_rate = {r["batch"]: r["output_tok_s"] for r in rows if r["backend"] == "kdaserve"}
     for r in rows:
-        if r["backend"] == "deterministic" and r["batch"] in plain_rate:
+        if r["backend"] in variants and r["batch"] in plain_rate:
             r["vs_plain"] = round(r["output_tok_s"] / plain_rate[r["batch"]], 2)
         ratio = r["output_tok_s"] / hf_rate[r["batch"]] if r["batch"] in hf_rate else None
         r["vs_hf"] = round(ratio, 2) if ratio else None
@@ -108,7 +111,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--backends", default="kdaserve,hf",
-                   help="comma-separated: kdaserve, hf, deterministic")
+                   help="comma-separated: kdaserve, hf, deterministic, bf16")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--out", default="bench_results/throughput.json")
     p.set_defaults(func=main)

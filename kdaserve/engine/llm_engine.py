@@ -61,13 +61,18 @@ class LLMEngine:
         self.path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.path)
         self.device = torch.device(config.device)
-        # bf16 matmul is ~200x slower than fp32 on common CPUs: fp32 there, bf16 on accelerators
-        self.dtype = getattr(torch, config.dtype) if config.dtype else (
+        # bf16 matmul is ~200x slower than fp32 on common CPUs: fp32 there, bf16 on accelerators.
+        # `dtype` is the activations' and caches'; on a CPU, bfloat16 means weight-only bf16:
+        # projections and experts stored bf16 (half the bytes a decode step streams), widened
+        # in registers by the native kernels, everything else fp32.
+        asked = getattr(torch, config.dtype) if config.dtype else (
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+        self.weight_dtype = asked
+        self.dtype = torch.float32 if self.device.type == "cpu" else asked
         self.kernels = resolve_kernels(self.device, config.kernel_backend,
                                        config.enable_deterministic_inference)
         self.model = build_model(self.model_config, self.kernels, self.dtype, self.device,
-                                 self.path, config.load_format, config.seed)
+                                 self.path, config.load_format, config.seed, self.weight_dtype)
         self.tokenizer = (None if config.skip_tokenizer_init
                           else Tokenizer.from_pretrained(self.path))
         if self.tokenizer is not None and \
@@ -131,7 +136,10 @@ class LLMEngine:
     def summary(self) -> str:
         mc = self.model_config
         params = sum(p.numel() for p in self.model.parameters())
-        text = (f"{params / 1e6:.0f}M parameters ({str(self.dtype).removeprefix('torch.')}, "
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.weight_dtype != self.dtype:
+            dtype = f"{str(self.weight_dtype).removeprefix('torch.')} weights, {dtype}"
+        text = (f"{params / 1e6:.0f}M parameters ({dtype}, "
                 f"{self.device}), {mc.num_hidden_layers} layers ({len(mc.kda_layers)} KDA + "
                 f"{len(mc.mla_layers)} MLA), {mc.num_experts} experts top-"
                 f"{mc.num_experts_per_token}, vocab {mc.vocab_size}")

@@ -35,8 +35,9 @@ def _cpu_only(device: torch.device) -> tuple[bool, str]:
     return (device.type == "cpu", "" if device.type == "cpu" else "cpu backend needs a CPU")
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T without bias: every projection of the model."""
-    return F.linear(x, weight)
+    """x @ weight.T without bias: every projection of the model (a weight-only bf16 weight
+    is widened to x's dtype)."""
+    return F.linear(x, weight.to(x.dtype))
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

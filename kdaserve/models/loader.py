@@ -17,6 +17,8 @@ import torch
 
 from kdaserve.config import ModelConfig
 from kdaserve.kernels import Kernels
+from kdaserve.layers.linear import Linear
+from kdaserve.layers.moe import MoE
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
 DTYPES = {
@@ -167,16 +169,21 @@ def init_random(model: KimiLinearForCausalLM, seed: int) -> None:
 
 def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
                 device: torch.device, path: Path | None, load_format: str = "auto",
-                seed: int = 0) -> KimiLinearForCausalLM:
-    """Builds on the meta device (no init cost), materialises, then fills every parameter."""
+                seed: int = 0, weight_dtype: torch.dtype | None = None) -> KimiLinearForCausalLM:
+    """Builds on the meta device (no init cost), materialises, then fills every parameter.
+    `weight_dtype` (default `dtype`): the projections' and experts' weights only, the bytes a
+    decode step streams (weight-only bf16 on a CPU); norms, embeddings and the rest `dtype`."""
     with torch.device("meta"):
         model = KimiLinearForCausalLM(config, kernels)
     # by name, after to_empty: moving off the meta device replaces the Parameter objects
     fp32_suffixes = ("A_log", "dt_bias", "gate_weight", "e_score_correction_bias")
     model.to_empty(device=device)
+    matmul_weights = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    matmul_weights |= {id(p) for m in model.modules() if isinstance(m, MoE) for p in (m.w13, m.w2)}
     for n, p in model.named_parameters():
-        if not n.endswith(fp32_suffixes):
-            p.data = p.data.to(dtype)
+        if n.endswith(fp32_suffixes):
+            continue
+        p.data = p.data.to(weight_dtype or dtype if id(p) in matmul_weights else dtype)
     model.requires_grad_(False)
     if load_format == "dummy":
         init_random(model, seed)

@@ -181,3 +181,31 @@ def test_linear_native_takes_more_rows_of_a_large_weight(monkeypatch: pytest.Mon
         torch.testing.assert_close(ops.linear_native(x, w), torch.nn.functional.linear(x, w),
                                    atol=1e-4, rtol=1e-5)
         assert (calls == ["linear_small_f32"]) == native
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 33, 64])
+@pytest.mark.parametrize("K", [40, 768])
+def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
+    """Weight-only bf16: fp32 activations against bf16 weights, widened in registers (1-3
+    rows) or per block (more rows); equal to fp32 arithmetic on the same (bf16) values."""
+    g = gen(rows + K)
+    x = torch.randn(rows, K, generator=g)
+    w = torch.randn(130, K, generator=g).bfloat16()
+    y = linear_native(x, w)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w.float()), atol=1e-4,
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 5, 200])
+def test_moe_native_with_bf16_weights(T: int) -> None:
+    g = gen(T)
+    E, D, inter, k = 6, 40, 24, 2
+    x = torch.randn(T, D, generator=g)
+    w13 = (torch.randn(E, 2 * inter, D, generator=g) * 0.2).bfloat16()
+    w2 = (torch.randn(E, D, inter, generator=g) * 0.2).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    out = moe_experts_native(x, weights, ids, w13, w2)
+    torch.testing.assert_close(out, moe_experts_ref(x, weights, ids, w13.float(), w2.float()),
+                               atol=1e-4, rtol=1e-4)

@@ -26,8 +26,9 @@ def moe_experts_cpu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        h = F.linear(xs[start:start + n], w13[e])
-        F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e], out=ys[start:start + n])
+        # .to: weight-only bf16 widens only the experts this batch touches
+        h = F.linear(xs[start:start + n], w13[e].to(xs.dtype))
+        F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e].to(xs.dtype), out=ys[start:start + n])
         start += n
     ys.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(x.dtype))
     return torch.zeros_like(x).index_add_(0, tok, ys)

@@ -46,6 +46,8 @@ LIBRARIES = {
         "mla_decode_f32": [_P] * 6 + [_I] * 6 + [_F],
         "moe_decode_f32": [_P] * 6 + [_I] * 5,
         "linear_small_f32": [_P] * 3 + [_I] * 3,
+        "linear_small_bf16w": [_P] * 3 + [_I] * 3,
+        "moe_decode_bf16w": [_P] * 6 + [_I] * 5,
         "read_f32": ([_P, _I], _F),
     }),
     # No fused multiply-add contraction: each value's operations are fixed by the source alone

@@ -101,6 +101,8 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     """Decode attention computed against the compressed latents where they lie in the block
     pool (no gather copy); the W_UK / W_UV absorptions stay batched matmuls in torch."""
     B, H = q_nope.shape[0], q_nope.shape[1]
+    if w_uk.dtype == torch.bfloat16:  # weight-only bf16: W_UK / W_UV are small, widen them
+        w_uk, w_uv = w_uk.float(), w_uv.float()
     if cu_seqlens.shape[0] - 1 != B or not _f32(q_nope, q_pe, kv_cache, w_uk, w_uv) \
             or not kv_cache.is_contiguous():
         return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens, context_lens,
@@ -117,6 +119,12 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
 
+# fp32 activations against weights of this dtype: (linear kernel, MoE kernel). bf16 weights
+# are weight-only bf16 (`--dtype bfloat16` on a CPU): half the bytes, widened in registers.
+_WEIGHT_KERNELS = {torch.float32: ("linear_small_f32", "moe_decode_f32"),
+                   torch.bfloat16: ("linear_small_bf16w", "moe_decode_bf16w")}
+
+
 # Above this many tokens the per-expert GEMMs of the `cpu` backend (oneDNN/MKL) win: the
 # kernel below reuses each weight row across an expert's tokens but is not a blocked GEMM.
 MOE_NATIVE_MAX_TOKENS = 128
@@ -126,15 +134,16 @@ def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                        w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Same contract as `moe_experts_ref`; decode-sized batches in one C++ call."""
     T, k = ids.shape
-    if T > MOE_NATIVE_MAX_TOKENS or not _f32(x, w13, w2) or not w13.is_contiguous() \
-            or not w2.is_contiguous():
+    kernel = _WEIGHT_KERNELS.get(w13.dtype, ("", ""))[1]
+    if T > MOE_NATIVE_MAX_TOKENS or not kernel or not _f32(x) or w2.dtype != w13.dtype \
+            or not w13.is_contiguous() or not w2.is_contiguous():
         return moe_experts_cpu(x, weights, ids, w13, w2)
     x = x.contiguous()
     ids = ids.to(torch.int64).contiguous()
     weights = weights.float().contiguous()
     out = torch.empty_like(x)
-    library().moe_decode_f32(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2), _ptr(out),
-                             T, k, w13.shape[0], w2.shape[-1], x.shape[1])
+    getattr(library(), kernel)(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2),
+                               _ptr(out), T, k, w13.shape[0], w2.shape[-1], x.shape[1])
     return out
 
 
@@ -153,12 +162,15 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
     cap = LARGE_WEIGHT_MAX_ROWS if weight.numel() >= LARGE_WEIGHT else LINEAR_NATIVE_MAX_ROWS
-    if not 0 < rows <= cap or x.dtype != torch.float32 \
-            or weight.dtype != torch.float32 or not x.is_cpu or not weight.is_contiguous():
-        return F.linear(x, weight)
+    kernel = _WEIGHT_KERNELS.get(weight.dtype, ("", ""))[0]
+    if not 0 < rows <= cap or x.dtype != torch.float32 or not kernel or not x.is_cpu \
+            or not weight.is_contiguous():
+        # weight-only bf16 with many rows (prefill): widened for sgemm, a pass over the
+        # weight that a compute-bound product hides
+        return F.linear(x, weight.to(x.dtype))
     x2 = x.reshape(rows, K).contiguous()
     N = weight.shape[0]
     y = torch.empty(rows, N, dtype=torch.float32)
-    library().linear_small_f32(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, N, K)
+    getattr(library(), kernel)(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, N, K)
     return y.view(*x.shape[:-1], N)
 

@@ -40,8 +40,8 @@ def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     inter = w13.shape[1] // 2
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        h = F.linear(x[tok], w13[e])
+        h = F.linear(x[tok], w13[e].to(x.dtype))
         h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, w2[e]) * weights[tok, slot].unsqueeze(-1).to(x.dtype)
+        y = F.linear(h, w2[e].to(x.dtype)) * weights[tok, slot].unsqueeze(-1).to(x.dtype)
         out.index_add_(0, tok, y)
     return out

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -101,9 +102,33 @@ inline vtile load_tile(const float* p) {
   return v;
 }
 
+// Weights are fp32 or bf16 (weight-only bf16: half the bytes a decode step streams; the
+// activations and every sum stay fp32). A bf16 value is the top half of an fp32 one, so
+// widening is a 16-bit shift, done in registers as the weights arrive.
+typedef uint16_t bf16;
+typedef uint16_t vtile_bf16 __attribute__((vector_size(sizeof(vtile) / 2)));
+typedef uint32_t vtile_u32 __attribute__((vector_size(sizeof(vtile))));
+
+inline vtile load_tile(const bf16* p) {
+  vtile_bf16 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const vtile_u32 u = __builtin_convertvector(h, vtile_u32) << 16;
+  vtile v;
+  __builtin_memcpy(&v, &u, sizeof(v));
+  return v;
+}
+
+inline float widen(float w) { return w; }
+inline float widen(bf16 w) {
+  const uint32_t u = static_cast<uint32_t>(w) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
 // TN weight rows (stride K) dotted with TM x rows (stride K); y[tm * N + tn].
-template <int TN, int TM>
-inline void dot_tile(const float* __restrict w, const float* __restrict x, float* __restrict y,
+template <int TN, int TM, typename W>
+inline void dot_tile(const W* __restrict w, const float* __restrict x, float* __restrict y,
                      int64_t N, int64_t K) {
   vtile acc[TN][TM] = {};
   int64_t j = 0;
@@ -119,7 +144,7 @@ inline void dot_tile(const float* __restrict w, const float* __restrict x, float
     for (int tm = 0; tm < TM; ++tm) {
       float sum = 0.0f;
       for (int l = 0; l < kLanes; ++l) sum += acc[tn][tm][l];
-      for (int64_t l = j; l < K; ++l) sum += w[tn * K + l] * x[tm * K + l];
+      for (int64_t l = j; l < K; ++l) sum += widen(w[tn * K + l]) * x[tm * K + l];
       y[tm * N + tn] = sum;
     }
 }
@@ -344,9 +369,13 @@ void kda_chunked_f32(const float* q_in, const float* k_in, const float* v_in, co
 // rows then up rows); w2 [E, D, I]; out [T, D].  Choices are grouped by expert (a counting
 // sort) so each weight row is read once for all tokens that chose its expert; work is split
 // over (expert, block of rows), which keeps both cores busy even for one token.
-void moe_decode_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
-                    const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
-                    int64_t D) {
+}  // extern "C"
+
+namespace {
+
+template <typename W>
+void moe_decode(const float* x, const int64_t* ids, const float* weights, const W* w13,
+                const W* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D) {
   const int64_t n = T * k;
   std::vector<int64_t> offset(E + 1, 0), order(n);
   for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
@@ -368,15 +397,15 @@ void moe_decode_f32(const float* x, const int64_t* ids, const float* weights, co
     for (int64_t task = 0; task < A * iblocks; ++task) {
       const int64_t e = active[task / iblocks], r0 = (task % iblocks) * kRows;
       for (int64_t r = r0; r < std::min(I, r0 + kRows); ++r) {
-        const float* __restrict wg = w13 + (e * 2 * I + r) * D;
-        const float* __restrict wu = wg + I * D;
+        const W* __restrict wg = w13 + (e * 2 * I + r) * D;
+        const W* __restrict wu = wg + I * D;
         for (int64_t s = offset[e]; s < offset[e + 1]; ++s) {
           const float* __restrict xt = x + (order[s] / k) * D;
           float g = 0.0f, u = 0.0f;
 #pragma omp simd reduction(+ : g, u)
           for (int64_t d = 0; d < D; ++d) {
-            g += wg[d] * xt[d];
-            u += wu[d] * xt[d];
+            g += widen(wg[d]) * xt[d];
+            u += widen(wu[d]) * xt[d];
           }
           act[s * I + r] = g * sigmoidf(g) * u;
         }
@@ -386,12 +415,12 @@ void moe_decode_f32(const float* x, const int64_t* ids, const float* weights, co
     for (int64_t task = 0; task < A * dblocks; ++task) {
       const int64_t e = active[task / dblocks], d0 = (task % dblocks) * kRows;
       for (int64_t d = d0; d < std::min(D, d0 + kRows); ++d) {
-        const float* __restrict wd = w2 + (e * D + d) * I;
+        const W* __restrict wd = w2 + (e * D + d) * I;
         for (int64_t s = offset[e]; s < offset[e + 1]; ++s) {
           const float* __restrict a = act.data() + s * I;
           float y = 0.0f;
 #pragma omp simd reduction(+ : y)
-          for (int64_t i = 0; i < I; ++i) y += wd[i] * a[i];
+          for (int64_t i = 0; i < I; ++i) y += widen(wd[i]) * a[i];
           ys[order[s] * D + d] = y * weights[order[s]];  // ys is indexed by choice
         }
       }
@@ -408,38 +437,92 @@ void moe_decode_f32(const float* x, const int64_t* ids, const float* weights, co
   }
 }
 
+}  // namespace
+
+extern "C" {
+
+void moe_decode_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
+                    const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
+                    int64_t D) {
+  moe_decode(x, ids, weights, w13, w2, out, T, k, E, I, D);
+}
+
+void moe_decode_bf16w(const float* x, const int64_t* ids, const float* weights, const bf16* w13,
+                      const bf16* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
+                      int64_t D) {
+  moe_decode(x, ids, weights, w13, w2, out, T, k, E, I, D);
+}
+
 // y [M, N] = x [M, K] @ w [N, K]^T for a few rows (decode). MKL's sgemm packs w on every
 // call, which on these shapes reaches about a third of the memory bandwidth (measured on the
 // 100k x 768 lm_head: 11.7 GB/s against 30+ here). Here each block of weight rows is streamed
 // once per call and dotted with the x rows in register tiles (kTileN weight rows x kTileM x
 // rows) while it sits in L2.
+}  // extern "C"
+
+namespace {
+
+// Rows [n0, n1) of y = x w^T, the block's weight rows starting at wb (row n0).
+template <typename W>
+void linear_block(const float* x, const W* wb, float* y, int64_t M, int64_t N, int64_t K,
+                  int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  if (M < 4) {  // bandwidth-bound: a plain dot per (row, x) streams fastest (measured)
+    for (; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        const W* __restrict wr = wb + (n - n0) * K;
+        const float* __restrict xr = x + m * K;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < K; ++j) acc += widen(wr[j]) * xr[j];
+        y[m * N + n] = acc;
+      }
+  }
+  for (; n + kTileN <= n1; n += kTileN) {
+    const W* wr = wb + (n - n0) * K;
+    int64_t m = 0;
+    for (; m + kTileM <= M; m += kTileM)
+      dot_tile<kTileN, kTileM>(wr, x + m * K, y + m * N + n, N, K);
+    for (; m < M; ++m) dot_tile<kTileN, 1>(wr, x + m * K, y + m * N + n, N, K);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m)
+      dot_tile<1, 1>(wb + (n - n0) * K, x + m * K, y + m * N + n, N, K);
+}
+
+template <typename W>
+void linear_small(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  constexpr int64_t kRows = 64;
+#pragma omp parallel
+  {
+    std::vector<float> wide;  // bf16 weights with several x rows: widened once per block
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += kRows) {
+      const int64_t n1 = std::min(N, n0 + kRows);
+      if (std::is_same<W, bf16>::value && M >= 4) {
+        wide.resize((n1 - n0) * K);
+        for (int64_t i = 0; i < (n1 - n0) * K; ++i) wide[i] = widen(w[n0 * K + i]);
+        linear_block(x, wide.data(), y, M, N, K, n0, n1);
+      } else {
+        linear_block(x, w + n0 * K, y, M, N, K, n0, n1);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+
 void linear_small_f32(const float* x, const float* w, float* y, int64_t M, int64_t N,
                       int64_t K) {
-  constexpr int64_t kRows = 64;
-#pragma omp parallel for schedule(static)
-  for (int64_t n0 = 0; n0 < N; n0 += kRows) {
-    const int64_t n1 = std::min(N, n0 + kRows);
-    int64_t n = n0;
-    if (M < 4) {  // bandwidth-bound: a plain dot per (row, x) streams fastest (measured)
-      for (; n < n1; ++n)
-        for (int64_t m = 0; m < M; ++m) {
-          const float* __restrict wr = w + n * K;
-          const float* __restrict xr = x + m * K;
-          float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t j = 0; j < K; ++j) acc += wr[j] * xr[j];
-          y[m * N + n] = acc;
-        }
-    }
-    for (; n + kTileN <= n1; n += kTileN) {
-      int64_t m = 0;
-      for (; m + kTileM <= M; m += kTileM)
-        dot_tile<kTileN, kTileM>(w + n * K, x + m * K, y + m * N + n, N, K);
-      for (; m < M; ++m) dot_tile<kTileN, 1>(w + n * K, x + m * K, y + m * N + n, N, K);
-    }
-    for (; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m) dot_tile<1, 1>(w + n * K, x + m * K, y + m * N + n, N, K);
-  }
+  linear_small(x, w, y, M, N, K);
+}
+
+void linear_small_bf16w(const float* x, const bf16* w, float* y, int64_t M, int64_t N,
+                        int64_t K) {
+  linear_small(x, w, y, M, N, K);
 }
 
 // Weight-absorbed MLA decode straight from the paged latent cache.  q_lat [B, H, R] (q_nope
