@@ -330,6 +330,8 @@ class EngineConfig:
     # None: float32 on CPU, bfloat16 on accelerators; bfloat16 on a CPU is weight-only (the
     # projections' and experts' weights bf16, activations, norms and caches fp32)
     dtype: str | None = None
+    # "int8": weight-only int8 on a CPU (projections and experts, a scale per output row)
+    quantization: str | None = None
     load_format: str = "auto"
     skip_tokenizer_init: bool = False
     kernel_backend: str | None = None
@@ -373,7 +375,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported (int8)")
+        if self.quantization is not None and (self.device != "cpu" or self.dtype
+                                              not in (None, "float32")):
+            raise ValueError("quantization=int8 is weight-only int8 for the CPU's fp32 path "
+                             f"(got device={self.device!r}, dtype={self.dtype!r})")
         if self.enable_deterministic_inference:
+            if self.quantization is not None:
+                raise ValueError("enable_deterministic_inference runs unquantized weights")
             if self.device != "cpu" or self.dtype not in (None, "float32"):
                 raise ValueError("enable_deterministic_inference runs on the CPU in float32 "
                                  f"(got device={self.device!r}, dtype={self.dtype!r})")

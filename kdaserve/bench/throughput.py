@@ -4,7 +4,8 @@ N random prompts of `--input-len` tokens each generate exactly `--output-len` to
 ignored) for each batch size; the same prompts go through transformers' `generate` (static
 batch, same checkpoint) when the `hf` backend is asked for, and through an engine with
 deterministic inference (batch-invariant kernels) for the `deterministic` backend, and with
-weight-only bf16 (`dtype="bfloat16"` on a CPU) for `bf16`. Backends
+weight-only bf16 (`dtype="bfloat16"` on a CPU) for `bf16`, weight-only int8 for `int8`.
+Backends
 alternate per batch size so drift on a shared machine hits both alike.
 """
 
@@ -55,7 +56,8 @@ def main(args: argparse.Namespace) -> None:
               max_num_batched_tokens=args.max_num_batched_tokens)
     engines = {"kdaserve": llm}
     variants = {"deterministic": {"enable_deterministic_inference": True},
-                "bf16": {"dtype": "bfloat16"}}  # weight-only bf16 on a CPU
+                "bf16": {"dtype": "bfloat16"},  # weight-only bf16 on a CPU
+                "int8": {"quantization": "int8"}}  # weight-only int8
     for name, kw in variants.items():
         if name in backends:
             engines[name] = LLM(args.model, max_num_seqs=max(batch_sizes),
@@ -111,7 +113,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--backends", default="kdaserve,hf",
-                   help="comma-separated: kdaserve, hf, deterministic, bf16")
+                   help="comma-separated: kdaserve, hf, deterministic, bf16, int8")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--out", default="bench_results/throughput.json")
     p.set_defaults(func=main)

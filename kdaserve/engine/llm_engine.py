@@ -72,7 +72,8 @@ class LLMEngine:
         self.kernels = resolve_kernels(self.device, config.kernel_backend,
                                        config.enable_deterministic_inference)
         self.model = build_model(self.model_config, self.kernels, self.dtype, self.device,
-                                 self.path, config.load_format, config.seed, self.weight_dtype)
+                                 self.path, config.load_format, config.seed, self.weight_dtype,
+                                 config.quantization)
         self.tokenizer = (None if config.skip_tokenizer_init
                           else Tokenizer.from_pretrained(self.path))
         if self.tokenizer is not None and \
@@ -137,7 +138,9 @@ class LLMEngine:
         mc = self.model_config
         params = sum(p.numel() for p in self.model.parameters())
         dtype = str(self.dtype).removeprefix("torch.")
-        if self.weight_dtype != self.dtype:
+        if config_quant := self.config.quantization:
+            dtype = f"{config_quant} weights, {dtype}"
+        elif self.weight_dtype != self.dtype:
             dtype = f"{str(self.weight_dtype).removeprefix('torch.')} weights, {dtype}"
         text = (f"{params / 1e6:.0f}M parameters ({dtype}, "
                 f"{self.device}), {mc.num_hidden_layers} layers ({len(mc.kda_layers)} KDA + "

@@ -33,6 +33,14 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _require_unquantized(e: Any, what: str) -> None:
+    # the int8 weights are derived from the loaded floats; a refit would have to quantize the
+    # trainer's tensors too, which is not built: refused rather than half done
+    if e.config.quantization is not None:
+        raise ValueError(f"{what}: the engine serves {e.config.quantization}-quantized weights; "
+                         "weight updates and weight release need an unquantized engine")
+
+
 def _require_idle(e: Any, what: str) -> None:
     if e.scheduler.running:
         raise ValueError(f"{what} needs no running requests ({len(e.scheduler.running)} run): "
@@ -52,6 +60,7 @@ def _updated(e: Any, version: str | None, flush_cache: bool) -> dict[str, Any]:
 
 def update_weights_from_disk(e: Any, model_path: str, weight_version: str | None = None,
                              flush_cache: bool = True) -> dict[str, Any]:
+    _require_unquantized(e, "update_weights_from_disk")
     _require_idle(e, "update_weights_from_disk")
     weights.update_from_disk(e.model, e.model_config, Path(model_path))
     e.weights_source = Path(model_path)
@@ -60,6 +69,7 @@ def update_weights_from_disk(e: Any, model_path: str, weight_version: str | None
 
 def update_weights_from_tensor(e: Any, blobs: list[bytes], weight_version: str | None = None,
                                flush_cache: bool = True) -> dict[str, Any]:
+    _require_unquantized(e, "update_weights_from_tensor")
     _require_idle(e, "update_weights_from_tensor")
     if len(blobs) != 1:
         raise ValueError(f"serialized_named_tensors has {len(blobs)} entries; this server has "
@@ -140,6 +150,7 @@ def update_weights_from_distributed(e: Any, names: list[str], dtypes: list[str],
                                     flush_cache: bool = True) -> dict[str, Any]:
     group = _group(e, group_name)
     try:
+        _require_unquantized(e, "update_weights_from_distributed")
         largest = max(v.numel() for v in weights.update_views(e.model).values())
         specs = weights.broadcast_specs(names, dtypes, shapes, largest)
     except ValueError as err:
@@ -190,6 +201,8 @@ def release_memory_occupation(e: Any, tags: list[str] | None = None) -> dict[str
     """Frees the memory for real: parameters and pool tensors become empty (their sizes are
     kept to restore them); requests meanwhile are refused (503)."""
     tags = _tags(tags)
+    if "weights" in tags:
+        _require_unquantized(e, "release_memory_occupation(weights)")
     if e.has_unfinished():
         raise ValueError("release_memory_occupation needs an idle engine: pause (abort) or "
                          "finish the requests first")

@@ -28,16 +28,18 @@ from kdaserve.kernels.ref.kda import (
 )
 from kdaserve.kernels.ref.mla import mla_attention_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
+from kdaserve.kernels.ref.quant import dequantize
 from kdaserve.kernels.registry import use_backend
 
 
 def _cpu_only(device: torch.device) -> tuple[bool, str]:
     return (device.type == "cpu", "" if device.type == "cpu" else "cpu backend needs a CPU")
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T without bias: every projection of the model (a weight-only bf16 weight
-    is widened to x's dtype)."""
-    return F.linear(x, weight.to(x.dtype))
+def linear_ref(x: torch.Tensor, weight: torch.Tensor,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T without bias: every projection of the model. A weight-only bf16 weight is
+    widened to x's dtype; an int8 one comes with its per-row `scale`."""
+    return F.linear(x, dequantize(weight, scale, x.dtype))
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

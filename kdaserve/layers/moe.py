@@ -41,6 +41,9 @@ class MoE(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))
         self.w2 = nn.Parameter(torch.empty(E, D, inter))
+        # weight-only int8: per-row fp32 scales of w13 [E, 2I] and w2 [E, D]
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
         shared = inter * config.num_shared_experts
         self.shared_experts = MLP(D, shared, kernels) if shared else None
         self.kernels = kernels
@@ -66,7 +69,8 @@ class MoE(nn.Module):
             c.topk_group, c.moe_renormalize, c.routed_scaling_factor, c.router_activation)
         if routing is not None:
             routing.append(ids.to(torch.int32))
-        y = self.kernels.moe_experts(x, weights, ids, self.w13, self.w2)
+        y = self.kernels.moe_experts(x, weights, ids, self.w13, self.w2, self.w13_scale,
+                                     self.w2_scale)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

@@ -133,5 +133,6 @@ class KimiLinearForCausalLM(nn.Module):
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """[L, D] final hidden states -> fp32 logits [L, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.kernels.linear(h, weight).float()
+        if self.lm_head is None:
+            return self.kernels.linear(h, self.embed_tokens.weight).float()
+        return self.lm_head(h).float()

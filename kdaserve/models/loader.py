@@ -17,6 +17,7 @@ import torch
 
 from kdaserve.config import ModelConfig
 from kdaserve.kernels import Kernels
+from kdaserve.kernels.ref.quant import quantize_int8
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.moe import MoE
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
@@ -169,10 +170,12 @@ def init_random(model: KimiLinearForCausalLM, seed: int) -> None:
 
 def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
                 device: torch.device, path: Path | None, load_format: str = "auto",
-                seed: int = 0, weight_dtype: torch.dtype | None = None) -> KimiLinearForCausalLM:
+                seed: int = 0, weight_dtype: torch.dtype | None = None,
+                quantization: str | None = None) -> KimiLinearForCausalLM:
     """Builds on the meta device (no init cost), materialises, then fills every parameter.
     `weight_dtype` (default `dtype`): the projections' and experts' weights only, the bytes a
-    decode step streams (weight-only bf16 on a CPU); norms, embeddings and the rest `dtype`."""
+    decode step streams (weight-only bf16 on a CPU); norms, embeddings and the rest `dtype`.
+    `quantization="int8"`: those weights quantized per row once loaded (weight-only int8)."""
     with torch.device("meta"):
         model = KimiLinearForCausalLM(config, kernels)
     # by name, after to_empty: moving off the meta device replaces the Parameter objects
@@ -193,4 +196,22 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
         load_weights(model, path)
     else:
         raise ValueError(f"unknown load_format {load_format!r} (auto or dummy)")
+    if quantization == "int8":
+        quantize_weights(model)
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r} (int8)")
     return model.eval()
+
+
+def quantize_weights(model: KimiLinearForCausalLM) -> None:
+    """Every projection and expert weight to int8 with per-row scales, in place (the loaded
+    float values are the source)."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            q, m.scale = quantize_int8(m.weight.data)
+            m.weight = torch.nn.Parameter(q, requires_grad=False)
+        elif isinstance(m, MoE):
+            q13, m.w13_scale = quantize_int8(m.w13.data)
+            q2, m.w2_scale = quantize_int8(m.w2.data)
+            m.w13 = torch.nn.Parameter(q13, requires_grad=False)
+            m.w2 = torch.nn.Parameter(q2, requires_grad=False)

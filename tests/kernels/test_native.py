@@ -209,3 +209,37 @@ def test_moe_native_with_bf16_weights(T: int) -> None:
     out = moe_experts_native(x, weights, ids, w13, w2)
     torch.testing.assert_close(out, moe_experts_ref(x, weights, ids, w13.float(), w2.float()),
                                atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 33, 64])
+def test_linear_native_with_int8_weights(rows: int) -> None:
+    """Weight-only int8: the native kernel equals fp32 arithmetic on the dequantized weight."""
+    from kdaserve.kernels import linear_ref
+    from kdaserve.kernels.ref.quant import dequantize, quantize_int8
+
+    g = gen(rows)
+    x = torch.randn(rows, 72, generator=g)
+    q, scale = quantize_int8(torch.randn(130, 72, generator=g))
+    assert q.dtype == torch.int8 and scale.shape == (130,)
+    want = torch.nn.functional.linear(x, dequantize(q, scale, torch.float32))
+    torch.testing.assert_close(linear_native(x, q, scale), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(linear_ref(x, q, scale), want, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 5, 200])
+def test_moe_native_with_int8_weights(T: int) -> None:
+    from kdaserve.kernels.ref.quant import dequantize, quantize_int8
+
+    g = gen(T + 1)
+    E, D, inter, k = 6, 40, 24, 2
+    x = torch.randn(T, D, generator=g)
+    (q13, s13), (q2, s2) = (quantize_int8(torch.randn(*shape, generator=g) * 0.2)
+                            for shape in ((E, 2 * inter, D), (E, D, inter)))
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    want = moe_experts_ref(x, weights, ids, dequantize(q13, s13, torch.float32),
+                           dequantize(q2, s2, torch.float32))
+    torch.testing.assert_close(moe_experts_native(x, weights, ids, q13, q2, s13, s2), want,
+                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(moe_experts_ref(x, weights, ids, q13, q2, s13, s2), want,
+                               atol=1e-5, rtol=1e-5)

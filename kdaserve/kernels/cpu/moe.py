@@ -10,9 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdaserve.kernels.ref.quant import dequantize
+
 
 def moe_experts_cpu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                    w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
+                    scale2: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `moe_experts_ref`."""
     T, k = ids.shape
     inter = w13.shape[1] // 2
@@ -26,9 +29,11 @@ def moe_experts_cpu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        # .to: weight-only bf16 widens only the experts this batch touches
-        h = F.linear(xs[start:start + n], w13[e].to(xs.dtype))
-        F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e].to(xs.dtype), out=ys[start:start + n])
+        # weight-only bf16 / int8: only the experts this batch touches are widened
+        s13, s2 = (None if s is None else s[e] for s in (scale13, scale2))
+        h = F.linear(xs[start:start + n], dequantize(w13[e], s13, xs.dtype))
+        F.linear(F.silu(h[:, :inter]) * h[:, inter:], dequantize(w2[e], s2, xs.dtype),
+                 out=ys[start:start + n])
         start += n
     ys.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(x.dtype))
     return torch.zeros_like(x).index_add_(0, tok, ys)

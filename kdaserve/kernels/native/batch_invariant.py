@@ -31,7 +31,14 @@ def _check(*ts: torch.Tensor) -> None:
                              f"{t.dtype} tensor on {t.device}")
 
 
-def linear_bi(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _no_scales(*scales: torch.Tensor | None) -> None:
+    if any(s is not None for s in scales):
+        raise ValueError("deterministic inference runs unquantized fp32 weights")
+
+
+def linear_bi(x: torch.Tensor, weight: torch.Tensor,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
+    _no_scales(scale)
     _check(x, weight)
     K = x.shape[-1]
     N = weight.shape[0]
@@ -175,7 +182,9 @@ def moe_route_bi(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, nu
 
 
 def moe_experts_bi(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                   w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
+                   scale2: torch.Tensor | None = None) -> torch.Tensor:
+    _no_scales(scale13, scale2)
     _check(x, weights, w13, w2)
     T, k = ids.shape
     xc, idc, wc = x.contiguous(), ids.to(torch.int64).contiguous(), weights.contiguous()

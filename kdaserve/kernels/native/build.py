@@ -48,6 +48,8 @@ LIBRARIES = {
         "linear_small_f32": [_P] * 3 + [_I] * 3,
         "linear_small_bf16w": [_P] * 3 + [_I] * 3,
         "moe_decode_bf16w": [_P] * 6 + [_I] * 5,
+        "linear_small_int8w": [_P] * 4 + [_I] * 3,
+        "moe_decode_int8w": [_P] * 8 + [_I] * 5,
         "read_f32": ([_P, _I], _F),
     }),
     # No fused multiply-add contraction: each value's operations are fixed by the source alone

@@ -14,6 +14,7 @@ from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, library
 from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_ref
+from kdaserve.kernels.ref.quant import dequantize
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -122,7 +123,8 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
 # fp32 activations against weights of this dtype: (linear kernel, MoE kernel). bf16 weights
 # are weight-only bf16 (`--dtype bfloat16` on a CPU): half the bytes, widened in registers.
 _WEIGHT_KERNELS = {torch.float32: ("linear_small_f32", "moe_decode_f32"),
-                   torch.bfloat16: ("linear_small_bf16w", "moe_decode_bf16w")}
+                   torch.bfloat16: ("linear_small_bf16w", "moe_decode_bf16w"),
+                   torch.int8: ("linear_small_int8w", "moe_decode_int8w")}
 
 
 # Above this many tokens the per-expert GEMMs of the `cpu` backend (oneDNN/MKL) win: the
@@ -131,19 +133,27 @@ MOE_NATIVE_MAX_TOKENS = 128
 
 
 def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                       w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                       w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
+                       scale2: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `moe_experts_ref`; decode-sized batches in one C++ call."""
     T, k = ids.shape
     kernel = _WEIGHT_KERNELS.get(w13.dtype, ("", ""))[1]
     if T > MOE_NATIVE_MAX_TOKENS or not kernel or not _f32(x) or w2.dtype != w13.dtype \
             or not w13.is_contiguous() or not w2.is_contiguous():
-        return moe_experts_cpu(x, weights, ids, w13, w2)
+        return moe_experts_cpu(x, weights, ids, w13, w2, scale13, scale2)
     x = x.contiguous()
     ids = ids.to(torch.int64).contiguous()
     weights = weights.float().contiguous()
     out = torch.empty_like(x)
-    getattr(library(), kernel)(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2),
-                               _ptr(out), T, k, w13.shape[0], w2.shape[-1], x.shape[1])
+    E, inter, D = w13.shape[0], w2.shape[-1], x.shape[1]
+    if w13.dtype == torch.int8:
+        assert scale13 is not None and scale2 is not None, "int8 experts come with scales"
+        s13, s2 = scale13.contiguous(), scale2.contiguous()
+        library().moe_decode_int8w(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2),
+                                   _ptr(s13), _ptr(s2), _ptr(out), T, k, E, inter, D)
+    else:
+        getattr(library(), kernel)(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2),
+                                   _ptr(out), T, k, E, inter, D)
     return out
 
 
@@ -156,7 +166,8 @@ LARGE_WEIGHT = 16 * 2**20  # elements (64 MB in fp32)
 LARGE_WEIGHT_MAX_ROWS = 128
 
 
-def linear_native(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_native(x: torch.Tensor, weight: torch.Tensor,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (`linear_ref`'s contract)."""
     # called ~50 times per decode step: checks kept to attribute reads (no generators)
     K = x.shape[-1]
@@ -165,12 +176,18 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     kernel = _WEIGHT_KERNELS.get(weight.dtype, ("", ""))[0]
     if not 0 < rows <= cap or x.dtype != torch.float32 or not kernel or not x.is_cpu \
             or not weight.is_contiguous():
-        # weight-only bf16 with many rows (prefill): widened for sgemm, a pass over the
-        # weight that a compute-bound product hides
-        return F.linear(x, weight.to(x.dtype))
+        # weight-only bf16 / int8 with many rows (prefill): widened for sgemm, a pass over
+        # the weight that a compute-bound product hides
+        return F.linear(x, dequantize(weight, scale, x.dtype))
     x2 = x.reshape(rows, K).contiguous()
     N = weight.shape[0]
     y = torch.empty(rows, N, dtype=torch.float32)
-    getattr(library(), kernel)(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, N, K)
+    if weight.dtype == torch.int8:
+        assert scale is not None, "int8 weights come with their row scales"
+        s = scale.contiguous()
+        library().linear_small_int8w(x2.data_ptr(), weight.data_ptr(), s.data_ptr(),
+                                     y.data_ptr(), rows, N, K)
+    else:
+        getattr(library(), kernel)(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, N, K)
     return y.view(*x.shape[:-1], N)
 

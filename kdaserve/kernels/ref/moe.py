@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdaserve.kernels.ref.quant import dequantize
+
+
+def _row(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if scale is None else scale[e]
+
 
 def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                   num_group: int, topk_group: int, renormalize: bool, scaling: float,
@@ -31,7 +37,8 @@ def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
 
 
 def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                    w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
+                    scale2: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * E_{ids[t, k]}(x_t), E_e(x) = W2 (SiLU(W1 x) * W3 x).
 
     x: [T, D]; w13: [E, 2I, D] (gate rows then up rows); w2: [E, D, I].
@@ -40,8 +47,9 @@ def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     inter = w13.shape[1] // 2
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        h = F.linear(x[tok], w13[e].to(x.dtype))
+        h = F.linear(x[tok], dequantize(w13[e], _row(scale13, e), x.dtype))
         h = F.silu(h[:, :inter]) * h[:, inter:]
-        y = F.linear(h, w2[e].to(x.dtype)) * weights[tok, slot].unsqueeze(-1).to(x.dtype)
+        y = F.linear(h, dequantize(w2[e], _row(scale2, e), x.dtype))
+        y = y * weights[tok, slot].unsqueeze(-1).to(x.dtype)
         out.index_add_(0, tok, y)
     return out

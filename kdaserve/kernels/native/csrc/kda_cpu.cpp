@@ -118,6 +118,17 @@ inline vtile load_tile(const bf16* p) {
   return v;
 }
 
+// int8 weights (weight-only int8, a scale per output row applied to each finished sum): a
+// quarter of the fp32 bytes, converted in registers like bf16.
+typedef int8_t vtile_i8 __attribute__((vector_size(sizeof(vtile) / 4)));
+
+inline vtile load_tile(const int8_t* p) {
+  vtile_i8 q;
+  __builtin_memcpy(&q, p, sizeof(q));
+  return __builtin_convertvector(q, vtile);
+}
+
+inline float widen(int8_t w) { return static_cast<float>(w); }
 inline float widen(float w) { return w; }
 inline float widen(bf16 w) {
   const uint32_t u = static_cast<uint32_t>(w) << 16;
@@ -373,9 +384,11 @@ void kda_chunked_f32(const float* q_in, const float* k_in, const float* v_in, co
 
 namespace {
 
+// s13 [E, 2I] and s2 [E, D] (nullable): int8 weights' per-row scales.
 template <typename W>
 void moe_decode(const float* x, const int64_t* ids, const float* weights, const W* w13,
-                const W* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D) {
+                const W* w2, const float* s13, const float* s2, float* out, int64_t T, int64_t k,
+                int64_t E, int64_t I, int64_t D) {
   const int64_t n = T * k;
   std::vector<int64_t> offset(E + 1, 0), order(n);
   for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
@@ -407,6 +420,10 @@ void moe_decode(const float* x, const int64_t* ids, const float* weights, const 
             g += widen(wg[d]) * xt[d];
             u += widen(wu[d]) * xt[d];
           }
+          if (s13 != nullptr) {
+            g *= s13[e * 2 * I + r];
+            u *= s13[e * 2 * I + I + r];
+          }
           act[s * I + r] = g * sigmoidf(g) * u;
         }
       }
@@ -421,6 +438,7 @@ void moe_decode(const float* x, const int64_t* ids, const float* weights, const 
           float y = 0.0f;
 #pragma omp simd reduction(+ : y)
           for (int64_t i = 0; i < I; ++i) y += widen(wd[i]) * a[i];
+          if (s2 != nullptr) y *= s2[e * D + d];
           ys[order[s] * D + d] = y * weights[order[s]];  // ys is indexed by choice
         }
       }
@@ -444,13 +462,19 @@ extern "C" {
 void moe_decode_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
                     const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
                     int64_t D) {
-  moe_decode(x, ids, weights, w13, w2, out, T, k, E, I, D);
+  moe_decode(x, ids, weights, w13, w2, nullptr, nullptr, out, T, k, E, I, D);
 }
 
 void moe_decode_bf16w(const float* x, const int64_t* ids, const float* weights, const bf16* w13,
                       const bf16* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
                       int64_t D) {
-  moe_decode(x, ids, weights, w13, w2, out, T, k, E, I, D);
+  moe_decode(x, ids, weights, w13, w2, nullptr, nullptr, out, T, k, E, I, D);
+}
+
+void moe_decode_int8w(const float* x, const int64_t* ids, const float* weights,
+                      const int8_t* w13, const int8_t* w2, const float* s13, const float* s2,
+                      float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D) {
+  moe_decode(x, ids, weights, w13, w2, s13, s2, out, T, k, E, I, D);
 }
 
 // y [M, N] = x [M, K] @ w [N, K]^T for a few rows (decode). MKL's sgemm packs w on every
@@ -490,8 +514,10 @@ void linear_block(const float* x, const W* wb, float* y, int64_t M, int64_t N, i
       dot_tile<1, 1>(wb + (n - n0) * K, x + m * K, y + m * N + n, N, K);
 }
 
+// scale (nullable) [N]: multiplies output column n (int8 weights' per-row scales).
 template <typename W>
-void linear_small(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+void linear_small(const float* x, const W* w, const float* scale, float* y, int64_t M,
+                  int64_t N, int64_t K) {
   constexpr int64_t kRows = 64;
 #pragma omp parallel
   {
@@ -499,13 +525,16 @@ void linear_small(const float* x, const W* w, float* y, int64_t M, int64_t N, in
 #pragma omp for schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += kRows) {
       const int64_t n1 = std::min(N, n0 + kRows);
-      if (std::is_same<W, bf16>::value && M >= 4) {
+      if (!std::is_same<W, float>::value && M >= 4) {
         wide.resize((n1 - n0) * K);
         for (int64_t i = 0; i < (n1 - n0) * K; ++i) wide[i] = widen(w[n0 * K + i]);
         linear_block(x, wide.data(), y, M, N, K, n0, n1);
       } else {
         linear_block(x, w + n0 * K, y, M, N, K, n0, n1);
       }
+      if (scale != nullptr)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = n0; n < n1; ++n) y[m * N + n] *= scale[n];
     }
   }
 }
@@ -517,12 +546,17 @@ extern "C" {
 
 void linear_small_f32(const float* x, const float* w, float* y, int64_t M, int64_t N,
                       int64_t K) {
-  linear_small(x, w, y, M, N, K);
+  linear_small(x, w, static_cast<const float*>(nullptr), y, M, N, K);
 }
 
 void linear_small_bf16w(const float* x, const bf16* w, float* y, int64_t M, int64_t N,
                         int64_t K) {
-  linear_small(x, w, y, M, N, K);
+  linear_small(x, w, static_cast<const float*>(nullptr), y, M, N, K);
+}
+
+void linear_small_int8w(const float* x, const int8_t* w, const float* scale, float* y,
+                        int64_t M, int64_t N, int64_t K) {
+  linear_small(x, w, scale, y, M, N, K);
 }
 
 // Weight-absorbed MLA decode straight from the paged latent cache.  q_lat [B, H, R] (q_nope
