@@ -245,8 +245,9 @@ def train_step(args: argparse.Namespace, http: httpx.Client, model: torch.nn.Mod
     layers = [routed[:, :, j] for j in range(routed.shape[2])]
     rewards = torch.tensor([reward(args.task, prompts[i // args.group], o["output_ids"])
                             for i, o in enumerate(outs)]).view(args.batch, args.group)
+    # (population std: a group of one gets advantage 0, not NaN)
     adv = ((rewards - rewards.mean(1, keepdim=True))
-           / (rewards.std(1, keepdim=True) + 1e-4)).view(N, 1)
+           / (rewards.std(1, keepdim=True, correction=0) + 1e-4)).view(N, 1)
     t0 = time.perf_counter()
     logp = token_logprobs(model, replay, seqs, layers, P)
     ratio = (logp - old).exp()

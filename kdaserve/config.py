@@ -375,6 +375,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.device == "cpu" and self.dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} on a CPU: float32, or bfloat16 (weight-only)")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization={self.quantization!r} is not supported (int8)")
         if self.quantization is not None and (self.device != "cpu" or self.dtype

@@ -99,7 +99,8 @@ def init_weights_update_group(e: Any, master_address: str, master_port: int, ran
         raise ValueError("rank_offset must be in [1, world_size): rank 0 is the trainer")
     if dist.is_initialized() or e.update_groups:
         raise ValueError("one weight update group at a time on this engine")
-    e.update_groups[group_name] = None  # joining: taken, not usable yet
+    future: Future = Future()
+    e.update_groups[group_name] = future  # joining: taken; an update waits for it
 
     def join() -> dict[str, Any]:
         from torch.distributed import distributed_c10d as c10d
@@ -120,7 +121,6 @@ def init_weights_update_group(e: Any, master_address: str, master_port: int, ran
         e.update_groups[group_name] = dist.group.WORLD
         return {"success": True, "message": f"joined {group_name} as rank {rank_offset}"}
 
-    future: Future = Future()
     threading.Thread(target=_settle, args=(future, join), daemon=True,
                      name="weight-update-rendezvous").start()
     return future
@@ -133,13 +133,20 @@ def _settle(future: Future, fn: Any) -> None:
         future.set_exception(err)
 
 
-def _group(e: Any, group_name: str) -> Any:
+def _group(e: Any, group_name: str, wait: bool = False) -> Any:
+    """The joined group. While it is still joining: with `wait`, the join is awaited (a
+    trainer may send the update before the init's reply reaches it: its broadcast must meet a
+    receiver), else refused."""
     if group_name not in e.update_groups:
         raise ValueError(f"no weight update group {group_name!r}: init_weights_update_group "
                          "first")
     group = e.update_groups[group_name]
-    if group is None:
-        raise ValueError(f"weight update group {group_name!r} is still waiting for the trainer")
+    if isinstance(group, Future):
+        if not wait:
+            raise ValueError(f"weight update group {group_name!r} is still waiting for the "
+                             "trainer")
+        group.result(timeout=RENDEZVOUS_TIMEOUT_S + 5)  # a failed join raises its error
+        return _group(e, group_name)
     return group
 
 
@@ -148,9 +155,12 @@ def update_weights_from_distributed(e: Any, names: list[str], dtypes: list[str],
                                     group_name: str = "weight_update_group",
                                     weight_version: str | None = None,
                                     flush_cache: bool = True) -> dict[str, Any]:
-    group = _group(e, group_name)
+    group = _group(e, group_name, wait=True)
     try:
         _require_unquantized(e, "update_weights_from_distributed")
+        if "weights" in e.released:  # (and the parameters are empty: no shapes to bound by)
+            raise ValueError("update_weights_from_distributed: the weights are released; "
+                             "resume them first")
         largest = max(v.numel() for v in weights.update_views(e.model).values())
         specs = weights.broadcast_specs(names, dtypes, shapes, largest)
     except ValueError as err:

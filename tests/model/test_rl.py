@@ -181,11 +181,14 @@ def test_rendezvous_runs_beside_the_engine_and_failures_leave_no_trace(
     llm = LLM(tiny_ckpt)
     e = llm.engine
     want = run(llm)
-    # nobody joins: the call returns at once, the engine serves while it waits, then it fails
+    # nobody joins: the call returns at once, the engine serves while it waits, then it fails;
+    # an update sent meanwhile waits for the join and fails with it
     waiting = rl.init_weights_update_group(e, "127.0.0.1", _free_port(), 1, 2)
     with pytest.raises(ValueError, match="still waiting"):
-        rl.update_weights_from_distributed(e, ["x"], ["float32"], [[1]])
+        rl.destroy_weights_update_group(e)
     same(run(llm), want)
+    with pytest.raises(ValueError, match="failed"):
+        rl.update_weights_from_distributed(e, ["x"], ["float32"], [[1]])
     with pytest.raises(ValueError, match="failed"):
         waiting.result(timeout=60)
     assert e.update_groups == {}
@@ -196,11 +199,15 @@ def test_rendezvous_runs_beside_the_engine_and_failures_leave_no_trace(
     trainer = ctx.Process(target=_trainer, args=(port, out))
     trainer.start()
     try:
-        rl.init_weights_update_group(e, "127.0.0.1", port, 1, 2).result(timeout=60)
-        # a broadcast described wrongly cannot be received: refused, and the group is left so
-        # the trainer's broadcast fails now instead of waiting out its two-minute timeout
-        with pytest.raises(ValueError, match="group was left"):
+        rl.init_weights_update_group(e, "127.0.0.1", port, 1, 2)  # not awaited: the update waits
+        # an update that cannot be received (here: the weights are released, so nothing
+        # bounds its shapes; a wrong dtype or shape goes the same way) is refused, and the
+        # group is left so the trainer's broadcast fails now instead of waiting out its
+        # two-minute timeout
+        rl.release_memory_occupation(e, ["weights"])
+        with pytest.raises(ValueError, match="released.*group was left"):
             rl.update_weights_from_distributed(e, ["w"], ["int8"], [[32 * 2**20]])
+        rl.resume_memory_occupation(e, ["weights"])
         status, waited = out.get(timeout=60)
         assert status.startswith("failed") and waited < 30
         assert e.update_groups == {}

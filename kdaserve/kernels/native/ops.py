@@ -38,12 +38,14 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
             and max(K, V) <= MAX_HEAD_DIM):
         return kda_decode_cpu(qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight, eps,
                               state, conv_state, state_slots)
-    qkv, f, beta, z, conv_weight = (t.contiguous() for t in (qkv, f, beta, z, conv_weight))
+    # bound to names: a temporary's memory would be freed before the call
+    qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight = (
+        t.contiguous() for t in (qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight))
     slots = state_slots.to(torch.int64).contiguous()
     out = torch.empty(B, H, V, dtype=torch.float32)
     library().kda_decode_f32(
-        _ptr(qkv), _ptr(f), _ptr(beta), _ptr(z), _ptr(conv_weight), _ptr(A_log.contiguous()),
-        _ptr(dt_bias.contiguous()), _ptr(norm_weight.contiguous()), _ptr(state),
+        _ptr(qkv), _ptr(f), _ptr(beta), _ptr(z), _ptr(conv_weight), _ptr(A_log), _ptr(dt_bias),
+        _ptr(norm_weight), _ptr(state),
         _ptr(conv_state), _ptr(slots), _ptr(out), B, H, K, V, conv_weight.shape[1], eps)
     return out
 
@@ -58,7 +60,8 @@ def _kda_prefill(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and max(K, V) <= MAX_HEAD_DIM):
         return kda_chunk_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens,
                              snapshots)
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    q, k, v, g, beta, A_log, dt_bias = (
+        t.contiguous() for t in (q, k, v, g, beta, A_log, dt_bias))
     slots = state_slots.to(torch.int64).contiguous()
     cu = cu_seqlens.to(torch.int64).contiguous()
     snap = None
@@ -67,8 +70,8 @@ def _kda_prefill(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         snap[snapshots[0]] = snapshots[1].to(torch.int64)
     out = torch.empty(T, H, V, dtype=torch.float32)
     getattr(library(), kernel)(
-        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(A_log.contiguous()),
-        _ptr(dt_bias.contiguous()), _ptr(state), _ptr(slots), _ptr(cu),
+        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(A_log), _ptr(dt_bias),
+        _ptr(state), _ptr(slots), _ptr(cu),
         None if snap is None else _ptr(snap), _ptr(out), cu.shape[0] - 1, H, K, V)
     return out
 
