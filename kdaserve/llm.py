@@ -96,6 +96,11 @@ class LLM:
     def prefill_logits(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits [T, vocab] of one plain full-sequence forward, on private caches
         (the oracle the engine paths are compared against)."""
+        return self.engine.model.compute_logits(self.prefill_hidden(token_ids))
+
+    @torch.inference_mode()
+    def prefill_hidden(self, token_ids: list[int]) -> torch.Tensor:
+        """`prefill_logits`' final-normed hidden states [T, D] (what the LM head sees)."""
         e = self.engine
         bs = e.config.block_size
         states = StatePool(e.model_config, 1, e.dtype, e.device)
@@ -103,4 +108,4 @@ class LLM:
         batch = ForwardBatch.build([list(token_ids)], [0], [states.allocate()],
                                    [blocks.allocate(blocks.num_blocks)], bs, all_logits=True,
                                    device=e.device)
-        return e.model(batch, states, blocks)
+        return e.model.forward_hidden(batch, states, blocks)

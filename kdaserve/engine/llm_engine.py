@@ -61,10 +61,8 @@ class LLMEngine:
         self.path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.path)
         self.device = torch.device(config.device)
-        # bf16 matmul is ~200x slower than fp32 on common CPUs: fp32 there, bf16 on accelerators.
-        # `dtype` is the activations' and caches'; on a CPU, bfloat16 means weight-only bf16:
-        # projections and experts stored bf16 (half the bytes a decode step streams), widened
-        # in registers by the native kernels, everything else fp32.
+        # bf16 matmul is ~200x slower than fp32 on common CPUs: there activations and caches
+        # stay fp32 and bfloat16 means weight-only bf16 (projections and experts)
         asked = getattr(torch, config.dtype) if config.dtype else (
             torch.float32 if self.device.type == "cpu" else torch.bfloat16)
         self.weight_dtype = asked
@@ -137,12 +135,8 @@ class LLMEngine:
     def summary(self) -> str:
         mc = self.model_config
         params = sum(p.numel() for p in self.model.parameters())
-        dtype = str(self.dtype).removeprefix("torch.")
-        if config_quant := self.config.quantization:
-            dtype = f"{config_quant} weights, {dtype}"
-        elif self.weight_dtype != self.dtype:
-            dtype = f"{str(self.weight_dtype).removeprefix('torch.')} weights, {dtype}"
-        text = (f"{params / 1e6:.0f}M parameters ({dtype}, "
+        dtypes = "/".join(sorted({str(p.dtype)[6:] for p in self.model.parameters()}))
+        text = (f"{params / 1e6:.0f}M parameters ({dtypes}, "
                 f"{self.device}), {mc.num_hidden_layers} layers ({len(mc.kda_layers)} KDA + "
                 f"{len(mc.mla_layers)} MLA), {mc.num_experts} experts top-"
                 f"{mc.num_experts_per_token}, vocab {mc.vocab_size}")

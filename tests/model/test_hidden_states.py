@@ -10,33 +10,17 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.cache.block_pool import BlockPool
-from kdaserve.cache.state_pool import StatePool
-from kdaserve.forward_batch import ForwardBatch
 
 from .conftest import clear_prompt
 
 NEW = 6
 
 
-def plain_hidden(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Final-normed hidden states [T, D] of one full-sequence forward on private caches."""
-    e = llm.engine
-    bs = e.config.block_size
-    states = StatePool(e.model_config, 1, e.dtype, e.device)
-    blocks = BlockPool(e.model_config, -(-len(ids) // bs), bs, e.dtype, e.device)
-    batch = ForwardBatch.build([list(ids)], [0], [states.allocate()],
-                               [blocks.allocate(blocks.num_blocks)], bs, all_logits=True,
-                               device=e.device)
-    with torch.inference_mode():
-        return e.model.forward_hidden(batch, states, blocks)
-
-
 def check(llm: LLM, prompt: list[int], out, hf=None) -> None:
     h = out.outputs[0].hidden_states
     ids = prompt + out.token_ids[:-1]
     assert h is not None and h.shape == (len(ids), llm.config.hidden_size)
-    torch.testing.assert_close(h, plain_hidden(llm, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, llm.prefill_hidden(ids), atol=1e-5, rtol=1e-5)
     if hf is not None:
         with torch.no_grad():
             ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]

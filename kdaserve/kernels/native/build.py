@@ -33,13 +33,13 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 @dataclass(frozen=True)
 class Library:
-    source: str
+    sources: tuple[str, ...]
     flags: tuple[str, ...]  # on top of FLAGS
     signatures: dict[str, list | tuple[list, Any]]  # args, or (args, return type)
 
 
 LIBRARIES = {
-    "kda_cpu": Library("kda_cpu.cpp", (), {
+    "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp"), (), {
         "kda_decode_f32": [_P] * 12 + [_I] * 5 + [_F],
         "kda_prefill_f32": [_P] * 12 + [_I] * 4,
         "kda_chunked_f32": [_P] * 12 + [_I] * 4,
@@ -54,7 +54,7 @@ LIBRARIES = {
     }),
     # No fused multiply-add contraction: each value's operations are fixed by the source alone
     # (deterministic inference; see the file's header).
-    "batch_invariant": Library("batch_invariant.cpp", ("-ffp-contract=off",), {
+    "batch_invariant": Library(("batch_invariant.cpp",), ("-ffp-contract=off",), {
         "bi_linear_f32": [_P] * 3 + [_I] * 3,
         "bi_rms_norm_f32": [_P] * 3 + [_I] * 2 + [_F],
         "bi_gated_rms_norm_f32": [_P] * 4 + [_I] * 2 + [_F],
@@ -82,19 +82,20 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _compile(cxx: str, source: Path, flags: list[str], out: Path) -> None:
+def _compile(cxx: str, sources: list[Path], flags: list[str], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes (test workers, a server and
     # its engine) never load a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cxx, *flags, str(source), "-o", tmp], check=True, capture_output=True,
-                       text=True)
+        subprocess.run([cxx, *flags, *map(str, sources), "-o", tmp], check=True,
+                       capture_output=True, text=True)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling {source.name} failed:\n{e.stderr}") from e
+        raise RuntimeError(f"compiling {' '.join(s.name for s in sources)} failed:\n"
+                           f"{e.stderr}") from e
 
 
 @functools.cache
@@ -103,15 +104,17 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     if cxx is None:
         return None, "no C++ compiler (g++) on PATH"
     spec = LIBRARIES[name]
-    source, flags = CSRC / spec.source, [*FLAGS, *spec.flags]
+    sources, flags = [CSRC / s for s in spec.sources], [*FLAGS, *spec.flags]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), version,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    headers = "".join(h.read_text() for h in sorted(CSRC.glob("*.h")))  # tiles.h
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in sources), headers,
+                                    " ".join(flags), version, _cpu_flags()]).encode()
+                         ).hexdigest()[:16]
     path = _cache_dir() / f"{name}-{key}.so"
     try:
         if not path.exists():
-            logger.info("compiling %s for this CPU -> %s", source.name, path)
-            _compile(cxx, source, flags, path)
+            logger.info("compiling %s for this CPU -> %s", name, path)
+            _compile(cxx, sources, flags, path)
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as e:
         logger.warning("native CPU kernels unavailable: %s", e)

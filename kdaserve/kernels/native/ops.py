@@ -1,4 +1,5 @@
-"""The `native` backend: C++ decode kernels (csrc/kda_cpu.cpp) behind the op signatures.
+"""The `native` backend: C++ kernels (csrc/kda_cpu.cpp, csrc/gemm_cpu.cpp) behind the op
+signatures.
 
 Each wrapper checks what the kernel handles (fp32, contiguous, one token per sequence, head
 dims up to MAX_HEAD_DIM) and otherwise hands the call to the torch `cpu` backend, so forcing

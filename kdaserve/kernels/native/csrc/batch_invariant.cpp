@@ -20,61 +20,20 @@
 
 namespace {
 
-// The host's vector (as kda_cpu.cpp's tiles): 16 lanes in 4 x 4 linear tiles with AVX-512,
-// 8 lanes in 8 x 1 tiles on AVX2, where a 16-lane type is split into register pairs and spills.
+// The host's tiles (tiles.h): 16 lanes in 4 x 4 tiles with AVX-512, 8 lanes in 8 x 1 on AVX2.
 // Values then differ between the two kinds of host, never between calls on one.
-#if defined(__AVX512F__)
-typedef float vec __attribute__((vector_size(64)));
-constexpr int kTileN = 4, kTileM = 4;
-#else
-typedef float vec __attribute__((vector_size(32)));
-constexpr int kTileN = 8, kTileM = 1;
-#endif
-constexpr int kLanes = sizeof(vec) / sizeof(float);
+#include "tiles.h"
 
-inline vec load_vec(const float* p) {
-  vec v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float hsum(vec acc) {
-  float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  return s;
-}
-
-// The one dot product of this file: kLanes partial sums, lanes summed in order, scalar tail.
+// The one dot product of this file: kLanes partial sums, lanes summed in order (hsum), scalar
+// tail. tiles.h's dot_tile gives each of its values exactly these operations, so tiling
+// changes speed, never values.
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  vec acc = {};
+  vtile acc = {};
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) acc += load_vec(a + j) * load_vec(b + j);
+  for (; j + kLanes <= n; j += kLanes) acc += load_tile(a + j) * load_tile(b + j);
   float s = hsum(acc);
   for (; j < n; ++j) s += a[j] * b[j];
   return s;
-}
-
-// TN weight rows x TM x rows; each y element gets exactly dot()'s operations (same lanes, same
-// order), so tiling changes speed, never values.
-template <int TN, int TM>
-inline void dot_tile(const float* __restrict w, const float* __restrict x, float* __restrict y,
-                     int64_t N, int64_t K) {
-  vec acc[TN][TM] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= K; j += kLanes) {
-    vec xv[TM];
-    for (int tm = 0; tm < TM; ++tm) xv[tm] = load_vec(x + tm * K + j);
-    for (int tn = 0; tn < TN; ++tn) {
-      const vec wv = load_vec(w + tn * K + j);
-      for (int tm = 0; tm < TM; ++tm) acc[tn][tm] += wv * xv[tm];
-    }
-  }
-  for (int tn = 0; tn < TN; ++tn)
-    for (int tm = 0; tm < TM; ++tm) {
-      float s = hsum(acc[tn][tm]);
-      for (int64_t l = j; l < K; ++l) s += w[tn * K + l] * x[tm * K + l];
-      y[tm * N + tn] = s;
-    }
 }
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
