@@ -18,6 +18,7 @@ import torch
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, library
 from kdaserve.kernels.native.ops import kda_chunk_native
 from kdaserve.kernels.ref.kda import Snapshots
+from kdaserve.kernels.ref.moe import moe_route_ref
 
 
 def _lib():
@@ -155,30 +156,22 @@ def mla_attention_bi(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.T
     return out
 
 
+def _sum_in_order(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim as elementwise adds, column by column (a fixed order)."""
+    total = t[..., 0].clone()
+    for j in range(1, t.shape[-1]):
+        total += t[..., j]
+    return total
+
+
 def moe_route_bi(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, num_group: int,
                  topk_group: int, renormalize: bool, scaling: float,
                  activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_route_ref` with its sums spelled out column by column (elementwise adds in a fixed
-    order) and the sigmoid from the native kernel; selection (top-k, masks) is exact anyway."""
-    T, E = logits.shape
-    # torch's last-dim softmax runs each row from its start with the same vector code
-    scores = sigmoid_bi(logits) if activation == "sigmoid" else logits.softmax(-1)
-    choice = scores + bias if bias is not None else scores
-    if num_group > 1:
-        grouped = choice.view(T, num_group, E // num_group)
-        top = grouped.topk(min(2, E // num_group), dim=-1).values
-        group_score = top[..., 0] + top[..., 1] if top.shape[-1] == 2 else top[..., 0]
-        keep = group_score.topk(topk_group, dim=-1).indices
-        mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~mask.repeat_interleave(E // num_group, dim=1), float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if renormalize:
-        total = weights[:, 0].clone()
-        for j in range(1, top_k):
-            total += weights[:, j]
-        weights = weights / (total + 1e-20).unsqueeze(-1)
-    return weights * scaling, ids
+    """`moe_route_ref` with the native sigmoid and sums spelled out in order; selection (top-k,
+    masks) is exact anyway, and torch's last-dim softmax runs each row from its start with the
+    same vector code."""
+    return moe_route_ref(logits, bias, top_k, num_group, topk_group, renormalize, scaling,
+                         activation, sigmoid=sigmoid_bi, sum_last=_sum_in_order)
 
 
 def moe_experts_bi(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -12,27 +14,33 @@ def _row(scale: torch.Tensor | None, e: int) -> torch.Tensor | None:
     return None if scale is None else scale[e]
 
 
+def _sum_last(t: torch.Tensor) -> torch.Tensor:
+    return t.sum(-1)
+
+
 def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                   num_group: int, topk_group: int, renormalize: bool, scaling: float,
-                  activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  activation: str, *, sigmoid: Callable = torch.sigmoid,
+                  sum_last: Callable = _sum_last) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 "noaux_tc" routing.  logits: [T, E] fp32 -> (weights [T, k], ids [T, k]).
 
     The correction bias steers *selection* only; the weights are the unbiased scores (as in
-    vLLM, SGLang and transformers).
+    vLLM, SGLang and transformers). `sigmoid` and `sum_last` are the only arithmetic that is
+    not exact selection: the batch-invariant backend passes its own.
     """
     T, E = logits.shape
-    scores = logits.sigmoid() if activation == "sigmoid" else logits.softmax(-1)
+    scores = sigmoid(logits) if activation == "sigmoid" else logits.softmax(-1)
     choice = scores + bias if bias is not None else scores
     if num_group > 1:
         grouped = choice.view(T, num_group, E // num_group)
-        group_score = grouped.topk(min(2, E // num_group), dim=-1).values.sum(-1)
+        group_score = sum_last(grouped.topk(min(2, E // num_group), dim=-1).values)
         keep = group_score.topk(topk_group, dim=-1).indices
         mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
         choice = choice.masked_fill(~mask.repeat_interleave(E // num_group, dim=1), float("-inf"))
     ids = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights / (sum_last(weights).unsqueeze(-1) + 1e-20)
     return weights * scaling, ids
 
 
