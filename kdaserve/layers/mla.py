@@ -8,7 +8,6 @@ from torch import nn
 from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
-from kdaserve.kernels.ref.quant import dequantize
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.norm import RMSNorm
 
@@ -44,11 +43,8 @@ class MLAttention(nn.Module):
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, Dn, R] and W_UV [H, Dv, R] (views, no copy;
-        an int8 weight is dequantized, a small matrix)."""
-        w = self.kv_b_proj.weight
-        if self.kv_b_proj.scale is not None:
-            w = dequantize(w, self.kv_b_proj.scale, torch.float32)
-        w = w.view(self.num_heads, self.dn + self.dv, self.rank)
+        the loader never narrows this weight: see `streamed_linears`)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.rank)
         return w[:, : self.dn], w[:, self.dn:]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from kdaserve.config import ModelConfig
 from kdaserve.kernels import Kernels
 from kdaserve.kernels.ref.quant import quantize_int8
 from kdaserve.layers.linear import Linear
+from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.moe import MoE
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
@@ -181,7 +182,7 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
     # by name, after to_empty: moving off the meta device replaces the Parameter objects
     fp32_suffixes = ("A_log", "dt_bias", "gate_weight", "e_score_correction_bias")
     model.to_empty(device=device)
-    matmul_weights = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    matmul_weights = {id(m.weight) for m in streamed_linears(model)}
     matmul_weights |= {id(p) for m in model.modules() if isinstance(m, MoE) for p in (m.w13, m.w2)}
     for n, p in model.named_parameters():
         if n.endswith(fp32_suffixes):
@@ -203,14 +204,22 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
     return model.eval()
 
 
+def streamed_linears(model: KimiLinearForCausalLM) -> list[Linear]:
+    """The projections a forward streams through the `linear` op: every Linear but MLA's
+    kv_b_proj, which is only read as the small absorbed W_UK / W_UV (kept fp32, so nothing
+    widens or dequantizes it every step)."""
+    absorbed = {id(m.kv_b_proj) for m in model.modules() if isinstance(m, MLAttention)}
+    return [m for m in model.modules() if isinstance(m, Linear) and id(m) not in absorbed]
+
+
 def quantize_weights(model: KimiLinearForCausalLM) -> None:
-    """Every projection and expert weight to int8 with per-row scales, in place (the loaded
-    float values are the source)."""
+    """Every streamed projection and expert weight to int8 with per-row scales, in place (the
+    loaded float values are the source)."""
+    for m in streamed_linears(model):
+        q, m.scale = quantize_int8(m.weight.data)
+        m.weight = torch.nn.Parameter(q, requires_grad=False)
     for m in model.modules():
-        if isinstance(m, Linear):
-            q, m.scale = quantize_int8(m.weight.data)
-            m.weight = torch.nn.Parameter(q, requires_grad=False)
-        elif isinstance(m, MoE):
+        if isinstance(m, MoE):
             q13, m.w13_scale = quantize_int8(m.w13.data)
             q2, m.w2_scale = quantize_int8(m.w2.data)
             m.w13 = torch.nn.Parameter(q13, requires_grad=False)

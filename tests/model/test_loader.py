@@ -83,7 +83,8 @@ def test_bf16_model_keeps_router_and_decay_fp32(request: pytest.FixtureRequest,
     rest (norms, embeddings, conv, router, decay) fp32 and unrounded."""
     import re
 
-    matmul = re.compile(r"(_proj|_proj_with_mqa|lm_head|\.w[123])\.weight$")
+    # (MLA's kv_b_proj is read only as the absorbed W_UK / W_UV and stays fp32)
+    matmul = re.compile(r"((?<!kv_b)_proj|_proj_with_mqa|lm_head|\.w[123])\.weight$")
     path: Path = request.getfixturevalue(ckpt)
     seed, disk_dtype = CKPTS[ckpt]
     llm = LLM(path, dtype="bfloat16", skip_tokenizer_init=True)

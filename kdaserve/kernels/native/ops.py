@@ -106,8 +106,6 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     """Decode attention computed against the compressed latents where they lie in the block
     pool (no gather copy); the W_UK / W_UV absorptions stay batched matmuls in torch."""
     B, H = q_nope.shape[0], q_nope.shape[1]
-    if w_uk.dtype == torch.bfloat16:  # weight-only bf16: W_UK / W_UV are small, widen them
-        w_uk, w_uv = w_uk.float(), w_uv.float()
     if cu_seqlens.shape[0] - 1 != B or not _f32(q_nope, q_pe, kv_cache, w_uk, w_uv) \
             or not kv_cache.is_contiguous():
         return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens, context_lens,
