@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,pd]"
+	scripts/fetch_rdma_libs.sh .venv/lib/rdma-core
 	$(PY) -m pip install -q --no-deps sglang==0.5.23 lm-eval==0.4.13
 	touch $(STAMP)
 

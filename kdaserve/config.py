@@ -353,6 +353,17 @@ class EngineConfig:
     # Same request, same tokens and logprobs to the bit, whatever it is batched with, chunked
     # into or cached from: every op from the batch-invariant kernels (CPU, fp32)
     enable_deterministic_inference: bool = False
+    # prefill/decode disaggregation (SGLang's PD protocol): "prefill" computes prompts and
+    # ships their MLA blocks and KDA state to the decode server named by each request's
+    # bootstrap fields; "decode" reserves memory, receives them and generates
+    disaggregation_mode: str | None = None
+    disaggregation_bootstrap_port: int = 8998  # the prefill server's bootstrap endpoint
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_host: str = "127.0.0.1"  # this server's address as peers reach it
+    # a transfer not done in this long fails (the peer is slow or gone); a peer not heard
+    # from in disaggregation_liveness_s is taken for dead at once
+    disaggregation_timeout_s: float = 300.0
+    disaggregation_liveness_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -397,6 +408,28 @@ class EngineConfig:
             if self.kernel_backend not in (None, "batch_invariant"):
                 raise ValueError("enable_deterministic_inference chooses every kernel itself; "
                                  f"kernel_backend={self.kernel_backend!r} contradicts it")
+        self._check_disaggregation()
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation_mode not in (None, "prefill", "decode"):
+            raise ValueError(f"disaggregation_mode={self.disaggregation_mode!r}: prefill or "
+                             "decode (or none)")
+        if self.disaggregation_transfer_backend != "mooncake":
+            # NIXL's PyPI wheels (nixl-cu12, nixl-cu13) are CUDA builds
+            raise ValueError(f"disaggregation_transfer_backend="
+                             f"{self.disaggregation_transfer_backend!r} is not supported "
+                             "(mooncake)")
+        if self.disaggregation_mode is None:
+            return
+        if self.speculative_algorithm is not None:
+            raise ValueError("speculative decoding does not combine with disaggregation yet: "
+                             "the drafters' own caches are not shipped")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(f"disaggregation_bootstrap_port="
+                             f"{self.disaggregation_bootstrap_port} is not a port")
+        for name in ("disaggregation_timeout_s", "disaggregation_liveness_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

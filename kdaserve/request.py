@@ -25,6 +25,16 @@ class Grammar:
             raise ValueError(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    """Where a disaggregated request's prefill runs (the prefill server's bootstrap endpoint)
+    and the room number pairing its prefill and decode halves: set by the PD router."""
+
+    host: str
+    port: int
+    room: int
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -61,6 +71,7 @@ class SamplingParams:
     # engine forces `reasoning_end` (the token ids that close the reasoning channel)
     reasoning_budget: int | None = None
     reasoning_end: tuple[int, ...] = ()
+    bootstrap: Bootstrap | None = None  # prefill/decode disaggregation (set by the PD router)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -18,6 +18,7 @@ from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.checkpoint import PRESETS, RANDOM_MARKER, default_model_path
 from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
+from kdaserve.engine.disaggregation import PrefillSide, make_side
 from kdaserve.engine.grammar import (
     GrammarBackend,
     apply_bitmask,
@@ -115,6 +116,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.failures: list[tuple[str, str]] = []  # (request id, why) of requests that failed
         self._scored: set[str] = set()  # groups whose prompt logprobs went out
+        self.pd = make_side(self)  # prefill/decode disaggregation, when a side
         torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
 
     # ---- set-up ----
@@ -198,6 +200,13 @@ class LLMEngine:
         if params.logprob_start_len > len(ids):
             raise ValueError(f"logprob_start_len ({params.logprob_start_len}) is past the "
                              f"prompt's {len(ids)} tokens")
+        if (params.bootstrap is None) != (self.pd is None):
+            raise ValueError("bootstrap_host/port/room are set by the PD router for a prefill or "
+                             "decode server" if self.pd is not None else
+                             "bootstrap_room is for prefill/decode disaggregation; this server "
+                             "is not in disaggregation mode")
+        if self.pd is not None and params.n != 1:
+            raise ValueError("n > 1 is not supported with disaggregation")
         children = []
         for i in range(params.n):
             gen = None
@@ -215,7 +224,7 @@ class LLMEngine:
             for child in children:
                 child.matcher = backend.matcher(params.grammar)
         for child in children:
-            self.scheduler.add(child)
+            (self.pd.add if self.pd is not None else self.scheduler.add)(child)
             if self.tokenizer is not None:
                 self.detok[id(child)] = IncrementalDetokenizer(
                     self.tokenizer, params.stop, params.skip_special_tokens,
@@ -229,6 +238,8 @@ class LLMEngine:
         if children is None:
             return False
         for child in children:
+            if self.pd is not None:
+                self.pd.abort(child)
             if not child.is_finished:
                 self.scheduler.finish(child, "abort")
         self.counters["num_aborted"] += 1
@@ -237,12 +248,14 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.pd is not None and self.pd.busy())
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns an update for every request that progressed or finished."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.pd is not None:
+            outputs += self._poll_disaggregation()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
             self._check_drafts(self.scheduler.running)
@@ -262,6 +275,8 @@ class LLMEngine:
             # estimate is Python, and GIL hand-offs (5 ms switch interval) against the model's
             # Python-level op dispatch made tests/model/test_grammar.py 5x slower (160 s vs 32 s).
             logits, to_sample, hidden, prompt = self.runner.run(batch, wants_hidden, record)
+            if isinstance(self.pd, PrefillSide):
+                self.pd.after_forward(batch)
             for req, rows in prompt:
                 record_prompt_logprobs(req, rows, self.model.compute_logits)
             self.scheduler.insert_snapshots(batch)
@@ -295,7 +310,7 @@ class LLMEngine:
                 accepted.append((req, len(tokens) - 1, row + len(tokens) - 1))
                 row += 1 + k
                 for t in tokens:
-                    self._append(req, t, None, None)
+                    self.append_token(req, t, None, None)
                     if req.is_finished:
                         break
                 touched[self._group_id(req)] = None
@@ -325,7 +340,7 @@ class LLMEngine:
             for i, req in enumerate(plain):
                 if self._group_id(req) in failed:
                     continue
-                self._append(req, result.token_ids[i],
+                self.append_token(req, result.token_ids[i],
                              result.logprobs[i] if result.logprobs else None,
                              result.top_logprobs[i] if result.top_logprobs else None)
                 touched[self._group_id(req)] = None
@@ -333,7 +348,13 @@ class LLMEngine:
             for req, j, r in accepted:
                 if not req.is_finished:
                     spec.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)
+        if isinstance(self.pd, PrefillSide):
+            self.pd.after_sample(batch)
         self.scheduler.take_snapshots(batch.reqs)
+        return outputs + self._updates(touched)
+
+    def _updates(self, touched: dict[str, None]) -> list[RequestOutput]:
+        outputs = []
         for rid in touched:
             first = self.groups[rid][0]
             if first.prompt_logits_row is not None and not first.is_finished:
@@ -344,6 +365,15 @@ class LLMEngine:
                 self.counters["num_finished"] += 1
                 self._forget(rid)
         return outputs
+
+    def _poll_disaggregation(self) -> list[RequestOutput]:
+        """Prefill side: reservations in, timeouts. Decode side: requests whose caches
+        arrived join the running batch with their first token."""
+        if isinstance(self.pd, PrefillSide):
+            self.pd.poll()
+            return []
+        assert self.pd is not None
+        return self._updates({self._group_id(r): None for r in self.pd.poll()})
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         result, failed = sample_isolated(self.sampler, logits, reqs)
@@ -388,7 +418,7 @@ class LLMEngine:
             else:
                 del req.draft_ids[m.valid_prefix(req.draft_ids):]
 
-    def _append(self, req: Request, token: int, logprob: float | None,
+    def append_token(self, req: Request, token: int, logprob: float | None,
                 top: dict[int, float] | None) -> None:
         req.output_ids.append(token)
         note_reasoning(req)
@@ -474,6 +504,7 @@ class LLMEngine:
             "cached_snapshots": cache.num_snapshots if cache else 0,
             "evictable_blocks": cache.evictable_blocks() if cache else 0,
             **(self.spec.metrics() if self.spec is not None else {}),
+            **(self.pd.counters if self.pd is not None else {}),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "free_blocks": self.blocks.num_free,
@@ -487,7 +518,7 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Pool invariants; when idle, every block and state slot is free again or held by
         the prefix cache alone (and free after a flush)."""
-        self.scheduler.check_integrity()
+        self.scheduler.check_integrity(*(self.pd.held() if self.pd is not None else ([], [])))
         if self.spec is not None:
             self.spec.drafter.check_integrity(idle=not self.has_unfinished())
         if not self.has_unfinished():

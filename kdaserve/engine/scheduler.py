@@ -394,15 +394,17 @@ class Scheduler:
         if excess > 0:
             self.cache.evict_snapshots(excess)
 
-    def check_integrity(self) -> None:
-        """Pools consistent with the requests holding them."""
+    def check_integrity(self, reserved_blocks: list[int] | None = None,
+                        reserved_slots: list[int] | None = None) -> None:
+        """Pools consistent with the requests holding them (and with what a decode server has
+        reserved for transfers in flight)."""
         self.blocks.check_integrity()
         self.states.check_integrity()
-        held_blocks = [b for r in self.running for b in r.block_ids]
+        held_blocks = [b for r in self.running for b in r.block_ids] + (reserved_blocks or [])
         work_slots = [r.state_slot for r in self.running]
         assert None not in work_slots, "running request without a state slot"
         held_slots = work_slots + [r.track_slot for r in self.running if r.track_slot is not None]
-        held_slots += [slot for _, _, slot in self._in_flight]
+        held_slots += [slot for _, _, slot in self._in_flight] + (reserved_slots or [])
         if self.cache is not None:
             held_blocks += self.cache.tree_blocks()
             held_slots += self.cache.snapshot_slots()

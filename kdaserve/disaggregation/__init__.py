@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: the transfer engine and the layout of what is shipped."""
