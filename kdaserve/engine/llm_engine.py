@@ -18,7 +18,7 @@ from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.checkpoint import PRESETS, RANDOM_MARKER, default_model_path
 from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
-from kdaserve.engine.disaggregation import PrefillSide, make_side
+from kdaserve.engine.disaggregation import DecodeSide, PrefillSide, make_side
 from kdaserve.engine.grammar import (
     GrammarBackend,
     apply_bitmask,
@@ -205,8 +205,10 @@ class LLMEngine:
                              "decode server" if self.pd is not None else
                              "bootstrap_room is for prefill/decode disaggregation; this server "
                              "is not in disaggregation mode")
-        if self.pd is not None and params.n != 1:
-            raise ValueError("n > 1 is not supported with disaggregation")
+        if self.pd is not None and (params.n != 1 or params.return_hidden_states
+                                    or params.return_routed_experts):
+            raise ValueError("n > 1, return_hidden_states and return_routed_experts are not "
+                             "supported with disaggregation")
         children = []
         for i in range(params.n):
             gen = None
@@ -214,7 +216,8 @@ class LLMEngine:
                 gen = torch.Generator().manual_seed((params.seed * 1_000_003 + i) % 2**64)
             children.append(Request(rid if params.n == 1 else f"{rid}-{i}", ids, params,
                                     generator=gen))
-        if params.prompt_logprobs is not None:  # the siblings share the prompt: one scores it
+        # the siblings share the prompt: one scores it (on the prefill side, when disaggregated)
+        if params.prompt_logprobs is not None and not isinstance(self.pd, DecodeSide):
             children[0].prompt_logprobs = [None] if params.logprob_start_len == 0 else []
         need = len(ids) + params.max_tokens
         if need > self.scheduler.max_request_tokens():

@@ -103,6 +103,9 @@ def create_app(state: ServerState) -> FastAPI:
                               503: oa._error("the engine is down or restarting")},
                        text=True)})
     async def health_generate() -> Response:
+        if state.server_args.get("disaggregation_mode"):  # half a request cannot run alone
+            await state.client.get_metrics()
+            return PlainTextResponse("")
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         async for _ in state.client.generate([0], params, f"health-{uuid.uuid4().hex}"):
             pass
@@ -114,6 +117,15 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         body = state.metrics.render(await state.client.get_metrics())
         return Response(body, media_type="text/plain; version=0.0.4")
+
+    @app.get("/check_integrity", response_model=oa.RLResult, responses=oa.responses(
+        oa.RLResult, {500: oa._error("a pool invariant is broken"),
+                      503: oa._error("the engine is down")}))
+    async def check_integrity() -> dict[str, Any]:
+        """The engine's pool invariants (blocks and state slots held by exactly the requests,
+        reservations and cache entries that own them): for tests and operators."""
+        await state.client.call("check_integrity")
+        return {"success": True, "message": "pools consistent"}
 
     @app.post("/flush_cache", response_class=PlainTextResponse, responses={**oa.responses(
         None, {400: oa._error("entries in use were kept"),

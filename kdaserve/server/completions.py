@@ -75,6 +75,10 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Respo
     # off the event loop: a 10 MB prompt takes a second to tokenize
     prompts = await asyncio.to_thread(prompt_ids, tok, req.prompt)
     check_sequences(len(prompts), req.n or 1)
+    if req.bootstrap_room is not None and (len(prompts) > 1 or (req.echo and req.logprobs)):
+        raise ValueError("a disaggregated request (bootstrap_room) takes one prompt and no "
+                         "prompt logprobs (the prefill server computes them: /generate with "
+                         "return_logprob, whose input logprobs the PD router merges)")
     cid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     score_only = req.max_tokens == 0

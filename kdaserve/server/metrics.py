@@ -24,6 +24,11 @@ ENGINE_GAUGES = {
     "spec_num_drafted": "Speculative tokens drafted (total)",
     "spec_num_accepted": "Speculative tokens accepted (total)",
     "spec_mean_acceptance_length": "Tokens emitted per verify step (accepted + bonus)",
+    "pd_transfers": "Disaggregated requests whose caches were shipped (total)",
+    "pd_failed": "Disaggregated requests failed by a transfer (total)",
+    "pd_kv_bytes": "MLA latent bytes shipped to decode servers (total)",
+    "pd_state_bytes": "KDA state bytes shipped to decode servers (total)",
+    "pd_transfer_ms": "Milliseconds spent writing to decode servers (total)",
 }
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -77,6 +77,8 @@ def _meta(state: ServerState, req: GenerateRequest, rid: str, out: RequestOutput
         if out.prompt_logprobs is not None:
             start = len(prompt) - len(out.prompt_logprobs)
             meta.update(_positions(state, req, prompt[start:], out.prompt_logprobs, "input"))
+        elif req.bootstrap_room is not None:  # the PD router prepends the prefill server's
+            meta.update({"input_token_logprobs": [], "input_top_logprobs": []})
         meta.update(_positions(state, req, o.token_ids, list(o.logprobs or []), "output"))
     if o.routed_experts is not None:
         meta["routed_experts"] = base64.b64encode(o.routed_experts.numpy().tobytes()).decode()
@@ -122,7 +124,10 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
     extra: dict[str, Any] = {"token_ids_logprob": list(req.token_ids_logprob or []),
                              "return_routed_experts": req.return_routed_experts,
                              "return_hidden_states": req.return_hidden_states,
-                             "routed_experts_start": req.routed_experts_start_len}
+                             "routed_experts_start": req.routed_experts_start_len,
+                             "bootstrap": req.bootstrap()}
+    if extra["bootstrap"] is not None and len(prompts) > 1:
+        raise ValueError("a disaggregated request (bootstrap_room) takes one prompt")
     results = []
     for p in prompts:
         if len(p) == 0:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from kdaserve.request import Grammar, SamplingParams
+from kdaserve.request import Bootstrap, Grammar, SamplingParams
 
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 MAX_N = 128  # OpenAI's limit on n
@@ -87,7 +87,30 @@ def constraint(regex: str | None, json_schema: str | dict[str, Any] | None,
     return None
 
 
-class SamplingFields(Strict):
+SGLANG_BOOTSTRAP_PORT = 8998  # what SGLang's decode side assumes when the router names none
+
+
+class BootstrapFields(Strict):
+    """What the PD router (sglang-router --pd-disaggregation) adds to every request it sends
+    to a prefill and a decode server: the prefill server's bootstrap endpoint and the room
+    pairing the two halves."""
+
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = Field(None, gt=0, lt=65536)
+    bootstrap_room: int | None = Field(None, ge=0, lt=2**64)
+
+    def bootstrap(self) -> Bootstrap | None:
+        if self.bootstrap_room is None:
+            if self.bootstrap_host is not None or self.bootstrap_port is not None:
+                raise ValueError("bootstrap_host/bootstrap_port without bootstrap_room")
+            return None
+        if self.bootstrap_host is None:
+            raise ValueError("bootstrap_room without bootstrap_host")
+        return Bootstrap(self.bootstrap_host, self.bootstrap_port or SGLANG_BOOTSTRAP_PORT,
+                         self.bootstrap_room)
+
+
+class SamplingFields(BootstrapFields):
     """Sampling fields shared by /v1/completions and /v1/chat/completions (OpenAI's, plus
     the vLLM/SGLang extensions clients send)."""
 
@@ -120,6 +143,9 @@ class SamplingFields(Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
+    # what sglang-router sends as defaults: accepted at those values only
+    no_stop_trim: Literal[False] = False  # stop strings are always trimmed
+    return_hidden_states: Literal[False] = False  # /generate returns them
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         values: dict[str, Any] | None = None, **extra: Any) -> SamplingParams:
@@ -152,6 +178,7 @@ class SamplingFields(Strict):
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=min(self.min_tokens, max_tokens),
             logit_bias=parse_logit_bias(self.logit_bias),
+            bootstrap=self.bootstrap(),
             **extra,
         )
 
@@ -200,6 +227,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: Any = None
     # reasoning is always reported apart (K3 channels, K2 with a reasoning parser)
     separate_reasoning: Literal[True] = True
+    stream_reasoning: Literal[True] = True  # reasoning streams as it comes
+    continue_final_message: Literal[False] = False
     modalities: list[Literal["text"]] | None = None
 
 
@@ -255,7 +284,7 @@ class GenerateSampling(Strict):
             logit_bias=parse_logit_bias(self.logit_bias), **extra)
 
 
-class GenerateRequest(Strict):
+class GenerateRequest(BootstrapFields):
     text: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | None = None
     input_ids: (Annotated[list[TokenId], Field(min_length=1)]
                 | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
@@ -269,7 +298,11 @@ class GenerateRequest(Strict):
     return_text_in_logprobs: bool = False
     rid: str | None = None
     log_metrics: bool = True  # advisory
+    no_logs: bool = False  # advisory: requests are not logged
     # what SGLang's clients send as defaults: accepted at those values only
+    background: Literal[False] = False
+    return_bytes: Literal[False] = False
+    return_entropy: Literal[False] = False
     # meta_info.hidden_states (SGLang's layout): [prompt rows] then one row per later output
     # token but the last; final-normed fp32, what the LM head sees
     return_hidden_states: bool = False
