@@ -40,7 +40,7 @@ from kdaserve.spec.block import BlockDrafter
 from kdaserve.spec.draft_model import DraftModelDrafter
 from kdaserve.spec.drafter import Drafter
 from kdaserve.spec.ngram import NgramDrafter
-from kdaserve.spec.verify import Speculator
+from kdaserve.spec.verify import Speculator, trim_drafts
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
@@ -261,7 +261,7 @@ class LLMEngine:
             outputs += self._poll_disaggregation()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
-            self._check_drafts(self.scheduler.running)
+            trim_drafts(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return outputs
@@ -396,30 +396,6 @@ class LLMEngine:
             if rid in self.groups:
                 self.abort(rid)  # its final output (finish_reason "abort") comes next step
         return failed
-
-    def _check_drafts(self, running: list[Request]) -> None:
-        """A constrained request verifies only the drafts its grammar allows, and none while
-        its budget is near the forced closing path or its reasoning budget is near its end
-        (forced tokens are placed one a step)."""
-        for req in running:
-            if not req.draft_ids:
-                continue
-            p, k = req.params, len(req.draft_ids)
-            if p.logit_bias or len(req.output_ids) < p.min_tokens or p.return_routed_experts \
-                    or p.return_hidden_states:
-                req.draft_ids = []  # verification samples raw rows: bias and bans need plain
-                continue
-            if p.reasoning_budget is not None and not req.reasoning_done \
-                    and len(req.output_ids) + k + 1 >= p.reasoning_budget:
-                req.draft_ids = []
-                continue
-            m = req.matcher
-            if m is None:
-                continue
-            if m.near_budget(p.max_tokens - len(req.output_ids), k):
-                req.draft_ids = []
-            else:
-                del req.draft_ids[m.valid_prefix(req.draft_ids):]
 
     def append_token(self, req: Request, token: int, logprob: float | None,
                 top: dict[int, float] | None) -> None:

@@ -25,6 +25,31 @@ from kdaserve.spec.drafter import Drafter
 from kdaserve.spec.record import StepRecord
 
 
+def trim_drafts(running: list[Request]) -> None:
+    """A constrained request verifies only the drafts its grammar allows, and none while
+    its budget is near the forced closing path or its reasoning budget is near its end
+    (forced tokens are placed one a step)."""
+    for req in running:
+        if not req.draft_ids:
+            continue
+        p, k = req.params, len(req.draft_ids)
+        if p.logit_bias or len(req.output_ids) < p.min_tokens or p.return_routed_experts \
+                or p.return_hidden_states:
+            req.draft_ids = []  # verification samples raw rows: bias and bans need plain
+            continue
+        if p.reasoning_budget is not None and not req.reasoning_done \
+                and len(req.output_ids) + k + 1 >= p.reasoning_budget:
+            req.draft_ids = []
+            continue
+        m = req.matcher
+        if m is None:
+            continue
+        if m.near_budget(p.max_tokens - len(req.output_ids), k):
+            req.draft_ids = []
+        else:
+            del req.draft_ids[m.valid_prefix(req.draft_ids):]
+
+
 def reject_sample(probs: torch.Tensor, drafts: list[int],
                   generator: torch.Generator | None) -> tuple[int, int]:
     """Lossless speculative sampling for point-mass drafts (every drafter proposes one

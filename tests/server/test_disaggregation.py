@@ -340,3 +340,39 @@ def test_unified_and_disaggregated_requests_refused_where_wrong(
     assert r.status_code == 400 and "not in disaggregation mode" in r.text
     r = httpx.post(f"{cluster.decode.url}/generate", json={"input_ids": [1, 2]})
     assert r.status_code == 400 and "PD router" in r.text
+
+
+def test_client_gone_cancels_reservation(cluster: Cluster) -> None:
+    """A decode request whose client leaves while its transfer is pending is cancelled with
+    the prefill server, and its reservation is freed only once the prefill server confirms
+    (long before any timeout)."""
+    body = {"input_ids": [9] * 30, "sampling_params": {"max_new_tokens": 2},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.bootstrap_port,
+            "bootstrap_room": 4242}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster.decode.url}/generate", json=body, timeout=1.0)
+    start = time.monotonic()
+    assert_whole(cluster.decode, cluster.prefill)
+    assert time.monotonic() - start < LIVENESS_S
+
+
+def test_plain_router_over_unified_servers(server: ServerProc, llm: LLM,
+                                           prompts: list[list[int]], model: str,
+                                           tmp_path: Path) -> None:
+    """sglang-router's regular mode (cache-aware policy) in front of a unified server: the
+    router's re-serialized requests (its default-valued extra fields) are accepted and the
+    outputs are the server's own."""
+    router, url = start_router(["--worker-urls", server.url, "--policy", "cache_aware"],
+                               tmp_path / "router.log")
+    try:
+        want = [o.token_ids for o in reference(llm, prompts[:4], greedy(NEW))]
+        for ids, w in zip(prompts[:4], want, strict=True):
+            r = generate(url, ids)
+            assert r.status_code == 200 and r.json()["output_ids"] == w, r.text
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": NEW, "temperature": 0}
+        direct = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60).json()
+        routed = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        assert routed["choices"][0]["message"] == direct["choices"][0]["message"]
+    finally:
+        stop_router(router)
