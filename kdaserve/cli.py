@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = b.add_subparsers(dest="bench", required=True)
     from kdaserve.bench import (
+        disaggregation,
         grammar,
         gsm8k,
         kernels,
@@ -120,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     scoring.add_parser(bench_sub)
     soak.add_parser(bench_sub)
     weight_sync.add_parser(bench_sub)
+    disaggregation.add_parser(bench_sub)
     from kdaserve.server import launch
 
     launch.add_parser(sub)

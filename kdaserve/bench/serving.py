@@ -50,17 +50,27 @@ def make_samples(args: argparse.Namespace) -> list[Sample]:
     return [Sample(p, 0, args.random_output_len) for p in prompts]
 
 
-async def one(client: Any, url: str, model: str | None, s: Sample) -> Outcome:
-    body: dict[str, Any] = {"prompt": s.prompt, "max_tokens": s.output_len, "temperature": 0.0,
-                            "ignore_eos": True, "stream": True,
-                            "stream_options": {"include_usage": True}}
-    if model:
-        body["model"] = model
+async def one(client: Any, url: str, model: str | None, s: Sample,
+              endpoint: str = "completions") -> Outcome:
+    """One streamed request to /v1/completions or SGLang's /generate (which takes token ids
+    through sglang-router; the router's /v1/completions takes text only)."""
+    if endpoint == "generate":
+        path = "/generate"
+        body: dict[str, Any] = {
+            ("text" if isinstance(s.prompt, str) else "input_ids"): s.prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": s.output_len, "temperature": 0.0,
+                                "ignore_eos": True}}
+    else:
+        path = "/v1/completions"
+        body = {"prompt": s.prompt, "max_tokens": s.output_len, "temperature": 0.0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        if model:
+            body["model"] = model
     start = time.perf_counter()
     last = start
     out = Outcome(ok=False, prompt_len=s.prompt_len)
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async with client.stream("POST", url + path, json=body) as r:
             if r.status_code != 200:
                 out.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return out
@@ -68,6 +78,11 @@ async def one(client: Any, url: str, model: str | None, s: Sample) -> Outcome:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
+                if "meta_info" in data:  # /generate: one event per step, counts in meta_info
+                    meta = data["meta_info"]
+                    out.output_tokens = meta.get("completion_tokens", out.output_tokens)
+                    out.prompt_len = meta.get("prompt_tokens", out.prompt_len)
+                    data = {"choices": [{"text": "x"}]} if data.get("output_ids") else {}
                 if data.get("usage"):
                     out.output_tokens = data["usage"].get("completion_tokens", out.output_tokens)
                     out.prompt_len = data["usage"].get("prompt_tokens", out.prompt_len)
@@ -104,7 +119,8 @@ async def run(args: argparse.Namespace, samples: list[Sample]) -> dict[str, Any]
     async with httpx.AsyncClient(timeout=None) as client:
         async def limited(s: Sample) -> Outcome:
             async with sem:
-                return await one(client, url, args.served_model, s)
+                return await one(client, url, args.served_model, s,
+                                 getattr(args, "endpoint", "completions"))
 
         start = time.perf_counter()
         tasks = []
@@ -152,6 +168,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("serving", help="async load generator against an OpenAI-compatible URL")
     p.add_argument("--url", default="http://127.0.0.1:30000")
     p.add_argument("--served-model", default=None)
+    p.add_argument("--endpoint", default="completions", choices=["completions", "generate"])
     p.add_argument("--dataset", default="random", choices=["random", "gsm8k"])
     p.add_argument("--data", default=None, help="GSM8K JSONL for --dataset gsm8k")
     p.add_argument("--num-shots", type=int, default=5)

@@ -63,8 +63,19 @@ class _Side:
         for t in self.layout.tensors():
             self.transfer.register(t.address, t.nbytes)
         self.ctx = zmq.Context.instance()
-        self.counters = {"pd_transfers": 0, "pd_failed": 0, "pd_kv_bytes": 0,
+        self.counters = {"pd_transfers": 0, "pd_failed": 0, "pd_writes": 0, "pd_kv_bytes": 0,
                          "pd_state_bytes": 0, "pd_transfer_ms": 0.0}
+
+    def sockets(self) -> list[zmq.Socket]:
+        raise NotImplementedError
+
+    def wait(self, timeout_s: float) -> None:
+        """Sleeps until a peer's message arrives or timeout_s passes (the engine loop, idle
+        but for transfers, wakes for them at once instead of at its next command poll)."""
+        poller = zmq.Poller()
+        for sock in self.sockets():
+            poller.register(sock, zmq.POLLIN)
+        poller.poll(timeout_s * 1e3)
 
     def _fail(self, req: Request, why: str) -> None:
         self.counters["pd_failed"] += 1
@@ -108,6 +119,9 @@ class PrefillSide(_Side):
 
     def busy(self) -> bool:
         return bool(self.waiting or self.offers)
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [self.sock]
 
     def abort(self, req: Request) -> None:
         room = self.by_req.pop(id(req), None)
@@ -220,6 +234,7 @@ class PrefillSide(_Side):
                 self._fail(req, f"transfer to the decode server failed: {e}")
                 continue
             self.counters["pd_transfer_ms"] += (time.perf_counter() - start) * 1e3
+            self.counters["pd_writes"] += 1
             state_bytes = self.layout.recurrent.item_bytes * self.layout.recurrent.shape[0] \
                 + self.layout.conv.item_bytes * self.layout.conv.shape[0] if final else 0
             self.counters["pd_state_bytes"] += state_bytes
@@ -290,6 +305,9 @@ class DecodeSide(_Side):
 
     def busy(self) -> bool:
         return bool(self.pending or self.inflight)
+
+    def sockets(self) -> list[zmq.Socket]:
+        return [p.sock for p in self.peers.values()]
 
     def held(self) -> tuple[list[int], list[int]]:
         return ([b for r in self.inflight.values() for b in r.blocks],

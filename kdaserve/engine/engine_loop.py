@@ -24,6 +24,7 @@ logger = logging.getLogger("kdaserve")
 
 Command = tuple[Any, ...]
 TICK_S = 1.0  # a ("tick",) at most this often: the loop is alive and between steps
+PD_WAIT_S = 0.01  # waiting on a disaggregation peer: commands are read this often
 
 # read-only or maintenance calls a client may make by name (functions do not cross processes)
 CALLS: dict[str, Callable[..., Any]] = {
@@ -60,6 +61,9 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
         # wait for commands when there is nothing to run, or when the last step could schedule
         # nothing (requests waiting for memory): never spin
         block = idle_step or not engine.has_unfinished() or engine.paused
+        if block and engine.pd is not None and engine.pd.busy() and not engine.paused:
+            engine.pd.wait(PD_WAIT_S)  # a transfer's next message, not the command poll
+            block = False
         while (cmd := recv(block)) is not None:
             block = False
             if cmd[0] == "stop":

@@ -26,6 +26,7 @@ ENGINE_GAUGES = {
     "spec_mean_acceptance_length": "Tokens emitted per verify step (accepted + bonus)",
     "pd_transfers": "Disaggregated requests whose caches were shipped (total)",
     "pd_failed": "Disaggregated requests failed by a transfer (total)",
+    "pd_writes": "Batched writes to decode servers, one per prefill chunk with new blocks (total)",
     "pd_kv_bytes": "MLA latent bytes shipped to decode servers (total)",
     "pd_state_bytes": "KDA state bytes shipped to decode servers (total)",
     "pd_transfer_ms": "Milliseconds spent writing to decode servers (total)",

@@ -231,7 +231,8 @@ def test_seeded_sampling_matches_reference(cluster: Cluster, llm: LLM,
 
 def test_transfer_metrics(cluster: Cluster, tiny_ckpt: Path) -> None:
     """The prefill server counts what it shipped: the KDA state bytes are exactly one slot
-    per request."""
+    per request, and multi-chunk prompts were written chunk by chunk. The decode server
+    never ran a forward over a prompt."""
     m = httpx.get(f"{cluster.prefill.url}/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in m.splitlines()
               if line.startswith("kdaserve_pd_")}
@@ -240,6 +241,9 @@ def test_transfer_metrics(cluster: Cluster, tiny_ckpt: Path) -> None:
     slot = StatePool.bytes_per_slot(ModelConfig.from_pretrained(tiny_ckpt), torch.float32)
     assert values["kdaserve_pd_state_bytes"] == n * slot
     assert values["kdaserve_pd_kv_bytes"] > 0
+    assert values["kdaserve_pd_writes"] > n  # the long prompts streamed blocks per chunk
+    decode = httpx.get(f"{cluster.decode.url}/get_server_info").json()["internal_states"][0]
+    assert decode["prompt_tokens"] == 0 and decode["pd_transfers"] == n
 
 
 # ---- faults (the test plays the router) ----
