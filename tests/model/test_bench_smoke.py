@@ -122,3 +122,15 @@ def test_bench_weight_sync_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     r = json.loads(out.read_text())
     assert [row["method"] for row in r["rows"]] == ["disk", "tensor", "distributed"]
     assert all(row["seconds"] > 0 for row in r["rows"])
+
+
+def test_bench_pd_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "pd.json"
+    cli_main(["bench", "pd", "--model", str(tiny_ckpt), "--num-prompts", "4",
+              "--input-len", "96", "--output-len", "4", "--request-rate", "20",
+              "--max-num-batched-tokens", "32", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["unified"]["completed"] == r["pd"]["completed"] == 4
+    t = r["pd"]["transfer"]
+    assert t["state_bytes_per_request"] > 0 and t["writes_per_request"] > 1
+    assert r["pd"]["decode_prompt_tokens"] == 0
