@@ -213,6 +213,11 @@ def test_chat_and_completions_match_unified(cluster: Cluster, server: ServerProc
     want = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
     got = httpx.post(f"{cluster.url}/v1/completions", json=body, timeout=60).json()
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=60,
+                      json={**body, "stream": True}) as s:
+        events = sse_events(s.iter_lines())
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == \
+        want["choices"][0]["text"]
     assert_whole(cluster.prefill, cluster.decode)
 
 
