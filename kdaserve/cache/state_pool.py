@@ -13,9 +13,11 @@ from kdaserve.config import ModelConfig
 
 
 class StatePool:
+    """`tp_size`: a tensor-parallel rank holds the states of its 1/tp_size of the heads."""
+
     def __init__(self, config: ModelConfig, num_slots: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
-        L, H, K = len(config.kda_layers), config.kda_num_heads, config.kda_head_dim
+                 device: torch.device | str = "cpu", tp_size: int = 1) -> None:
+        L, H, K = len(config.kda_layers), config.kda_num_heads // tp_size, config.kda_head_dim
         self.num_slots = num_slots
         # recurrent state always fp32 [L, N, H, K, V]; conv state in the model dtype
         # [L, N, W-1, 3P], time-major so a decode step shifts whole rows.
@@ -26,8 +28,8 @@ class StatePool:
         self._used: set[int] = set()
 
     @staticmethod
-    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype) -> int:
-        L, H, K = len(config.kda_layers), config.kda_num_heads, config.kda_head_dim
+    def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
+        L, H, K = len(config.kda_layers), config.kda_num_heads // tp_size, config.kda_head_dim
         conv = (config.kda_conv_size - 1) * 3 * H * K * torch.empty(0, dtype=dtype).element_size()
         return L * (H * K * K * 4 + conv)
 

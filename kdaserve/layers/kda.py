@@ -13,14 +13,19 @@ from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
 from kdaserve.layers.linear import Linear
+from kdaserve.layers.parallel import SINGLE, Destination, TensorParallel
 from kdaserve.spec.record import KDASteps
 
 
 class KDAttention(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        D, H, K = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        # under tensor parallelism this rank holds H of the heads (and their states)
+        D, H, K = config.hidden_size, tp.part(config.kda_num_heads, "kda_num_heads"), \
+            config.kda_head_dim
         P = H * K
+        self.tp = tp
         self.num_heads, self.head_dim, self.eps = H, K, config.rms_norm_eps
         # Every projection of the layer input in one weight, rows q | k | v | f_a | g_a | b:
         # one pass over x (one GEMV per decode step instead of six), and q|k|v come out
@@ -37,20 +42,26 @@ class KDAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
         self.kernels = kernels
 
-    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> destination view for every tensor of this layer."""
+    def checkpoint_tensors(self, prefix: str) -> dict[str, Destination]:
+        """Checkpoint name -> destination view for every tensor of this layer (this rank's
+        slice of the per-head ones under tensor parallelism)."""
         P, W = self.conv_weight.shape[0] // 3, self.conv_weight.shape[1]
-        views = {f"{prefix}{name}.weight": getattr(self, name).weight
-                 for name in ("f_b_proj", "g_b_proj", "o_proj")}
+        shard = self.tp.shard
+        views: dict[str, Destination] = {
+            f"{prefix}f_b_proj.weight": shard(self.f_b_proj.weight, 0),
+            f"{prefix}g_b_proj.weight": shard(self.g_b_proj.weight, 0),
+            f"{prefix}o_proj.weight": shard(self.o_proj.weight, 1)}
         rows = self.in_proj.weight.data.split((P, P, P, *self.in_split[1:]))
         for name, w in zip(("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"),
-                           rows, strict=True):
-            views[f"{prefix}{name}.weight"] = w
+                           rows, strict=True):  # f_a and g_a are low-rank: replicated
+            views[f"{prefix}{name}.weight"] = w if name in ("f_a_proj", "g_a_proj") \
+                else shard(w, 0)
         for i, name in enumerate(("q_conv1d", "k_conv1d", "v_conv1d")):
-            views[f"{prefix}{name}.weight"] = self.conv_weight.data[i * P:(i + 1) * P].view(P, 1, W)
+            views[f"{prefix}{name}.weight"] = shard(
+                self.conv_weight.data[i * P:(i + 1) * P].view(P, 1, W), 0)
         views[f"{prefix}o_norm.weight"] = self.o_norm_weight
-        views[f"{prefix}A_log"] = self.A_log.data.view(1, 1, -1, 1)
-        views[f"{prefix}dt_bias"] = self.dt_bias
+        views[f"{prefix}A_log"] = shard(self.A_log.data.view(1, 1, -1, 1), 2)
+        views[f"{prefix}dt_bias"] = shard(self.dt_bias, 0)
         return views
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, recurrent_state: torch.Tensor,

@@ -10,6 +10,7 @@ from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.layers.parallel import SINGLE, Destination, TensorParallel
 
 # transformers and Moonshot's remote code build q_a/kv_a layernorms with the class default
 # eps 1e-6, not rms_norm_eps; we follow the reference implementation.
@@ -17,10 +18,11 @@ LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        D, H = config.hidden_size, config.num_attention_heads
-        self.num_heads = H
+        D, H = config.hidden_size, tp.part(config.num_attention_heads, "num_attention_heads")
+        self.num_heads, self.tp = H, tp
         self.dn, self.dr = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.dv = config.v_head_dim
         self.rank = config.kv_lora_rank
@@ -38,8 +40,12 @@ class MLAttention(nn.Module):
         self.scale = config.qk_head_dim ** -0.5
         self.kernels = kernels
 
-    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}{name}": p for name, p in self.named_parameters()}
+    def checkpoint_tensors(self, prefix: str) -> dict[str, Destination]:
+        # per-head projections hold this rank's heads; the latent path is replicated
+        split = {"q_proj.weight": 0, "q_b_proj.weight": 0, "kv_b_proj.weight": 0,
+                 "o_proj.weight": 1}
+        return {f"{prefix}{name}": self.tp.shard(p, split[name]) if name in split else p
+                for name, p in self.named_parameters()}
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, Dn, R] and W_UV [H, Dv, R] (views, no copy;

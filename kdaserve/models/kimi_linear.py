@@ -16,25 +16,27 @@ from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.moe import MLP, MoE
 from kdaserve.layers.norm import RMSNorm
+from kdaserve.layers.parallel import SINGLE, Destination, TensorParallel
 from kdaserve.spec.record import KDASteps, StepRecord
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, idx: int, kernels: Kernels) -> None:
+    def __init__(self, config: ModelConfig, idx: int, kernels: Kernels,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.is_kda = config.layer_types[idx] == KDA
         self.self_attn: KDAttention | MLAttention = (
-            KDAttention(config, kernels) if self.is_kda else MLAttention(config, kernels)
+            KDAttention(config, kernels, tp) if self.is_kda else MLAttention(config, kernels, tp)
         )
         self.is_moe = config.mlp_types[idx] == MOE
         self.mlp: MoE | MLP = (
-            MoE(config, kernels) if self.is_moe
-            else MLP(config.hidden_size, config.intermediate_size, kernels)
+            MoE(config, kernels, tp) if self.is_moe
+            else MLP(config.hidden_size, config.intermediate_size, kernels, tp)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
-    def checkpoint_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+    def checkpoint_tensors(self, prefix: str) -> dict[str, Destination]:
         views = self.self_attn.checkpoint_tensors(prefix + "self_attn.")
         if isinstance(self.mlp, MoE):
             views.update(self.mlp.checkpoint_tensors(prefix + "block_sparse_moe."))
@@ -46,11 +48,12 @@ class DecoderLayer(nn.Module):
 
 
 class KimiLinearForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, kernels: Kernels) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, tp)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = None if config.tie_word_embeddings else Linear(
@@ -61,9 +64,10 @@ class KimiLinearForCausalLM(nn.Module):
         for kind_layers in (config.kda_layers, config.mla_layers):
             self.cache_index.update({layer: j for j, layer in enumerate(kind_layers)})
 
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Checkpoint tensor name (Moonshot's hub names) -> destination parameter view."""
-        views = {"model.embed_tokens.weight": self.embed_tokens.weight,
+    def checkpoint_tensors(self) -> dict[str, Destination]:
+        """Checkpoint tensor name (Moonshot's hub names) -> destination parameter view (a
+        `Shard` of it where a tensor-parallel rank holds a slice)."""
+        views: dict[str, Destination] = {"model.embed_tokens.weight": self.embed_tokens.weight,
                  "model.norm.weight": self.norm.weight}
         if self.lm_head is not None:
             views["lm_head.weight"] = self.lm_head.weight
@@ -76,7 +80,10 @@ class KimiLinearForCausalLM(nn.Module):
         names that differ from the checkpoint's: an RL trainer holding that module sends its
         `named_parameters()` (fused q|k|v conv, the forget gate's own module, experts fused
         per layer as gate_up_proj [E, 2I, D] and down_proj [E, D, I], MoE under `mlp.`)."""
-        ck = self.checkpoint_tensors()
+        if self.tp.size > 1:
+            raise ValueError("updates by transformers' names are not supported with tensor "
+                             "parallelism")
+        ck: dict[str, torch.Tensor] = self.checkpoint_tensors()  # type: ignore[assignment]
         views: dict[str, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -113,9 +120,10 @@ class KimiLinearForCausalLM(nn.Module):
                 x = layer.self_attn(x, batch, states.recurrent[j], states.conv[j])
             else:
                 x = layer.self_attn(x, batch, blocks.kv[j])
-            h = h + x
+            h = h + self.tp.all_reduce(x)  # row-parallel outputs are partial sums
             x = layer.post_attention_layernorm(h)
-            h = h + (layer.mlp(x, batch.routing) if layer.is_moe else layer.mlp(x))
+            x = layer.mlp(x, batch.routing) if layer.is_moe else layer.mlp(x)
+            h = h + self.tp.all_reduce(x)
         return self.norm(h[batch.logits_indices])
 
     def replay_kda(self, record: StepRecord, rows: torch.Tensor, cu_seqlens: torch.Tensor,

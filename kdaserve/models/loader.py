@@ -21,6 +21,7 @@ from kdaserve.kernels.ref.quant import quantize_int8
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.moe import MoE
+from kdaserve.layers.parallel import SINGLE, Destination, Shard, TensorParallel, full_shape
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
 DTYPES = {
@@ -70,7 +71,7 @@ def canonical_name(name: str) -> str:
 
 
 def _plan(model: KimiLinearForCausalLM, path: Path,
-          ) -> list[tuple[Path, int, list[tuple[str, dict, torch.Tensor]]]]:
+          ) -> list[tuple[Path, int, list[tuple[str, dict, Destination]]]]:
     """Every tensor of the checkpoint checked against the model (known name, once, its shape,
     a supported dtype, bytes inside the file) and none missing, before any is read."""
     views = model.checkpoint_tensors()
@@ -87,16 +88,16 @@ def _plan(model: KimiLinearForCausalLM, path: Path,
             if name in seen:
                 raise ValueError(f"tensor {raw_name!r} appears twice in the checkpoint")
             dest = views[name]
-            if list(meta["shape"]) != list(dest.shape):
+            if list(meta["shape"]) != list(full_shape(dest)):
                 raise ValueError(f"tensor {raw_name!r} has shape {meta['shape']}, "
-                                 f"expected {list(dest.shape)}")
+                                 f"expected {list(full_shape(dest))}")
             if meta["dtype"] not in DTYPES:
                 raise ValueError(f"tensor {raw_name!r} has unsupported dtype {meta['dtype']}")
             begin, end = meta["data_offsets"]
             if not 0 <= begin <= end or data_start + end > size:
                 raise ValueError(f"tensor {raw_name!r}: file truncated ({file.name})")
             itemsize = torch.empty(0, dtype=DTYPES[meta["dtype"]]).element_size()
-            if end - begin != dest.numel() * itemsize:
+            if end - begin != _numel(full_shape(dest)) * itemsize:
                 raise ValueError(f"tensor {raw_name!r}: byte size does not match its shape")
             seen.add(name)
             tensors.append((raw_name, meta, dest))
@@ -113,13 +114,43 @@ def check_weights(model: KimiLinearForCausalLM, path: Path) -> None:
     _plan(model, path)
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def load_weights(model: KimiLinearForCausalLM, path: Path) -> None:
     for file, data_start, tensors in _plan(model, path):
         with open(file, "rb") as f:
             for raw_name, meta, dest in tensors:
                 begin, end = meta["data_offsets"]
+                src_dtype = DTYPES[meta["dtype"]]
+                if isinstance(dest, Shard):
+                    _read_shard(f, data_start + begin, dest, src_dtype, raw_name)
+                    continue
                 f.seek(data_start + begin)
-                _read_into(f, dest, DTYPES[meta["dtype"]], end - begin, raw_name)
+                _read_into(f, dest, src_dtype, end - begin, raw_name)
+
+
+def _read_shard(f, offset: int, shard: Shard, src_dtype: torch.dtype, name: str) -> None:
+    """A tensor-parallel rank's slice: a slice of leading rows is read alone (one seek);
+    a slice of columns is read with its whole tensor, through a buffer of that size."""
+    shape = shard.full_shape
+    itemsize = torch.empty(0, dtype=src_dtype).element_size()
+    lead = all(d == 1 for d in shape[:shard.dim])  # the slice is contiguous in the file
+    if lead:
+        row = _numel(shape[shard.dim + 1:]) * itemsize
+        n = shard.dest.shape[shard.dim]
+        f.seek(offset + shard.rank * n * row)
+        _read_into(f, shard.dest, src_dtype, n * row, name)
+        return
+    f.seek(offset)
+    full = torch.empty(shape, dtype=src_dtype)
+    _read_into(f, full, src_dtype, full.numel() * itemsize, name)
+    with torch.no_grad():
+        shard.dest.copy_(shard.take(full))
 
 
 def _read_into(f, dest: torch.Tensor, src_dtype: torch.dtype, nbytes: int, name: str) -> None:
@@ -163,22 +194,29 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def init_random(model: KimiLinearForCausalLM, seed: int) -> None:
-    """`load_format="dummy"`: every tensor random (same values `make-checkpoint` writes)."""
+    """`load_format="dummy"`: every tensor random (same values `make-checkpoint` writes; a
+    tensor-parallel rank keeps its slice of each)."""
     with torch.no_grad():
         for name, dest in model.checkpoint_tensors().items():
-            dest.copy_(random_tensor(name, tuple(dest.shape), seed))
+            value = random_tensor(name, full_shape(dest), seed)
+            if isinstance(dest, Shard):
+                dest.dest.copy_(dest.take(value))
+            else:
+                dest.copy_(value)
 
 
 def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
                 device: torch.device, path: Path | None, load_format: str = "auto",
                 seed: int = 0, weight_dtype: torch.dtype | None = None,
-                quantization: str | None = None) -> KimiLinearForCausalLM:
+                quantization: str | None = None,
+                tp: TensorParallel = SINGLE) -> KimiLinearForCausalLM:
     """Builds on the meta device (no init cost), materialises, then fills every parameter.
     `weight_dtype` (default `dtype`): the projections' and experts' weights only, the bytes a
     decode step streams (weight-only bf16 on a CPU); norms, embeddings and the rest `dtype`.
-    `quantization="int8"`: those weights quantized per row once loaded (weight-only int8)."""
+    `quantization="int8"`: those weights quantized per row once loaded (weight-only int8).
+    `tp`: this tensor-parallel rank's shard of the model (reading only its slices)."""
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(config, kernels)
+        model = KimiLinearForCausalLM(config, kernels, tp)
     # by name, after to_empty: moving off the meta device replaces the Parameter objects
     fp32_suffixes = ("A_log", "dt_bias", "gate_weight", "e_score_correction_bias")
     model.to_empty(device=device)
