@@ -364,6 +364,17 @@ class EngineConfig:
     # from in disaggregation_liveness_s is taken for dead at once
     disaggregation_timeout_s: float = 300.0
     disaggregation_liveness_s: float = 30.0
+    # parallelism (SGLang's flags): tp_size ranks hold a slice of every per-head and
+    # intermediate tensor each, joined by torch.distributed (gloo on CPU) at dist_init_addr
+    # (host:port; default a free local port); nnodes > 1 spreads the ranks over machines,
+    # each started with its node_rank (rank 0's node serves HTTP)
+    tp_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    ep_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -409,6 +420,31 @@ class EngineConfig:
                 raise ValueError("enable_deterministic_inference chooses every kernel itself; "
                                  f"kernel_backend={self.kernel_backend!r} contradicts it")
         self._check_disaggregation()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.dp_size > 1 or self.enable_dp_attention or self.ep_size > 1:
+            raise ValueError("dp_size, enable_dp_attention and ep_size are not implemented yet "
+                             "(tensor parallelism is: tp_size)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} outside nnodes={self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size={self.tp_size} does not split evenly over "
+                             f"nnodes={self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
+        if self.dist_init_addr is not None and ":" not in self.dist_init_addr:
+            raise ValueError(f"dist_init_addr={self.dist_init_addr!r} is not host:port")
+        if self.tp_size > 1:
+            if self.device != "cpu":
+                raise ValueError("tensor parallelism runs on CPU ranks (gloo) so far")
+            if self.speculative_algorithm is not None or self.disaggregation_mode is not None \
+                    or self.enable_deterministic_inference:
+                raise ValueError("tensor parallelism does not combine with speculative "
+                                 "decoding, disaggregation or deterministic inference yet")
 
     def _check_disaggregation(self) -> None:
         if self.disaggregation_mode not in (None, "prefill", "decode"):

@@ -26,6 +26,9 @@ class StatePool:
                                 device=device)
         self._free = list(range(num_slots - 1, -1, -1))
         self._used: set[int] = set()
+        # when a list: every change made outside a forward, ("zero", slot) / ("copy", src,
+        # dst), for tensor-parallel followers to apply to their own heads' pool
+        self.log: list[tuple[int | str, ...]] | None = None
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -44,14 +47,29 @@ class StatePool:
         slot = self._free.pop()
         self._used.add(slot)
         if zero:
-            self.recurrent[:, slot].zero_()
-            self.conv[:, slot].zero_()
+            self.zero(slot)
         return slot
+
+    def zero(self, slot: int) -> None:
+        self.recurrent[:, slot].zero_()
+        self.conv[:, slot].zero_()
+        if self.log is not None:
+            self.log.append(("zero", slot))
 
     def copy(self, src: int, dst: int) -> None:
         """Every KDA layer's recurrent and conv state of slot src into slot dst."""
         self.recurrent[:, dst].copy_(self.recurrent[:, src])
         self.conv[:, dst].copy_(self.conv[:, src])
+        if self.log is not None:
+            self.log.append(("copy", src, dst))
+
+    def apply(self, log: list[tuple[int | str, ...]]) -> None:
+        """Replays another pool's logged changes on this one (same slots, own heads)."""
+        for op in log:
+            if op[0] == "zero":
+                self.zero(int(op[1]))
+            else:
+                self.copy(int(op[1]), int(op[2]))
 
     def free(self, slot: int) -> None:
         if slot not in self._used:

@@ -79,6 +79,8 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             outputs = engine.step()
             idle_step = engine.counters["num_steps"] == steps and not outputs
         except Exception as e:  # a failed step fails the requests in flight, loudly
+            if engine.followers is not None:  # a rank is gone: the collectives are broken
+                raise
             logger.exception("engine step failed")
             for rid in list(engine.groups):
                 engine.abort(rid)

@@ -33,7 +33,9 @@ from kdaserve.engine.pools import make_pools, num_snapshot_slots
 from kdaserve.engine.rl import EngineAsleep
 from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
 from kdaserve.engine.scheduler import Scheduler
+from kdaserve.engine.tensor_parallel import Followers, with_init_addr
 from kdaserve.kernels import resolve_kernels
+from kdaserve.layers.parallel import SINGLE
 from kdaserve.models.loader import build_model
 from kdaserve.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from kdaserve.spec.block import BlockDrafter
@@ -70,9 +72,14 @@ class LLMEngine:
         self.dtype = torch.float32 if self.device.type == "cpu" else asked
         self.kernels = resolve_kernels(self.device, config.kernel_backend,
                                        config.enable_deterministic_inference)
+        self.followers: Followers | None = None  # tensor-parallel ranks 1.., when tp_size > 1
+        if config.tp_size > 1:
+            config = self.config = with_init_addr(config)
+            self.followers = Followers(config)
         self.model = build_model(self.model_config, self.kernels, self.dtype, self.device,
                                  self.path, config.load_format, config.seed, self.weight_dtype,
-                                 config.quantization)
+                                 config.quantization,
+                                 self.followers.tp if self.followers else SINGLE)
         self.tokenizer = (None if config.skip_tokenizer_init
                           else Tokenizer.from_pretrained(self.path))
         if self.tokenizer is not None and \
@@ -82,13 +89,16 @@ class LLMEngine:
                              "have no embedding (a tokenizer from another model?)")
         self.blocks, self.states = make_pools(config, self.model_config, self.model, self.dtype,
                                               self.device)
+        if self.followers is not None:
+            self.followers.start(self.blocks, self.states)
         self.cache = None if config.disable_prefix_cache else RadixCache(self.blocks, self.states)
         # running requests: at most one per working state slot
         max_running = min(config.max_num_seqs, config.num_state_slots or config.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, self.states, max_running,
                                    config.max_num_batched_tokens, self.cache,
                                    config.snapshot_interval, num_snapshot_slots(config))
-        self.runner = ModelRunner(self.model, self.blocks, self.states, self.device)
+        self.runner = ModelRunner(self.model, self.blocks, self.states, self.device,
+                                  self.followers)
         self.spec = None
         if config.speculative_algorithm is not None:
             self.spec = Speculator(self._make_drafter(max_running), self.states, self.cache,
@@ -143,6 +153,8 @@ class LLMEngine:
                 f"{len(mc.mla_layers)} MLA), {mc.num_experts} experts top-"
                 f"{mc.num_experts_per_token}, vocab {mc.vocab_size}")
         c = self.config
+        if c.tp_size > 1:
+            text += f"; tensor parallel over {c.tp_size} ranks (parameters: rank 0's share)"
         if self.spec is not None:
             src = f", {c.speculative_draft_model}" if c.speculative_draft_model else ""
             text += (f"; speculation {c.speculative_algorithm} (up to {self.spec.drafter.k} "
@@ -466,6 +478,12 @@ class LLMEngine:
         for r in self.groups.pop(rid):
             self.detok.pop(id(r), None)
             r.matcher = None
+
+    def close(self) -> None:
+        """Stops the tensor-parallel followers (the engine is unusable afterwards)."""
+        if self.followers is not None:
+            self.followers.stop()
+            self.followers = None
 
     # ---- introspection ----
     def flush_cache(self) -> bool:

@@ -12,6 +12,7 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.engine.scheduler import ScheduledBatch
+from kdaserve.engine.tensor_parallel import Followers
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.request import Request
@@ -62,8 +63,9 @@ class StepOutput(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: KimiLinearForCausalLM, blocks: BlockPool, states: StatePool,
-                 device: torch.device) -> None:
+                 device: torch.device, followers: Followers | None = None) -> None:
         self.model, self.blocks, self.states, self.device = model, blocks, states, device
+        self.followers = followers  # tensor-parallel ranks running every forward with us
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request],
                                                       list[Rows]]:
@@ -118,6 +120,8 @@ class ModelRunner:
         fb.record = record
         if any(r.params.return_routed_experts for r in batch.reqs):
             fb.routing = []
+        if self.followers is not None:
+            self.followers.forward(fb, self.states)
         hidden = self.model.forward_hidden(fb, self.states, self.blocks)
         prompt: list[tuple[Request, torch.Tensor]] = []
         if any(x.size > x.sampled or x.req.params.return_hidden_states for x in layout):

@@ -38,7 +38,7 @@ def make_pools(c: EngineConfig, mc: ModelConfig, model: torch.nn.Module, dtype: 
     working = c.num_state_slots or c.max_num_seqs
     # with the prefix cache: a decode-track slot per running request + the snapshots
     num_slots = working if c.disable_prefix_cache else 2 * working + num_snapshot_slots(c)
-    slot_bytes = StatePool.bytes_per_slot(mc, dtype)
+    slot_bytes = StatePool.bytes_per_slot(mc, dtype, c.tp_size)
     block_bytes = BlockPool.bytes_per_block(mc, c.block_size, dtype)
     budget = int(c.mem_fraction * physical_memory()) - model_bytes - num_slots * slot_bytes
     if budget <= 0:
@@ -52,7 +52,7 @@ def make_pools(c: EngineConfig, mc: ModelConfig, model: torch.nn.Module, dtype: 
         fit = budget // max(block_bytes, 1)
         num_blocks = min(fit, DEFAULT_MAX_KV_TOKENS // c.block_size)
     blocks = BlockPool(mc, num_blocks, c.block_size, dtype, device)
-    states = StatePool(mc, num_slots, dtype, device)
+    states = StatePool(mc, num_slots, dtype, device, c.tp_size)
     # The slot pool, not KV, usually bounds concurrency: a KDA state is worth thousands of
     # tokens of MLA latents.
     logger.info(

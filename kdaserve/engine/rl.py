@@ -33,9 +33,17 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _require_single(e: Any, what: str) -> None:
+    # a refit of tensor-parallel slices, or a release of a disaggregated server's registered
+    # pools, is not built: refused rather than half done
+    if e.config.tp_size > 1 or e.config.disaggregation_mode is not None:
+        raise ValueError(f"{what}: not supported with tensor parallelism or disaggregation yet")
+
+
 def _require_unquantized(e: Any, what: str) -> None:
     # the int8 weights are derived from the loaded floats; a refit would have to quantize the
     # trainer's tensors too, which is not built: refused rather than half done
+    _require_single(e, what)
     if e.config.quantization is not None:
         raise ValueError(f"{what}: the engine serves {e.config.quantization}-quantized weights; "
                          "weight updates and weight release need an unquantized engine")
@@ -91,6 +99,7 @@ def init_weights_update_group(e: Any, master_address: str, master_port: int, ran
     the engine goes on serving meanwhile."""
     import torch.distributed as dist
 
+    _require_single(e, "init_weights_update_group")
     if backend != "gloo" and e.device.type == "cpu":
         raise ValueError(f"backend {backend!r} needs an accelerator; use gloo on CPU")
     if group_name in e.update_groups:
@@ -210,6 +219,7 @@ def _tags(tags: list[str] | None) -> list[str]:
 def release_memory_occupation(e: Any, tags: list[str] | None = None) -> dict[str, Any]:
     """Frees the memory for real: parameters and pool tensors become empty (their sizes are
     kept to restore them); requests meanwhile are refused (503)."""
+    _require_single(e, "release_memory_occupation")
     tags = _tags(tags)
     if "weights" in tags:
         _require_unquantized(e, "release_memory_occupation(weights)")

@@ -62,6 +62,7 @@ def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str) -> None:
         return None
 
     run_engine_loop(engine, recv, out.send_pyobj)
+    engine.close()
     out.close(linger=0)
     cmds.close(linger=0)
     ctx.term()
@@ -109,9 +110,11 @@ class EngineProcess(EngineClient):
         cmd_addr = f"ipc://{self._dir}/cmd-{self.generation}"
         self._cmd = self._cmd_ctx.socket(zmq.PUSH)
         self._cmd.connect(cmd_addr)
+        # with tensor parallelism the engine starts the other ranks itself, which a daemonic
+        # process may not (it stops with the server, and exits if orphaned, either way)
         return mp.get_context("spawn").Process(
             target=_engine_main, args=(self.config, cmd_addr, self.out_addr),
-            daemon=True, name="kdaserve-engine")
+            daemon=self.config.tp_size == 1, name="kdaserve-engine")
 
     async def start(self, timeout: float = 600.0) -> None:
         self.loop = asyncio.get_running_loop()

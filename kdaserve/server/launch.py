@@ -75,6 +75,14 @@ def add_parser(sub: Any) -> None:
 
 
 def serve(args: argparse.Namespace) -> None:
+    config = engine_config(args)
+    if config.node_rank > 0:  # only tensor-parallel ranks here; node 0 serves HTTP
+        from kdaserve.engine.tensor_parallel import local_ranks, serve_node
+
+        ranks = local_ranks(config)
+        print(f"[kdaserve] node {config.node_rank}: ranks {ranks.start}..{ranks.stop - 1} of "
+              f"{config.tp_size}, joining {config.dist_init_addr}", flush=True)
+        sys.exit(serve_node(config))
     fatal = asyncio.run(_serve(args))
     if fatal:  # the engine kept dying: exit non-zero so a supervisor restarts us
         print(f"[kdaserve] exiting: {fatal}", flush=True)
@@ -148,7 +156,10 @@ async def _serve(args: argparse.Namespace) -> str | None:
         if server is not None:
             server.should_exit = server.force_exit = True
 
-    engine = EngineProcess(config, args.max_engine_restarts, on_fatal)
+    # a tensor-parallel engine that dies lost a rank (or killed them all): the server exits
+    # for a supervisor to restart the whole group, rather than waiting for a remote node
+    restarts = 0 if config.tp_size > 1 else args.max_engine_restarts
+    engine = EngineProcess(config, restarts, on_fatal)
     if signals:  # asked to stop while loading the tokenizer
         await engine.shutdown()
         print("[kdaserve] stopped during start-up", flush=True)

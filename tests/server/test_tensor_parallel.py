@@ -1,0 +1,119 @@
+"""Tensor parallelism in the server: `kdaserve serve --tp-size 2` (two ranks joined by gloo,
+rank 0 the engine, rank 1 a follower), on one node and on two "nodes" on loopback; greedy
+outputs equal the single-process reference through chunked prefill, preemption and prefix
+hits; a rank that dies takes the server down cleanly (503s, exit 1, no orphans)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kdaserve import LLM
+from tests.server.conftest import (
+    REPO,
+    ServerProc,
+    children,
+    cmdline,
+    descendants,
+    free_port,
+    greedy,
+    is_gone,
+    kill,
+    metrics,
+    reference,
+    start_server,
+    stop_server,
+    wait_idle,
+)
+
+NEW = 8
+# 16 requests of up to 40 + 8 tokens do not fit in 256 tokens of KV at once: preemption
+TP_ARGS = ("--tp-size", "2", "--max-num-batched-tokens", "32", "--max-total-tokens", "256")
+
+
+def generate_all(url: str, prompts: list[list[int]]) -> list[dict]:
+    def one(ids: list[int]) -> dict:
+        r = httpx.post(f"{url}/generate", timeout=120, json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": NEW, "temperature": 0,
+                                                  "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        return list(pool.map(one, prompts))
+
+
+def check_outputs(server: ServerProc, llm: LLM, prompts: list[list[int]]) -> None:
+    want = [o.token_ids for o in reference(llm, prompts, greedy(NEW))]
+    first = generate_all(server.url, prompts)
+    assert [r["output_ids"] for r in first] == want
+    again = generate_all(server.url, prompts)  # now from the prefix cache
+    assert [r["output_ids"] for r in again] == want
+    assert sum(r["meta_info"]["cached_tokens"] for r in again) > 0
+    with httpx.Client(base_url=server.url) as c:
+        wait_idle(c)
+        assert c.get("/check_integrity").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+    s = start_server(tiny_ckpt, tmp_path_factory.mktemp("tp-logs"), *TP_ARGS)
+    yield s
+    stop_server(s)
+
+
+def test_two_ranks_equal_reference(tp_server: ServerProc, llm: LLM,
+                                   prompts: list[list[int]]) -> None:
+    check_outputs(tp_server, llm, prompts[:16])
+    with httpx.Client(base_url=tp_server.url) as c:
+        assert metrics(c)["kdaserve_num_preemptions"] > 0
+    assert "tensor parallel over 2 ranks" in tp_server.output()
+
+
+def test_two_nodes_on_loopback(tiny_ckpt: Path, tmp_path: Path, llm: LLM,
+                               prompts: list[list[int]]) -> None:
+    """Rank 1 on "node 1" (a process that serves no HTTP) joins rank 0's server through
+    --dist-init-addr; stopping node 0 ends node 1 too."""
+    addr = f"127.0.0.1:{free_port()}"
+    multi = ("--nnodes", "2", "--dist-init-addr", addr)
+    with open(tmp_path / "node1.log", "wb") as log:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "kdaserve.cli", "serve", "--model", str(tiny_ckpt),
+             *TP_ARGS, *multi, "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO)
+    try:
+        node0 = start_server(tiny_ckpt, tmp_path, *TP_ARGS, *multi, "--node-rank", "0")
+        try:
+            check_outputs(node0, llm, prompts[16:24])
+        finally:
+            stop_server(node0)
+        assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()
+    finally:
+        if node1.poll() is None:
+            node1.send_signal(signal.SIGKILL)
+            node1.wait()
+
+
+def test_rank_death_takes_the_server_down(tiny_ckpt: Path, tmp_path: Path) -> None:
+    s = start_server(tiny_ckpt, tmp_path, "--tp-size", "2")
+    engine = s.engine_pid()
+    followers = [p for p in children(engine) if "spawn_main" in cmdline(p)]
+    assert len(followers) == 1
+    tree = descendants(s.pid)
+    kill(followers)
+    r = httpx.post(f"{s.url}/generate", timeout=60, json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 503
+    assert s.proc.wait(timeout=30) == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(is_gone(p) for p in tree):
+        time.sleep(0.1)
+    assert all(is_gone(p) for p in tree), "orphans after a rank died"
+    assert "Connection closed by peer" in s.output()
