@@ -108,7 +108,8 @@ class KdaserveBackend:
         engine.flush_cache()  # every run starts cold; sharing within a run is what counts
         sp = SamplingParams(temperature=0.0, max_tokens=params["max_tokens"],
                             ignore_eos=params["ignore_eos"], stop=params["stop"])
-        before = engine.get_metrics()["prompt_tokens"]
+        m0 = engine.get_metrics()
+        start = time.perf_counter()
         rids = [engine.add_request(p, sp) for p in prompts]
         done: dict[str, Any] = {}
         while engine.has_unfinished():
@@ -116,7 +117,17 @@ class KdaserveBackend:
                 if out.finished:
                     done[out.rid] = out
                     progress.update(1)
-        computed = engine.get_metrics()["prompt_tokens"] - before
+        wall = time.perf_counter() - start
+        m1 = engine.get_metrics()
+        computed = m1["prompt_tokens"] - m0["prompt_tokens"]
+        if "tp_all_reduce_ms" in m1:  # tensor parallel: a step's time, compute vs collectives
+            steps = max(m1["num_steps"] - m0["num_steps"], 1)
+            ar = (m1["tp_all_reduce_ms"] - m0["tp_all_reduce_ms"]) / steps
+            bc = (m1["tp_broadcast_ms"] - m0["tp_broadcast_ms"]) / steps
+            mb = (m1["tp_all_reduce_bytes"] - m0["tp_all_reduce_bytes"]) / steps / 2**20
+            print(f"tensor parallel: {steps} steps, {wall * 1e3 / steps:.1f} ms/step: "
+                  f"all-reduce {ar:.1f} ms ({mb:.2f} MiB), batch broadcast {bc:.1f} ms, "
+                  f"the rest {wall * 1e3 / steps - ar - bc:.1f} ms")
         return ([done[r].text or "" for r in rids], [len(done[r].token_ids) for r in rids],
                 computed)
 
@@ -292,7 +303,8 @@ def main(args: argparse.Namespace) -> None:
     for name in args.backend.split(","):
         if name == "kdaserve":
             backends.append(KdaserveBackend(str(path), max(parallels),
-                                            disable_prefix_cache=args.disable_prefix_cache))
+                                            disable_prefix_cache=args.disable_prefix_cache,
+                                            tp_size=args.tp_size))
         elif name == "openai":
             if not args.url:
                 raise ValueError("--backend openai needs --url")
@@ -379,5 +391,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--compare", action="store_true",
                    help="measure GEMM peak and bandwidth in the same run; report fractions")
     p.add_argument("--disable-prefix-cache", action="store_true")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks of the in-process engine (each with "
+                        "OMP_NUM_THREADS threads)")
     p.add_argument("--out", default="bench_results/gsm8k.json")
     p.set_defaults(func=main)

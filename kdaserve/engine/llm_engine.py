@@ -502,6 +502,7 @@ class LLMEngine:
             "evictable_blocks": cache.evictable_blocks() if cache else 0,
             **(self.spec.metrics() if self.spec is not None else {}),
             **(self.pd.counters if self.pd is not None else {}),
+            **(self.followers.metrics() if self.followers is not None else {}),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "free_blocks": self.blocks.num_free,

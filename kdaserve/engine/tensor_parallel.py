@@ -32,7 +32,7 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import resolve_kernels
-from kdaserve.layers.parallel import TensorParallel
+from kdaserve.layers.parallel import COMM, TensorParallel
 from kdaserve.models.loader import build_model
 
 logger = logging.getLogger("kdaserve")
@@ -82,7 +82,16 @@ class Followers:
 
     def forward(self, fb: ForwardBatch, states: StatePool) -> None:
         log, states.log = states.log or [], []
+        start = time.perf_counter()
         dist.broadcast_object_list([("forward", fb, log)], src=0)
+        COMM["broadcast_s"] += time.perf_counter() - start
+
+    @staticmethod
+    def metrics() -> dict[str, float]:
+        return {"tp_all_reduces": COMM["all_reduces"],
+                "tp_all_reduce_bytes": COMM["all_reduce_bytes"],
+                "tp_all_reduce_ms": COMM["all_reduce_s"] * 1e3,
+                "tp_broadcast_ms": COMM["broadcast_s"] * 1e3}
 
     def stop(self) -> None:
         try:

@@ -12,10 +12,14 @@ replicated on every rank (DP attention is what stores it once).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# this process's collective traffic (rank 0 reports it in the engine's metrics)
+COMM = {"all_reduces": 0, "all_reduce_bytes": 0, "all_reduce_s": 0.0, "broadcast_s": 0.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +72,11 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums the ranks' partial outputs in place (a no-op on one rank)."""
         if self.size > 1:
+            start = time.perf_counter()
             torch.distributed.all_reduce(x, group=self.group)
+            COMM["all_reduce_s"] += time.perf_counter() - start
+            COMM["all_reduces"] += 1
+            COMM["all_reduce_bytes"] += x.numel() * x.element_size()
         return x
 
 
