@@ -42,7 +42,7 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
 def _make_block_drafter(args: argparse.Namespace) -> None:
     from kdaserve.config import ModelConfig
     from kdaserve.engine.llm_engine import resolve_model_path
-    from kdaserve.spec.block import make_block_drafter
+    from kdaserve.speculative.block import make_block_drafter
 
     target = ModelConfig.from_pretrained(resolve_model_path(args.target))
     path = make_block_drafter(args.out, target, block_size=args.block_size,

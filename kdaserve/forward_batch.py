@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kdaserve.spec.record import StepRecord
+    from kdaserve.step_record import StepRecord
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 from kdaserve.bench import write_result
 from kdaserve.bench.gsm8k import build_prompts, load_data
-from kdaserve.spec.drafter import TokenDrafter
+from kdaserve.speculative.drafter import TokenDrafter
 
 DRAFTERS = ("ngram", "self", "self-half", "draft-self", "draft-small", "block")
 
@@ -77,7 +77,7 @@ def _drafter_kwargs(name: str, plain: Any, k: int, workdir: Path) -> dict[str, A
     (once) with the target's vocabulary and hidden size."""
     from kdaserve.checkpoint import make_checkpoint
     from kdaserve.config import DENSE, KDA, MLA, MOE
-    from kdaserve.spec.block import make_block_drafter
+    from kdaserve.speculative.block import make_block_drafter
 
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r} ({', '.join(DRAFTERS)})")

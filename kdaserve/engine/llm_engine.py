@@ -38,11 +38,11 @@ from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.parallel import SINGLE
 from kdaserve.models.loader import build_model
 from kdaserve.request import CompletionOutput, Request, RequestOutput, SamplingParams
-from kdaserve.spec.block import BlockDrafter
-from kdaserve.spec.draft_model import DraftModelDrafter
-from kdaserve.spec.drafter import Drafter
-from kdaserve.spec.ngram import NgramDrafter
-from kdaserve.spec.verify import Speculator, trim_drafts
+from kdaserve.speculative.block import BlockDrafter
+from kdaserve.speculative.draft_model import DraftModelDrafter
+from kdaserve.speculative.drafter import Drafter
+from kdaserve.speculative.ngram import NgramDrafter
+from kdaserve.speculative.verify import Speculator, trim_drafts
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")

@@ -16,7 +16,7 @@ from kdaserve.engine.tensor_parallel import Followers
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.request import Request
-from kdaserve.spec.record import StepRecord
+from kdaserve.step_record import StepRecord
 
 
 def record_routing(batch: ScheduledBatch, ids: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.parallel import SINGLE, Destination, TensorParallel
-from kdaserve.spec.record import KDASteps
+from kdaserve.step_record import KDASteps
 
 
 class KDAttention(nn.Module):

@@ -17,7 +17,7 @@ from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.moe import MLP, MoE
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.layers.parallel import SINGLE, Destination, TensorParallel
-from kdaserve.spec.record import KDASteps, StepRecord
+from kdaserve.step_record import KDASteps, StepRecord
 
 
 class DecoderLayer(nn.Module):

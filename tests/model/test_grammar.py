@@ -16,7 +16,7 @@ from kdaserve.request import Grammar
 from kdaserve.server.tool_parser import parse_tool_calls
 
 from .conftest import clear_prompt
-from .spec_helpers import ScriptedDrafter
+from .speculative_helpers import ScriptedDrafter
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve.request import Request
-from kdaserve.spec.drafter import Drafter
+from kdaserve.speculative.drafter import Drafter
 
 
 class ScriptedDrafter(Drafter):

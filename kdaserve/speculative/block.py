@@ -32,7 +32,7 @@ from torch import nn
 from kdaserve.config import ModelConfig
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.request import Request
-from kdaserve.spec.drafter import Drafter
+from kdaserve.speculative.drafter import Drafter
 
 ARCHITECTURE = "kdaserve-block-drafter"
 # prefix-survival probability a draft position needs, idle batch -> full batch: an extra

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.spec.drafter import TokenDrafter
-from kdaserve.spec.ngram import NgramDrafter
+from kdaserve.speculative.drafter import TokenDrafter
+from kdaserve.speculative.ngram import NgramDrafter
 
 from .conftest import SPEC_NEW as NEW
 from .conftest import greedy_outputs as reference
-from .spec_helpers import ScriptedDrafter
+from .speculative_helpers import ScriptedDrafter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
@@ -93,7 +93,7 @@ def test_rejection_sampling_preserves_the_target_distribution() -> None:
     """Point-mass drafts (as the n-gram drafter proposes): the first emitted token must be
     distributed as p_0 whatever is drafted, and the second, given the first accepted draft,
     as p_1 (a chi-square-free check: max |freq - p| over a 5-token vocabulary, fixed seed)."""
-    from kdaserve.spec.verify import reject_sample
+    from kdaserve.speculative.verify import reject_sample
 
     g = torch.Generator().manual_seed(0)
     probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05],

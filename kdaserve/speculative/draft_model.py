@@ -33,7 +33,7 @@ from kdaserve.kernels import Kernels
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.models.loader import build_model
 from kdaserve.request import Request
-from kdaserve.spec.drafter import Drafter
+from kdaserve.speculative.drafter import Drafter
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kdaserve.spec.drafter import TokenDrafter
+from kdaserve.speculative.drafter import TokenDrafter
 
 SEARCH_WINDOW = 2048  # tokens of history searched, so proposing stays cheap
 

@@ -21,8 +21,8 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.engine.sampler import apply_filters
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.request import Request
-from kdaserve.spec.drafter import Drafter
-from kdaserve.spec.record import StepRecord
+from kdaserve.speculative.drafter import Drafter
+from kdaserve.step_record import StepRecord
 
 
 def trim_drafts(running: list[Request]) -> None:

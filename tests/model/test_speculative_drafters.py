@@ -12,11 +12,11 @@ import pytest
 from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import make_checkpoint, preset_config
 from kdaserve.config import DENSE, KDA, MLA, MOE, EngineConfig
-from kdaserve.spec.block import BlockDrafter, choose_verify_length, make_block_drafter
+from kdaserve.speculative.block import BlockDrafter, choose_verify_length, make_block_drafter
 
 from .conftest import SPEC_NEW as NEW
 from .conftest import greedy_outputs as reference
-from .spec_helpers import ScriptedDrafter
+from .speculative_helpers import ScriptedDrafter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
