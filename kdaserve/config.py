@@ -344,6 +344,11 @@ class EngineConfig:
     mem_fraction: float = 0.5  # of physical memory that model + caches may use
     disable_prefix_cache: bool = False
     snapshot_interval: int = 64  # prefix-cache state snapshot grid (tokens), multiple of block
+    # a prompt leaves a state snapshot every this many tokens while it prefills (0: only where
+    # the cache already knows a fork), so a later request forking anywhere inside it resumes
+    # at most this far back; a multiple of snapshot_interval (None: snapshot_interval itself;
+    # SGLang's counterpart is its mamba track interval)
+    prefill_snapshot_stride: int | None = None
     num_snapshot_slots: int | None = None  # KDA state snapshots the prefix cache may hold
     # "ngram" (prompt lookup), "draft" (a smaller checkpoint with the same vocabulary) or
     # "block" (a DSpark-style block drafter); the last two load speculative_draft_model
@@ -383,6 +388,11 @@ class EngineConfig:
         if self.snapshot_interval < 1 or self.snapshot_interval % self.block_size:
             raise ValueError(f"snapshot_interval={self.snapshot_interval} must be a positive "
                              f"multiple of block_size={self.block_size}")
+        if self.prefill_snapshot_stride is not None and (
+                self.prefill_snapshot_stride < 0
+                or self.prefill_snapshot_stride % self.snapshot_interval):
+            raise ValueError(f"prefill_snapshot_stride={self.prefill_snapshot_stride} must be 0 "
+                             f"or a multiple of snapshot_interval={self.snapshot_interval}")
         if self.speculative_algorithm not in (None, "ngram", "draft", "block"):
             raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} is not "
                              "supported (ngram, draft or block)")

@@ -96,7 +96,10 @@ class LLMEngine:
         max_running = min(config.max_num_seqs, config.num_state_slots or config.max_num_seqs)
         self.scheduler = Scheduler(self.blocks, self.states, max_running,
                                    config.max_num_batched_tokens, self.cache,
-                                   config.snapshot_interval, num_snapshot_slots(config))
+                                   config.snapshot_interval, num_snapshot_slots(config),
+                                   config.snapshot_interval
+                                   if config.prefill_snapshot_stride is None
+                                   else config.prefill_snapshot_stride)
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device,
                                   self.followers)
         self.spec = None

@@ -77,9 +77,11 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, blocks: BlockPool, states: StatePool, max_num_seqs: int,
                  max_num_batched_tokens: int, cache: RadixCache | None = None,
-                 snapshot_interval: int = 64, max_snapshots: int = 0) -> None:
+                 snapshot_interval: int = 64, max_snapshots: int = 0,
+                 prefill_snapshot_stride: int = 0) -> None:
         self.blocks, self.states, self.cache = blocks, states, cache
         self.snapshot_interval = snapshot_interval
+        self.prefill_snapshot_stride = prefill_snapshot_stride
         self.max_snapshots = max_snapshots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -298,6 +300,12 @@ class Scheduler:
         # where a later request forking from the same prefix would want to resume, and the
         # last block boundary before the end of what we have (identical prompts then hit)
         points = {m.branch_len // grid * grid, (len(ids) - 1) // bs * bs}
+        # and every stride: a request that arrives after this one has prefilled, and forks
+        # inside its prompt where no fork was known yet, resumes at most a stride back (the
+        # server's requests arrive one by one, so in-batch dedup rarely sees them together)
+        if self.prefill_snapshot_stride:
+            points.update(range(self.prefill_snapshot_stride, len(ids) - 1,
+                                self.prefill_snapshot_stride))
         req.snapshot_points = sorted(p for p in points if p > req.num_computed_tokens)
 
     def _chunk(self, req: Request, budget: int) -> int:

@@ -26,8 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, action="store_true", default=default)
         else:
             kind = {int: int, float: float}.get(type(default), str)
-            if f.name in ("max_total_tokens", "num_state_slots"):
-                kind = int
+            if default is None:  # `int | None` and the like: the annotation says
+                kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
             p.add_argument(flag, type=kind, default=default)
 
 
