@@ -436,9 +436,10 @@ class EngineConfig:
         for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.dp_size > 1 or self.enable_dp_attention or self.ep_size > 1:
-            raise ValueError("dp_size, enable_dp_attention and ep_size are not implemented yet "
-                             "(tensor parallelism is: tp_size)")
+        if self.enable_dp_attention or self.ep_size > 1:
+            raise ValueError("enable_dp_attention and ep_size are not implemented yet "
+                             "(tensor parallelism is, and data-parallel replicas: tp_size, "
+                             "dp_size)")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} outside nnodes={self.nnodes}")
         if self.tp_size % self.nnodes:

@@ -72,6 +72,9 @@ class SamplingParams:
     reasoning_budget: int | None = None
     reasoning_end: tuple[int, ...] = ()
     bootstrap: Bootstrap | None = None  # prefill/decode disaggregation (set by the PD router)
+    # the data-parallel replica to run on (sglang-router --dp-aware); the server's DP
+    # controller routes by it, an engine of its own accepts only 0
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

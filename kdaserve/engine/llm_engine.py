@@ -60,6 +60,9 @@ def resolve_model_path(model: str | os.PathLike) -> os.PathLike:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.dp_size > 1:
+            raise ValueError("dp_size > 1 runs one engine per replica behind `kdaserve serve`'s "
+                             "data-parallel controller; an engine is one replica")
         self.config = config
         self.path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.path)
@@ -220,6 +223,9 @@ class LLMEngine:
                              "decode server" if self.pd is not None else
                              "bootstrap_room is for prefill/decode disaggregation; this server "
                              "is not in disaggregation mode")
+        if params.data_parallel_rank not in (None, 0):
+            raise ValueError(f"data_parallel_rank {params.data_parallel_rank}: this engine is "
+                             "a single replica (dp_size 1)")
         if self.pd is not None and (params.n != 1 or params.return_hidden_states
                                     or params.return_routed_experts):
             raise ValueError("n > 1, return_hidden_states and return_routed_experts are not "

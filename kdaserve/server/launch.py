@@ -66,6 +66,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--watchdog-timeout", type=float, default=Limits.watchdog_timeout,
                    help="/health reports 503 when no engine step ends for this many seconds "
                         "while requests wait")
+    p.add_argument("--load-balance-method", default="shortest_queue",
+                   choices=["shortest_queue", "round_robin", "prefix"],
+                   help="with --dp-size > 1: how the controller picks a replica per request")
     p.add_argument("--max-engine-restarts", type=int, default=3,
                    help="engine crashes survived by restarting it; one more exits non-zero")
     p.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
@@ -96,6 +99,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
     from kdaserve.engine.llm_engine import resolve_model_path
     from kdaserve.server.api import ServerState, create_app
     from kdaserve.server.chat import ChatHandler
+    from kdaserve.server.data_parallel import DataParallel
     from kdaserve.server.engine_proc import EngineProcess
     from kdaserve.server.header_timeout import with_header_timeout
     from kdaserve.server.metrics import ServerMetrics
@@ -159,7 +163,8 @@ async def _serve(args: argparse.Namespace) -> str | None:
     # a tensor-parallel engine that dies lost a rank (or killed them all): the server exits
     # for a supervisor to restart the whole group, rather than waiting for a remote node
     restarts = 0 if config.tp_size > 1 else args.max_engine_restarts
-    engine = EngineProcess(config, restarts, on_fatal)
+    engine = EngineProcess(config, restarts, on_fatal) if config.dp_size == 1 else \
+        DataParallel(config, restarts, on_fatal, args.load_balance_method)
     if signals:  # asked to stop while loading the tokenizer
         await engine.shutdown()
         print("[kdaserve] stopped during start-up", flush=True)

@@ -125,7 +125,8 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
                              "return_routed_experts": req.return_routed_experts,
                              "return_hidden_states": req.return_hidden_states,
                              "routed_experts_start": req.routed_experts_start_len,
-                             "bootstrap": req.bootstrap()}
+                             "bootstrap": req.bootstrap(),
+                             "data_parallel_rank": req.data_parallel_rank}
     if extra["bootstrap"] is not None and len(prompts) > 1:
         raise ValueError("a disaggregated request (bootstrap_room) takes one prompt")
     results = []
@@ -180,12 +181,16 @@ async def server_info(state: ServerState) -> dict[str, Any]:
     """SGLang's /get_server_info: the server's arguments and the scheduler's live state
     (sglang.bench_serving reads internal_states[0].avg_spec_accept_length)."""
     m = await state.client.get_metrics()
-    internal = {"avg_spec_accept_length": m.get("spec_mean_acceptance_length", 0.0),
+
+    def internal(m: dict[str, Any]) -> dict[str, Any]:
+        return {"avg_spec_accept_length": m.get("spec_mean_acceptance_length", 0.0),
                 **{k: v for k, v in m.items() if isinstance(v, int | float)}}
+
+    states = [internal(r) for r in m["replicas"]] if "replicas" in m else [internal(m)]
     return {**state.server_args, "model_path": state.model_path,
             "served_model_name": state.model_name, "max_total_num_tokens":
             m.get("total_blocks", 0) * state.server_args.get("block_size", 0),
-            "context_length": state.max_request_tokens, "internal_states": [internal],
+            "context_length": state.max_request_tokens, "internal_states": states,
             "version": kdaserve.__version__}
 
 

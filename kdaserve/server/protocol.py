@@ -91,10 +91,11 @@ SGLANG_BOOTSTRAP_PORT = 8998  # what SGLang's decode side assumes when the route
 
 
 class BootstrapFields(Strict):
-    """What the PD router (sglang-router --pd-disaggregation) adds to every request it sends
-    to a prefill and a decode server: the prefill server's bootstrap endpoint and the room
-    pairing the two halves."""
+    """Routing fields routers add: the PD router's (sglang-router --pd-disaggregation: the
+    prefill server's bootstrap endpoint and the room pairing the two halves), and the
+    data-parallel replica (sglang-router --dp-aware)."""
 
+    data_parallel_rank: int | None = Field(None, ge=0, lt=1024)
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, gt=0, lt=65536)
     bootstrap_room: int | None = Field(None, ge=0, lt=2**64)
@@ -178,7 +179,7 @@ class SamplingFields(BootstrapFields):
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=min(self.min_tokens, max_tokens),
             logit_bias=parse_logit_bias(self.logit_bias),
-            bootstrap=self.bootstrap(),
+            bootstrap=self.bootstrap(), data_parallel_rank=self.data_parallel_rank,
             **extra,
         )
 

@@ -1,0 +1,94 @@
+"""Data-parallel replicas: `kdaserve serve --dp-size 2` runs two engine processes (each its
+own scheduler, pools and prefix cache) behind one controller; outputs equal the reference,
+requests spread over both, `data_parallel_rank` (what `sglang-router --dp-aware` sends)
+picks the replica, and state-changing calls reach both."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kdaserve import LLM
+from tests.server.conftest import ServerProc, greedy, reference, start_server, stop_server
+from tests.server.test_disaggregation import start_router, stop_router
+
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+    s = start_server(tiny_ckpt, tmp_path_factory.mktemp("dp-logs"), "--dp-size", "2")
+    yield s
+    stop_server(s)
+
+
+def replicas(s: ServerProc) -> list[dict]:
+    return httpx.get(f"{s.url}/get_server_info").json()["internal_states"]
+
+
+def generate(url: str, ids: list[int], **kw: object) -> httpx.Response:
+    return httpx.post(f"{url}/generate", timeout=60, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": NEW, "temperature": 0,
+                                              "ignore_eos": True}, **kw})
+
+
+def test_outputs_and_spread(dp_server: ServerProc, llm: LLM, prompts: list[list[int]]) -> None:
+    batch = prompts[:16]
+    want = [o.token_ids for o in reference(llm, batch, greedy(NEW))]
+    before = [r["num_requests"] for r in replicas(dp_server)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda ids: generate(dp_server.url, ids), batch))
+    assert [r.json()["output_ids"] for r in got] == want
+    served = [r["num_requests"] - b for r, b in zip(replicas(dp_server), before, strict=True)]
+    assert sum(served) == 16 and min(served) > 0, served
+    assert httpx.get(f"{dp_server.url}/check_integrity").status_code == 200
+    info = httpx.get(f"{dp_server.url}/get_server_info").json()
+    assert info["dp_size"] == 2 and len(info["internal_states"]) == 2
+
+
+def test_data_parallel_rank_picks_the_replica(dp_server: ServerProc,
+                                               prompts: list[list[int]]) -> None:
+    for rank in (1, 0, 1):
+        before = [r["num_requests"] for r in replicas(dp_server)]
+        assert generate(dp_server.url, prompts[0], data_parallel_rank=rank).status_code == 200
+        after = [r["num_requests"] for r in replicas(dp_server)]
+        assert [a - b for a, b in zip(after, before, strict=True)] == \
+            [1 if i == rank else 0 for i in range(2)]
+    r = generate(dp_server.url, prompts[0], data_parallel_rank=2)
+    assert r.status_code == 400 and "outside dp_size 2" in r.text
+
+
+def test_calls_reach_every_replica(dp_server: ServerProc, prompts: list[list[int]]) -> None:
+    for rank in (0, 1):
+        generate(dp_server.url, prompts[30], data_parallel_rank=rank)
+    assert all(r["cached_blocks"] > 0 for r in replicas(dp_server))
+    assert httpx.post(f"{dp_server.url}/flush_cache").status_code == 200
+    assert all(r["cached_blocks"] == 0 for r in replicas(dp_server))
+    r = httpx.post(f"{dp_server.url}/update_weights_from_disk", json={"model_path": "x"})
+    assert r.status_code == 400 and "dp_size > 1" in r.text
+
+
+def test_behind_dp_aware_router(dp_server: ServerProc, llm: LLM, prompts: list[list[int]],
+                                tmp_path: Path) -> None:
+    """sglang-router --dp-aware reads dp_size from /server_info and sends each request with a
+    data_parallel_rank: round robin puts half on each replica."""
+    router, url = start_router(["--dp-aware", "--policy", "round_robin", "--worker-urls",
+                                dp_server.url], tmp_path / "router.log")
+    try:
+        before = [r["num_requests"] for r in replicas(dp_server)]
+        want = [o.token_ids for o in reference(llm, prompts[:4], greedy(NEW))]
+        for ids, w in zip(prompts[:4], want, strict=True):
+            assert generate(url, ids).json()["output_ids"] == w
+        served = [r["num_requests"] - b for r, b in zip(replicas(dp_server), before,
+                                                         strict=True)]
+        assert served == [2, 2], served
+    finally:
+        stop_router(router)
+
+
+def test_an_engine_is_one_replica(tiny_ckpt: Path) -> None:
+    with pytest.raises(ValueError, match="one replica"):
+        LLM(tiny_ckpt, dp_size=2)
