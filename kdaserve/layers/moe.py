@@ -8,7 +8,13 @@ from torch import nn
 from kdaserve.config import ModelConfig
 from kdaserve.kernels import Kernels
 from kdaserve.layers.linear import Linear
-from kdaserve.layers.parallel import SINGLE, Destination, TensorParallel
+from kdaserve.layers.parallel import (
+    SINGLE,
+    SINGLE_EP,
+    Destination,
+    ExpertParallel,
+    TensorParallel,
+)
 
 
 class MLP(nn.Module):
@@ -38,18 +44,25 @@ class MoE(nn.Module):
     """Experts stacked as [E, 2I, D] (w1 rows then w3 rows) and [E, D, I] so kernels can batch
     them; the loader writes each checkpoint expert tensor straight into its slice. Under
     tensor parallelism every rank holds every expert's share of the intermediate rows (the
-    router is replicated, so all ranks route alike) and the output is a partial sum."""
+    router is replicated, so all ranks route alike) and the output is a partial sum. Under
+    expert parallelism (DP attention) a rank holds whole experts, `ep.experts(E)`, and serves
+    every rank's tokens routed to them (see `ExpertParallel`)."""
 
     def __init__(self, config: ModelConfig, kernels: Kernels,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, ep: ExpertParallel = SINGLE_EP) -> None:
         super().__init__()
-        D, E = config.hidden_size, config.num_experts
+        if tp.size > 1 and ep.size > 1:
+            raise ValueError("tensor and expert parallelism together are not supported yet")
+        D = config.hidden_size
+        self.local = ep.experts(config.num_experts)
+        E = len(self.local)  # experts held here (the router sees all of them)
         inter = tp.part(config.moe_intermediate_size, "moe_intermediate_size")
-        self.config, self.tp = config, tp
+        self.config, self.tp, self.ep = config, tp, ep
         # The router runs in fp32 (as transformers does) so routing decisions do not depend on
         # the model dtype.
-        self.gate_weight = nn.Parameter(torch.empty(E, D, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
+        n = config.num_experts
+        self.gate_weight = nn.Parameter(torch.empty(n, D, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(n, dtype=torch.float32))
         self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))
         self.w2 = nn.Parameter(torch.empty(E, D, inter))
         # weight-only int8: per-row fp32 scales of w13 [E, 2I] and w2 [E, D]
@@ -59,16 +72,22 @@ class MoE(nn.Module):
         self.shared_experts = MLP(D, shared, kernels, tp) if shared else None
         self.kernels = kernels
 
-    def checkpoint_tensors(self, prefix: str) -> dict[str, Destination]:
+    def checkpoint_tensors(self, prefix: str) -> dict[str, Destination | None]:
+        """None: an expert another rank holds (in the checkpoint, not read here)."""
         inter = self.w2.shape[-1]
         shard = self.tp.shard
-        views: dict[str, Destination] = {
+        views: dict[str, Destination | None] = {
             f"{prefix}gate.weight": self.gate_weight,
             f"{prefix}gate.e_score_correction_bias": self.e_score_correction_bias}
-        for e in range(self.w13.shape[0]):
-            views[f"{prefix}experts.{e}.w1.weight"] = shard(self.w13.data[e, :inter], 0)
-            views[f"{prefix}experts.{e}.w3.weight"] = shard(self.w13.data[e, inter:], 0)
-            views[f"{prefix}experts.{e}.w2.weight"] = shard(self.w2.data[e], 1)
+        for e in range(self.config.num_experts):
+            names = [f"{prefix}experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")]
+            if e not in self.local:
+                views.update(dict.fromkeys(names))
+                continue
+            i = e - self.local.start
+            views[names[0]] = shard(self.w13.data[i, :inter], 0)
+            views[names[1]] = shard(self.w13.data[i, inter:], 0)
+            views[names[2]] = shard(self.w2.data[i], 1)
         if self.shared_experts is not None:
             views.update(self.shared_experts.checkpoint_tensors(f"{prefix}shared_experts."))
         return views
@@ -76,14 +95,41 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
         """`routing`: if a list, the chosen experts [T, k] are appended (routing replay)."""
         c = self.config
-        logits = self.kernels.linear(x.float(), self.gate_weight)
-        weights, ids = self.kernels.moe_route(
-            logits, self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
-            c.topk_group, c.moe_renormalize, c.routed_scaling_factor, c.router_activation)
-        if routing is not None:
-            routing.append(ids.to(torch.int32))
-        y = self.kernels.moe_experts(x, weights, ids, self.w13, self.w2, self.w13_scale,
-                                     self.w2_scale)
-        if self.shared_experts is not None:
+        ep = self.ep
+        xs, sizes = ep.gather(x) if ep.size > 1 else (x, [x.shape[0]])
+        if xs.shape[0]:
+            weights, ids = self.kernels.moe_route(
+                self.kernels.linear(xs.float(), self.gate_weight),
+                self.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
+                c.topk_group, c.moe_renormalize, c.routed_scaling_factor, c.router_activation)
+        else:  # an idle rank's step (every rank idle): nothing routed
+            weights = xs.new_zeros(0, c.num_experts_per_token, dtype=torch.float32)
+            ids = torch.zeros(0, c.num_experts_per_token, dtype=torch.int64)
+        if ep.size == 1:
+            if routing is not None:
+                routing.append(ids.to(torch.int32))
+            y = self.kernels.moe_experts(x, weights, ids, self.w13, self.w2, self.w13_scale,
+                                         self.w2_scale)
+        else:
+            first = sum(sizes[:ep.rank])
+            if routing is not None:
+                routing.append(ids[first:first + x.shape[0]].to(torch.int32))
+            y = ep.combine(self._local_experts(xs, weights, ids), sizes)
+        if self.shared_experts is not None and x.shape[0]:
             y = y + self.shared_experts(x)
+        return y
+
+    def _local_experts(self, xs: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> torch.Tensor:
+        """The token-expert pairs routed to this rank's experts, each pair as its own row
+        (top-1 with its routing weight), summed back per token: no work for the others."""
+        lo, n = self.local.start, len(self.local)
+        tok, slot = ((ids >= lo) & (ids < lo + n)).nonzero(as_tuple=True)
+        y = torch.zeros_like(xs)
+        if tok.numel():
+            part = self.kernels.moe_experts(
+                xs[tok].contiguous(), weights[tok, slot][:, None].contiguous(),
+                (ids[tok, slot] - lo)[:, None].contiguous(), self.w13, self.w2,
+                self.w13_scale, self.w2_scale)
+            y.index_add_(0, tok, part)
         return y

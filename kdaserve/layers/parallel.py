@@ -81,3 +81,54 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertParallel:
+    """DP attention with expert parallelism: each rank runs attention (KDA, MLA) and the
+    dense layers on its own requests' tokens, with its own caches; every MoE layer gathers
+    all ranks' tokens, each rank applies the experts it holds (`experts`) to the token-expert
+    pairs routed to them, and the summed output goes back to the rows' owners. Every rank
+    runs every MoE layer's collectives each step, an idle rank with no tokens."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def experts(self, num_experts: int) -> range:
+        n = num_experts // self.size
+        if n * self.size != num_experts:
+            raise ValueError(f"num_experts = {num_experts} is not divisible by ep_size = "
+                             f"{self.size}")
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def gather(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Every rank's rows [sum T, D] (rank order) and each rank's row count."""
+        dist = torch.distributed
+        start = time.perf_counter()
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(counts, torch.tensor([x.shape[0]]), group=self.group)
+        sizes = [int(c) for c in counts]
+        pad = max(sizes)
+        padded = torch.zeros(pad, x.shape[1], dtype=x.dtype)
+        padded[:x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        COMM["all_gather_s"] = COMM.get("all_gather_s", 0.0) + time.perf_counter() - start
+        COMM["all_gather_bytes"] = COMM.get("all_gather_bytes", 0) + \
+            pad * self.size * x.shape[1] * x.element_size()
+        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)]), sizes
+
+    def combine(self, y: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Sums the ranks' partial outputs for all rows and keeps this rank's."""
+        start = time.perf_counter()
+        if y.shape[0]:
+            torch.distributed.all_reduce(y, group=self.group)
+        COMM["all_reduce_s"] += time.perf_counter() - start
+        COMM["all_reduces"] += 1
+        COMM["all_reduce_bytes"] += y.numel() * y.element_size()
+        first = sum(sizes[:self.rank])
+        return y[first:first + sizes[self.rank]]
+
+
+SINGLE_EP = ExpertParallel()

@@ -16,13 +16,19 @@ from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.moe import MLP, MoE
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.layers.parallel import SINGLE, Destination, TensorParallel
+from kdaserve.layers.parallel import (
+    SINGLE,
+    SINGLE_EP,
+    Destination,
+    ExpertParallel,
+    TensorParallel,
+)
 from kdaserve.step_record import KDASteps, StepRecord
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, idx: int, kernels: Kernels,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, ep: ExpertParallel = SINGLE_EP) -> None:
         super().__init__()
         self.is_kda = config.layer_types[idx] == KDA
         self.self_attn: KDAttention | MLAttention = (
@@ -30,14 +36,15 @@ class DecoderLayer(nn.Module):
         )
         self.is_moe = config.mlp_types[idx] == MOE
         self.mlp: MoE | MLP = (
-            MoE(config, kernels, tp) if self.is_moe
+            MoE(config, kernels, tp, ep) if self.is_moe
             else MLP(config.hidden_size, config.intermediate_size, kernels, tp)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
 
-    def checkpoint_tensors(self, prefix: str) -> dict[str, Destination]:
-        views = self.self_attn.checkpoint_tensors(prefix + "self_attn.")
+    def checkpoint_tensors(self, prefix: str) -> dict[str, Destination | None]:
+        views: dict[str, Destination | None] = {
+            **self.self_attn.checkpoint_tensors(prefix + "self_attn.")}
         if isinstance(self.mlp, MoE):
             views.update(self.mlp.checkpoint_tensors(prefix + "block_sparse_moe."))
         else:
@@ -49,11 +56,11 @@ class DecoderLayer(nn.Module):
 
 class KimiLinearForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, ep: ExpertParallel = SINGLE_EP) -> None:
         super().__init__()
-        self.config, self.tp = config, tp
+        self.config, self.tp, self.ep = config, tp, ep
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, kernels, tp, ep)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = None if config.tie_word_embeddings else Linear(
@@ -64,10 +71,11 @@ class KimiLinearForCausalLM(nn.Module):
         for kind_layers in (config.kda_layers, config.mla_layers):
             self.cache_index.update({layer: j for j, layer in enumerate(kind_layers)})
 
-    def checkpoint_tensors(self) -> dict[str, Destination]:
+    def checkpoint_tensors(self) -> dict[str, Destination | None]:
         """Checkpoint tensor name (Moonshot's hub names) -> destination parameter view (a
         `Shard` of it where a tensor-parallel rank holds a slice)."""
-        views: dict[str, Destination] = {"model.embed_tokens.weight": self.embed_tokens.weight,
+        views: dict[str, Destination | None] = {
+            "model.embed_tokens.weight": self.embed_tokens.weight,
                  "model.norm.weight": self.norm.weight}
         if self.lm_head is not None:
             views["lm_head.weight"] = self.lm_head.weight
@@ -80,9 +88,9 @@ class KimiLinearForCausalLM(nn.Module):
         names that differ from the checkpoint's: an RL trainer holding that module sends its
         `named_parameters()` (fused q|k|v conv, the forget gate's own module, experts fused
         per layer as gate_up_proj [E, 2I, D] and down_proj [E, D, I], MoE under `mlp.`)."""
-        if self.tp.size > 1:
+        if self.tp.size > 1 or self.ep.size > 1:
             raise ValueError("updates by transformers' names are not supported with tensor "
-                             "parallelism")
+                             "or expert parallelism")
         ck: dict[str, torch.Tensor] = self.checkpoint_tensors()  # type: ignore[assignment]
         views: dict[str, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
@@ -125,6 +133,14 @@ class KimiLinearForCausalLM(nn.Module):
             x = layer.mlp(x, batch.routing) if layer.is_moe else layer.mlp(x)
             h = h + self.tp.all_reduce(x)
         return self.norm(h[batch.logits_indices])
+
+    def idle_forward(self) -> None:
+        """An expert-parallel rank with no tokens this step: only the MoE layers'
+        collectives, in the order the other ranks' forwards reach them."""
+        empty = self.embed_tokens.weight.new_zeros(0, self.config.hidden_size)
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.mlp(empty)
 
     def replay_kda(self, record: StepRecord, rows: torch.Tensor, cu_seqlens: torch.Tensor,
                    state_slots: torch.Tensor, states: StatePool) -> None:

@@ -21,7 +21,15 @@ from kdaserve.kernels.ref.quant import quantize_int8
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import MLAttention
 from kdaserve.layers.moe import MoE
-from kdaserve.layers.parallel import SINGLE, Destination, Shard, TensorParallel, full_shape
+from kdaserve.layers.parallel import (
+    SINGLE,
+    SINGLE_EP,
+    Destination,
+    ExpertParallel,
+    Shard,
+    TensorParallel,
+    full_shape,
+)
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
 DTYPES = {
@@ -88,6 +96,9 @@ def _plan(model: KimiLinearForCausalLM, path: Path,
             if name in seen:
                 raise ValueError(f"tensor {raw_name!r} appears twice in the checkpoint")
             dest = views[name]
+            seen.add(name)
+            if dest is None:  # an expert another expert-parallel rank holds
+                continue
             if list(meta["shape"]) != list(full_shape(dest)):
                 raise ValueError(f"tensor {raw_name!r} has shape {meta['shape']}, "
                                  f"expected {list(full_shape(dest))}")
@@ -99,7 +110,6 @@ def _plan(model: KimiLinearForCausalLM, path: Path,
             itemsize = torch.empty(0, dtype=DTYPES[meta["dtype"]]).element_size()
             if end - begin != _numel(full_shape(dest)) * itemsize:
                 raise ValueError(f"tensor {raw_name!r}: byte size does not match its shape")
-            seen.add(name)
             tensors.append((raw_name, meta, dest))
         plan.append((file, data_start, tensors))
     missing = sorted(set(views) - seen)
@@ -198,6 +208,8 @@ def init_random(model: KimiLinearForCausalLM, seed: int) -> None:
     tensor-parallel rank keeps its slice of each)."""
     with torch.no_grad():
         for name, dest in model.checkpoint_tensors().items():
+            if dest is None:
+                continue
             value = random_tensor(name, full_shape(dest), seed)
             if isinstance(dest, Shard):
                 dest.dest.copy_(dest.take(value))
@@ -208,15 +220,15 @@ def init_random(model: KimiLinearForCausalLM, seed: int) -> None:
 def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
                 device: torch.device, path: Path | None, load_format: str = "auto",
                 seed: int = 0, weight_dtype: torch.dtype | None = None,
-                quantization: str | None = None,
-                tp: TensorParallel = SINGLE) -> KimiLinearForCausalLM:
+                quantization: str | None = None, tp: TensorParallel = SINGLE,
+                ep: ExpertParallel = SINGLE_EP) -> KimiLinearForCausalLM:
     """Builds on the meta device (no init cost), materialises, then fills every parameter.
     `weight_dtype` (default `dtype`): the projections' and experts' weights only, the bytes a
     decode step streams (weight-only bf16 on a CPU); norms, embeddings and the rest `dtype`.
     `quantization="int8"`: those weights quantized per row once loaded (weight-only int8).
     `tp`: this tensor-parallel rank's shard of the model (reading only its slices)."""
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(config, kernels, tp)
+        model = KimiLinearForCausalLM(config, kernels, tp, ep)
     # by name, after to_empty: moving off the meta device replaces the Parameter objects
     fp32_suffixes = ("A_log", "dt_bias", "gate_weight", "e_score_correction_bias")
     model.to_empty(device=device)
