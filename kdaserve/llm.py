@@ -102,6 +102,8 @@ class LLM:
     def prefill_hidden(self, token_ids: list[int]) -> torch.Tensor:
         """`prefill_logits`' final-normed hidden states [T, D] (what the LM head sees)."""
         e = self.engine
+        if e.config.tp_size > 1:  # the other ranks would have to run this forward too
+            raise ValueError("prefill_logits is a single-process oracle (tp_size 1)")
         bs = e.config.block_size
         states = StatePool(e.model_config, 1, e.dtype, e.device)
         blocks = BlockPool(e.model_config, -(-len(token_ids) // bs), bs, e.dtype, e.device)

@@ -70,7 +70,9 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
                 return
             _handle(engine, cmd, send, deferred)
         if not engine.has_unfinished() or engine.paused:
-            pending = engine.drain_outputs()  # e.g. requests aborted by a pause: tell them
+            # e.g. requests aborted by a pause: tell them; and disaggregation peers are
+            # answered (pings, reservations) whether or not we step
+            pending = engine.drain_outputs() + engine.service_disaggregation()
             if pending:
                 send(("outputs", pending))
             continue

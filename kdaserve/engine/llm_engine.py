@@ -27,6 +27,7 @@ from kdaserve.engine.grammar import (
     needs_mask,
     note_reasoning,
 )
+from kdaserve.engine.introspection import Introspection
 from kdaserve.engine.logprobs import record_prompt_logprobs
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.pools import make_pools, num_snapshot_slots
@@ -58,7 +59,7 @@ def resolve_model_path(model: str | os.PathLike) -> os.PathLike:
                      f"({', '.join(sorted(PRESETS))})")
 
 
-class LLMEngine:
+class LLMEngine(Introspection):
     def __init__(self, config: EngineConfig) -> None:
         if config.dp_size > 1:
             raise ValueError("dp_size > 1 runs one engine per replica behind `kdaserve serve`'s "
@@ -79,34 +80,17 @@ class LLMEngine:
         if config.tp_size > 1:
             config = self.config = with_init_addr(config)
             self.followers = Followers(config)
-        self.model = build_model(self.model_config, self.kernels, self.dtype, self.device,
-                                 self.path, config.load_format, config.seed, self.weight_dtype,
-                                 config.quantization,
-                                 self.followers.tp if self.followers else SINGLE)
-        self.tokenizer = (None if config.skip_tokenizer_init
-                          else Tokenizer.from_pretrained(self.path))
-        if self.tokenizer is not None and \
-                self.tokenizer.vocab_size > self.model_config.vocab_size:
-            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} token ids but the "
-                             f"model's vocabulary is {self.model_config.vocab_size}: ids past it "
-                             "have no embedding (a tokenizer from another model?)")
-        self.blocks, self.states = make_pools(config, self.model_config, self.model, self.dtype,
-                                              self.device)
-        if self.followers is not None:
-            self.followers.start(self.blocks, self.states)
-        self.cache = None if config.disable_prefix_cache else RadixCache(self.blocks, self.states)
-        # running requests: at most one per working state slot
-        max_running = min(config.max_num_seqs, config.num_state_slots or config.max_num_seqs)
-        self.scheduler = Scheduler(self.blocks, self.states, max_running,
-                                   config.max_num_batched_tokens, self.cache,
-                                   config.snapshot_interval, num_snapshot_slots(config),
-                                   config.snapshot_interval
-                                   if config.prefill_snapshot_stride is None
-                                   else config.prefill_snapshot_stride)
+        try:
+            self._build(config)
+        except BaseException:
+            if self.followers is not None:  # they wait for our pools: release them
+                self.followers.stop()
+            raise
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device,
                                   self.followers)
         self.spec = None
         if config.speculative_algorithm is not None:
+            max_running = self.scheduler.max_num_seqs
             self.spec = Speculator(self._make_drafter(max_running), self.states, self.cache,
                                    max_running)
             self.scheduler.hooks = self.spec
@@ -134,6 +118,33 @@ class LLMEngine:
         self._scored: set[str] = set()  # groups whose prompt logprobs went out
         self.pd = make_side(self)  # prefill/decode disaggregation, when a side
         torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
+
+    def _build(self, config: EngineConfig) -> None:
+        """The model, tokenizer and pools (the part of start-up the followers wait on)."""
+        self.model = build_model(self.model_config, self.kernels, self.dtype, self.device,
+                                 self.path, config.load_format, config.seed, self.weight_dtype,
+                                 config.quantization,
+                                 self.followers.tp if self.followers else SINGLE)
+        self.tokenizer = (None if config.skip_tokenizer_init
+                          else Tokenizer.from_pretrained(self.path))
+        if self.tokenizer is not None and \
+                self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} token ids but the "
+                             f"model's vocabulary is {self.model_config.vocab_size}: ids past it "
+                             "have no embedding (a tokenizer from another model?)")
+        self.blocks, self.states = make_pools(config, self.model_config, self.model, self.dtype,
+                                              self.device)
+        if self.followers is not None:
+            self.followers.start(self.blocks, self.states)
+        self.cache = None if config.disable_prefix_cache else RadixCache(self.blocks, self.states)
+        # running requests: at most one per working state slot
+        max_running = min(config.max_num_seqs, config.num_state_slots or config.max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, self.states, max_running,
+                                   config.max_num_batched_tokens, self.cache,
+                                   config.snapshot_interval, num_snapshot_slots(config),
+                                   config.snapshot_interval
+                                   if config.prefill_snapshot_stride is None
+                                   else config.prefill_snapshot_stride)
 
     # ---- set-up ----
     def _make_drafter(self, max_running: int) -> Drafter:
@@ -390,6 +401,11 @@ class LLMEngine:
                 self._forget(rid)
         return outputs
 
+    def service_disaggregation(self) -> list[RequestOutput]:
+        """The disaggregation peers' messages, also while no step runs (idle, paused): a
+        prefill server answers pings and takes reservations, a decode server pings."""
+        return self._poll_disaggregation() if self.pd is not None else []
+
     def _poll_disaggregation(self) -> list[RequestOutput]:
         """Prefill side: reservations in, timeouts. Decode side: requests whose caches
         arrived join the running batch with their first token."""
@@ -493,44 +509,5 @@ class LLMEngine:
         if self.followers is not None:
             self.followers.stop()
             self.followers = None
-
-    # ---- introspection ----
-    def flush_cache(self) -> bool:
-        """Empties the prefix cache (what running requests lock stays); True if emptied."""
-        return self.cache.flush() if self.cache is not None else True
-
-    def get_metrics(self) -> dict[str, int | float]:
-        cache = self.cache
-        return {
-            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
-            "prefix_cache_queried_tokens": cache.queried_tokens if cache else 0,
-            "prefix_cache_hit_rate": cache.hit_tokens / cache.queried_tokens
-            if cache and cache.queried_tokens else 0.0,
-            "cached_blocks": len(cache.tree_blocks()) if cache else 0,
-            "cached_snapshots": cache.num_snapshots if cache else 0,
-            "evictable_blocks": cache.evictable_blocks() if cache else 0,
-            **(self.spec.metrics() if self.spec is not None else {}),
-            **(self.pd.counters if self.pd is not None else {}),
-            **(self.followers.metrics() if self.followers is not None else {}),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "free_blocks": self.blocks.num_free,
-            "total_blocks": self.blocks.num_blocks,
-            "free_state_slots": self.states.num_free,
-            "total_state_slots": self.states.num_slots,
-            "num_preemptions": self.scheduler.num_preemptions,
-            **self.counters,
-        }
-
-    def check_integrity(self) -> None:
-        """Pool invariants; when idle, every block and state slot is free again or held by
-        the prefix cache alone (and free after a flush)."""
-        self.scheduler.check_integrity(*(self.pd.held() if self.pd is not None else ([], [])))
-        if self.spec is not None:
-            self.spec.drafter.check_integrity(idle=not self.has_unfinished())
-        if not self.has_unfinished():
-            cached_blocks = len(self.cache.tree_blocks()) if self.cache else 0
-            cached_slots = self.cache.num_snapshots if self.cache else 0
-            assert self.blocks.num_free + cached_blocks == self.blocks.num_blocks, "blocks leaked"
-            assert self.states.num_free + cached_slots == self.states.num_slots, "slots leaked"
-            assert not self.groups, "finished requests not released"
+        if self.pd is not None:
+            self.pd.close()

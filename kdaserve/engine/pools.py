@@ -40,7 +40,11 @@ def make_pools(c: EngineConfig, mc: ModelConfig, model: torch.nn.Module, dtype: 
     num_slots = working if c.disable_prefix_cache else 2 * working + num_snapshot_slots(c)
     slot_bytes = StatePool.bytes_per_slot(mc, dtype, c.tp_size)
     block_bytes = BlockPool.bytes_per_block(mc, c.block_size, dtype)
-    budget = int(c.mem_fraction * physical_memory()) - model_bytes - num_slots * slot_bytes
+    # every tensor-parallel rank on this machine holds its model share, its heads' states
+    # and a whole KV pool (MLA's latent is replicated): the budget is split between them
+    here = c.tp_size // c.nnodes
+    budget = (int(c.mem_fraction * physical_memory()) // here - model_bytes
+              - num_slots * slot_bytes)
     if budget <= 0:
         raise ValueError(
             f"{num_slots} state slots ({slot_bytes / 2**20:.1f} MiB each) and the model "

@@ -145,6 +145,9 @@ def follower_main(c: EngineConfig, rank: int) -> None:
                         getattr(torch, c.dtype) if c.dtype else None, c.quantization, tp)
     got: list[Any] = [None]
     dist.broadcast_object_list(got, src=0)
+    if got[0] == ("stop",):  # rank 0 failed to start
+        dist.destroy_process_group()
+        return
     num_blocks, num_slots = got[0]
     blocks = BlockPool(mc, num_blocks, c.block_size, torch.float32, device)
     states = StatePool(mc, num_slots, torch.float32, device, tp.size)

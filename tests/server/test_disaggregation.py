@@ -385,3 +385,30 @@ def test_plain_router_over_unified_servers(server: ServerProc, llm: LLM,
         assert routed["choices"][0]["message"] == direct["choices"][0]["message"]
     finally:
         stop_router(router)
+
+
+def test_hostile_input_leaves_both_sides_healthy(cluster: Cluster, llm: LLM,
+                                                 prompts: list[list[int]]) -> None:
+    """A bootstrap host that is no address is a 400 with nothing reserved; junk sent to the
+    prefill server's bootstrap port (not JSON, wrong types, huge numbers, extra frames, a
+    cancel for someone else's room) is dropped; requests still work afterwards."""
+    import zmq
+
+    for host in ("a b", "*", "x;y"):
+        r = httpx.post(f"{cluster.decode.url}/generate", timeout=30, json={
+            "input_ids": [1, 2, 3], "bootstrap_host": host,
+            "bootstrap_port": cluster.bootstrap_port, "bootstrap_room": 77})
+        assert r.status_code == 400 and "bootstrap" in r.text, r.text
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{cluster.bootstrap_port}")
+    for junk in (b"not json", b"[1, 2]", b'{"type": "reserve", "room": 1e400}',
+                 b'{"type": "reserve", "room": 5, "blocks": "x", "layout": {}}',
+                 b'{"type": "cancel", "room": 5, "tid": "nope"}', b'{"type": 3}'):
+        sock.send(junk)
+    sock.send_multipart([b"two", b"frames"])
+    sock.close()
+    time.sleep(0.5)
+    want = reference(llm, [prompts[3]], greedy(NEW))[0].token_ids
+    assert generate(cluster.url, prompts[3]).json()["output_ids"] == want
+    assert_whole(cluster.prefill, cluster.decode)

@@ -11,7 +11,7 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.checkpoint import preset_config
-from kdaserve.disaggregation.layout import PoolLayout, PoolTensor, spans
+from kdaserve.engine.disaggregation.layout import PoolLayout, PoolTensor, spans
 
 
 def pools(blocks: int, slots: int, block_size: int = 4) -> tuple[BlockPool, StatePool]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ class MooncakeTransfer:
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp") -> None:
         self.engine = _load_engine_class()()
+        if host in ("0.0.0.0", ""):  # a peer needs an address it can reach, not a wildcard
+            host = socket.gethostbyname(socket.gethostname())
         rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
         if rc != 0:
             raise RuntimeError(f"Mooncake transfer engine failed to initialize on {host} "

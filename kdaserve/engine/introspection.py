@@ -1,0 +1,62 @@
+"""What an engine reports about itself: metrics, pool invariants, the prefix-cache flush
+(a mixin of `LLMEngine`, apart so the engine's request path reads alone)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Introspection:
+    # set by LLMEngine
+    cache: Any
+    spec: Any
+    pd: Any
+    followers: Any
+    scheduler: Any
+    blocks: Any
+    states: Any
+    groups: dict[str, Any]
+    counters: dict[str, int]
+
+    def has_unfinished(self) -> bool:
+        raise NotImplementedError
+
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache (what running requests lock stays); True if emptied."""
+        return self.cache.flush() if self.cache is not None else True
+
+    def get_metrics(self) -> dict[str, int | float]:
+        cache = self.cache
+        return {
+            "prefix_cache_hit_tokens": cache.hit_tokens if cache else 0,
+            "prefix_cache_queried_tokens": cache.queried_tokens if cache else 0,
+            "prefix_cache_hit_rate": cache.hit_tokens / cache.queried_tokens
+            if cache and cache.queried_tokens else 0.0,
+            "cached_blocks": len(cache.tree_blocks()) if cache else 0,
+            "cached_snapshots": cache.num_snapshots if cache else 0,
+            "evictable_blocks": cache.evictable_blocks() if cache else 0,
+            **(self.spec.metrics() if self.spec is not None else {}),
+            **(self.pd.counters if self.pd is not None else {}),
+            **(self.followers.metrics() if self.followers is not None else {}),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "free_blocks": self.blocks.num_free,
+            "total_blocks": self.blocks.num_blocks,
+            "free_state_slots": self.states.num_free,
+            "total_state_slots": self.states.num_slots,
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+        }
+
+    def check_integrity(self) -> None:
+        """Pool invariants; when idle, every block and state slot is free again or held by
+        the prefix cache alone (and free after a flush)."""
+        self.scheduler.check_integrity(*(self.pd.held() if self.pd is not None else ([], [])))
+        if self.spec is not None:
+            self.spec.drafter.check_integrity(idle=not self.has_unfinished())
+        if not self.has_unfinished():
+            cached_blocks = len(self.cache.tree_blocks()) if self.cache else 0
+            cached_slots = self.cache.num_snapshots if self.cache else 0
+            assert self.blocks.num_free + cached_blocks == self.blocks.num_blocks, "blocks leaked"
+            assert self.states.num_free + cached_slots == self.states.num_slots, "slots leaked"
+            assert not self.groups, "finished requests not released"
