@@ -380,6 +380,7 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    dp_rank: int = 0  # which replica an engine is (set by the server's data-parallel controller)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -436,10 +437,23 @@ class EngineConfig:
         for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.enable_dp_attention or self.ep_size > 1:
-            raise ValueError("enable_dp_attention and ep_size are not implemented yet "
-                             "(tensor parallelism is, and data-parallel replicas: tp_size, "
-                             "dp_size)")
+        if self.enable_dp_attention:
+            # every replica runs attention on its own requests; the MoE experts are spread
+            # over the replicas (expert parallelism), whose tokens each MoE layer gathers
+            if self.dp_size < 2 or self.ep_size not in (1, self.dp_size):
+                raise ValueError("enable_dp_attention needs dp_size >= 2 and ep_size equal to "
+                                 "it (the experts are spread over the data-parallel ranks)")
+            if self.tp_size > 1 or self.nnodes > 1:
+                raise ValueError("enable_dp_attention with tp_size or nnodes > 1 is not "
+                                 "supported yet")
+            if self.speculative_algorithm is not None or self.disaggregation_mode is not None:
+                raise ValueError("enable_dp_attention does not combine with speculative "
+                                 "decoding or disaggregation yet")
+        elif self.ep_size > 1:
+            raise ValueError("ep_size > 1 is expert parallelism over DP attention ranks: it "
+                             "needs enable_dp_attention")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={self.dp_rank} outside dp_size={self.dp_size}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} outside nnodes={self.nnodes}")
         if self.tp_size % self.nnodes:

@@ -61,6 +61,9 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
         # wait for commands when there is nothing to run, or when the last step could schedule
         # nothing (requests waiting for memory): never spin
         block = idle_step or not engine.has_unfinished() or engine.paused
+        lockstep = engine.ep.size > 1  # DP attention: every rank steps whenever any does
+        if lockstep:
+            block = engine.lockstep_idle and not engine.has_unfinished()
         if block and engine.pd is not None and engine.pd.busy() and not engine.paused:
             engine.pd.wait(PD_WAIT_S)  # a transfer's next message, not the command poll
             block = False
@@ -69,7 +72,7 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             if cmd[0] == "stop":
                 return
             _handle(engine, cmd, send, deferred)
-        if not engine.has_unfinished() or engine.paused:
+        if (not engine.has_unfinished() or engine.paused) and not lockstep:
             # e.g. requests aborted by a pause: tell them; and disaggregation peers are
             # answered (pings, reservations) whether or not we step
             pending = engine.drain_outputs() + engine.service_disaggregation()
@@ -81,7 +84,7 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             outputs = engine.step()
             idle_step = engine.counters["num_steps"] == steps and not outputs
         except Exception as e:  # a failed step fails the requests in flight, loudly
-            if engine.followers is not None:  # a rank is gone: the collectives are broken
+            if engine.followers is not None or lockstep:  # a rank is gone: collectives broken
                 raise
             logger.exception("engine step failed")
             for rid in list(engine.groups):

@@ -33,10 +33,10 @@ from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.pools import make_pools, num_snapshot_slots
 from kdaserve.engine.rl import EngineAsleep
 from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
-from kdaserve.engine.scheduler import Scheduler
-from kdaserve.engine.tensor_parallel import Followers, with_init_addr
+from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
+from kdaserve.engine.tensor_parallel import Followers, join_expert_parallel, with_init_addr
 from kdaserve.kernels import resolve_kernels
-from kdaserve.layers.parallel import SINGLE
+from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
 from kdaserve.request import CompletionOutput, Request, RequestOutput, SamplingParams
 from kdaserve.speculative.block import BlockDrafter
@@ -61,7 +61,7 @@ def resolve_model_path(model: str | os.PathLike) -> os.PathLike:
 
 class LLMEngine(Introspection):
     def __init__(self, config: EngineConfig) -> None:
-        if config.dp_size > 1:
+        if config.dp_size > 1 and not config.enable_dp_attention:
             raise ValueError("dp_size > 1 runs one engine per replica behind `kdaserve serve`'s "
                              "data-parallel controller; an engine is one replica")
         self.config = config
@@ -77,6 +77,10 @@ class LLMEngine(Introspection):
         self.kernels = resolve_kernels(self.device, config.kernel_backend,
                                        config.enable_deterministic_inference)
         self.followers: Followers | None = None  # tensor-parallel ranks 1.., when tp_size > 1
+        # DP attention: this engine is one rank of a group whose MoE layers it joins every
+        # step (an empty forward when it has nothing to run but another rank has)
+        self.ep = join_expert_parallel(config) if config.enable_dp_attention else SINGLE_EP
+        self.lockstep_idle = True  # the last step ran nothing on any rank
         if config.tp_size > 1:
             config = self.config = with_init_addr(config)
             self.followers = Followers(config)
@@ -124,7 +128,7 @@ class LLMEngine(Introspection):
         self.model = build_model(self.model_config, self.kernels, self.dtype, self.device,
                                  self.path, config.load_format, config.seed, self.weight_dtype,
                                  config.quantization,
-                                 self.followers.tp if self.followers else SINGLE)
+                                 self.followers.tp if self.followers else SINGLE, self.ep)
         self.tokenizer = (None if config.skip_tokenizer_init
                           else Tokenizer.from_pretrained(self.path))
         if self.tokenizer is not None and \
@@ -172,6 +176,10 @@ class LLMEngine(Introspection):
         c = self.config
         if c.tp_size > 1:
             text += f"; tensor parallel over {c.tp_size} ranks (parameters: rank 0's share)"
+        if self.ep.size > 1:
+            local = self.ep.experts(mc.num_experts)
+            text += (f"; DP attention rank {self.ep.rank} of {self.ep.size}, experts "
+                     f"{local.start}-{local.stop - 1} here")
         if self.spec is not None:
             src = f", {c.speculative_draft_model}" if c.speculative_draft_model else ""
             text += (f"; speculation {c.speculative_algorithm} (up to {self.spec.drafter.k} "
@@ -294,7 +302,9 @@ class LLMEngine(Introspection):
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
             trim_drafts(self.scheduler.running)
-        batch = self.scheduler.schedule()
+        batch = ScheduledBatch() if self.paused else self.scheduler.schedule()
+        if self.ep.size > 1 and not self._lockstep(batch):
+            return outputs
         if batch.is_empty:
             return outputs
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
@@ -387,6 +397,19 @@ class LLMEngine(Introspection):
             self.pd.after_sample(batch)
         self.scheduler.take_snapshots(batch.reqs)
         return outputs + self._updates(touched)
+
+    def _lockstep(self, batch: ScheduledBatch) -> bool:
+        """DP attention: whether this rank runs its batch now. Every rank takes part in
+        every step some rank runs (its MoE layers gather all ranks' tokens): a rank with
+        nothing to run passes its experts through an empty forward instead."""
+        flag = torch.tensor([0 if batch.is_empty else 1])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
+                                     group=self.ep.group)
+        self.lockstep_idle = not flag.item()
+        if batch.is_empty and not self.lockstep_idle:
+            with torch.inference_mode():
+                self.model.idle_forward()
+        return not batch.is_empty
 
     def _updates(self, touched: dict[str, None]) -> list[RequestOutput]:
         outputs = []

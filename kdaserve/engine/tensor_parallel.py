@@ -32,7 +32,7 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import resolve_kernels
-from kdaserve.layers.parallel import COMM, TensorParallel
+from kdaserve.layers.parallel import COMM, ExpertParallel, TensorParallel
 from kdaserve.models.loader import build_model
 
 logger = logging.getLogger("kdaserve")
@@ -60,6 +60,15 @@ def join(c: EngineConfig, rank: int) -> TensorParallel:
     dist.init_process_group("gloo", init_method=f"tcp://{c.dist_init_addr}", rank=rank,
                             world_size=c.tp_size, timeout=IDLE_TIMEOUT)
     return TensorParallel(rank, c.tp_size, dist.group.WORLD)
+
+
+def join_expert_parallel(c: EngineConfig) -> ExpertParallel:
+    """A DP-attention engine joins the group of all data-parallel ranks (its MoE layers'
+    collectives run over it)."""
+    assert c.dist_init_addr is not None  # set by the data-parallel controller
+    dist.init_process_group("gloo", init_method=f"tcp://{c.dist_init_addr}", rank=c.dp_rank,
+                            world_size=c.dp_size, timeout=IDLE_TIMEOUT)
+    return ExpertParallel(c.dp_rank, c.dp_size, dist.group.WORLD)
 
 
 class Followers:

@@ -7,7 +7,9 @@ Policies: `shortest_queue` (fewest requests in flight, the default), `round_robi
 unless that replica has twice the average load). A request's `data_parallel_rank` (what
 `sglang-router --dp-aware` sends) names the replica itself. The replicas split the memory
 budget (`mem_fraction` / N each). Calls that change state (flush, pause) go to every replica;
-metrics are summed.
+metrics are summed. With `--enable-dp-attention` the replicas are one group: each runs
+attention on its own requests, and the MoE experts are spread over them (each MoE layer
+gathers every replica's tokens, every step, see `ExpertParallel`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import dataclasses
 import hashlib
 import itertools
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -36,8 +39,17 @@ class DataParallel:
         if policy not in POLICIES:
             raise ValueError(f"--load-balance-method {policy!r}: one of {', '.join(POLICIES)}")
         n = config.dp_size
-        replica = dataclasses.replace(config, dp_size=1, mem_fraction=config.mem_fraction / n)
-        self.engines = [EngineProcess(replica, max_restarts, on_fatal) for _ in range(n)]
+        if config.enable_dp_attention:
+            # one group: each engine is a rank whose MoE layers run with the others' every
+            # step; a rank that dies breaks the group, so none is restarted alone
+            config = with_free_addr(config)
+            replicas = [dataclasses.replace(config, dp_rank=r, mem_fraction=config.mem_fraction
+                                            / n) for r in range(n)]
+            max_restarts = 0
+        else:
+            replicas = [dataclasses.replace(config, dp_size=1,
+                                            mem_fraction=config.mem_fraction / n)] * n
+        self.engines = [EngineProcess(r, max_restarts, on_fatal) for r in replicas]
         self.policy = policy
         self._next = itertools.cycle(range(n))
         self.owner: dict[str, int] = {}  # request id -> replica, while in flight
@@ -146,6 +158,14 @@ class DataParallel:
 
     async def get_metrics(self) -> dict[str, Any]:
         return await self.call("get_metrics")
+
+
+def with_free_addr(c: EngineConfig) -> EngineConfig:
+    if c.dist_init_addr:
+        return c
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return dataclasses.replace(c, dist_init_addr=f"127.0.0.1:{s.getsockname()[1]}")
 
 
 def merge_metrics(per_replica: list[dict[str, Any]]) -> dict[str, Any]:

@@ -92,3 +92,44 @@ def test_behind_dp_aware_router(dp_server: ServerProc, llm: LLM, prompts: list[l
 def test_an_engine_is_one_replica(tiny_ckpt: Path) -> None:
     with pytest.raises(ValueError, match="one replica"):
         LLM(tiny_ckpt, dp_size=2)
+
+
+# ---- DP attention with expert parallelism ----
+# chunked prefill (32-token budget), a pool small enough to preempt, prefix hits on repeat
+DPA_ARGS = ("--dp-size", "2", "--enable-dp-attention", "--ep-size", "2",
+            "--max-num-batched-tokens", "32", "--max-total-tokens", "256")
+
+
+@pytest.fixture(scope="module")
+def dpa_server(tiny_ckpt: Path, tmp_path_factory: pytest.TempPathFactory):
+    s = start_server(tiny_ckpt, tmp_path_factory.mktemp("dpa-logs"), *DPA_ARGS)
+    yield s
+    stop_server(s)
+
+
+def run_all(url: str, prompts: list[list[int]], **kw: object) -> list[dict]:
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda ids: generate(url, ids, **kw), prompts))
+    assert all(r.status_code == 200 for r in got), [r.text for r in got]
+    return [r.json() for r in got]
+
+
+def test_dp_attention_equals_reference(dpa_server: ServerProc, llm: LLM,
+                                       prompts: list[list[int]]) -> None:
+    """Each replica runs attention on its own requests; every MoE layer gathers both
+    replicas' tokens and each applies its half of the experts: the reference's tokens, with
+    both replicas busy, then with one idle (every request on replica 0, so replica 1 only
+    lends its experts), then again from the prefix caches."""
+    batch = prompts[:16]
+    want = [o.token_ids for o in reference(llm, batch, greedy(NEW))]
+    assert [r["output_ids"] for r in run_all(dpa_server.url, batch)] == want
+    before = [r["num_requests"] for r in replicas(dpa_server)]
+    uneven = run_all(dpa_server.url, batch, data_parallel_rank=0)
+    assert [r["output_ids"] for r in uneven] == want
+    after = [r["num_requests"] for r in replicas(dpa_server)]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [16, 0]
+    assert sum(r["meta_info"]["cached_tokens"] for r in uneven) > 0
+    states = replicas(dpa_server)
+    assert sum(r["num_preemptions"] for r in states) > 0
+    assert httpx.get(f"{dpa_server.url}/check_integrity").status_code == 200
+    assert "DP attention rank 0 of 2, experts 0-3 here" in dpa_server.output()
