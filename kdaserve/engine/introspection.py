@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kdaserve.layers.parallel import COMM
+
 
 class Introspection:
     # set by LLMEngine
@@ -12,6 +14,7 @@ class Introspection:
     spec: Any
     pd: Any
     followers: Any
+    ep: Any
     scheduler: Any
     blocks: Any
     states: Any
@@ -38,6 +41,10 @@ class Introspection:
             **(self.spec.metrics() if self.spec is not None else {}),
             **(self.pd.counters if self.pd is not None else {}),
             **(self.followers.metrics() if self.followers is not None else {}),
+            **({"ep_all_gather_bytes": COMM.get("all_gather_bytes", 0),
+                "ep_all_gather_ms": COMM.get("all_gather_s", 0.0) * 1e3,
+                "ep_all_reduce_bytes": COMM["all_reduce_bytes"],
+                "ep_all_reduce_ms": COMM["all_reduce_s"] * 1e3} if self.ep.size > 1 else {}),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "free_blocks": self.blocks.num_free,
