@@ -6,13 +6,25 @@ picks the replica, and state-changing calls reach both."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from kdaserve import LLM
-from tests.server.conftest import ServerProc, greedy, reference, start_server, stop_server
+from tests.server.conftest import (
+    ServerProc,
+    children,
+    cmdline,
+    descendants,
+    greedy,
+    is_gone,
+    kill,
+    reference,
+    start_server,
+    stop_server,
+)
 from tests.server.test_disaggregation import start_router, stop_router
 
 NEW = 8
@@ -133,3 +145,37 @@ def test_dp_attention_equals_reference(dpa_server: ServerProc, llm: LLM,
     assert sum(r["num_preemptions"] for r in states) > 0
     assert httpx.get(f"{dpa_server.url}/check_integrity").status_code == 200
     assert "DP attention rank 0 of 2, experts 0-3 here" in dpa_server.output()
+
+
+def test_tp2_times_dp2(tiny_ckpt: Path, tmp_path: Path, llm: LLM,
+                       prompts: list[list[int]]) -> None:
+    """Two replicas of two tensor-parallel ranks each (four processes)."""
+    s = start_server(tiny_ckpt, tmp_path, "--dp-size", "2", "--tp-size", "2")
+    try:
+        want = [o.token_ids for o in reference(llm, prompts[:8], greedy(NEW))]
+        assert [r["output_ids"] for r in run_all(s.url, prompts[:8])] == want
+        served = [r["num_requests"] for r in replicas(s)]
+        assert min(served) > 0, served
+    finally:
+        stop_server(s)
+
+
+def test_dp_attention_rank_death_takes_the_server_down(tiny_ckpt: Path,
+                                                       tmp_path: Path) -> None:
+    """A DP-attention rank that dies breaks the group: its peer's next step fails, requests
+    get 503, and the server exits 1 with no process left."""
+    s = start_server(tiny_ckpt, tmp_path, "--dp-size", "2", "--enable-dp-attention",
+                     "--ep-size", "2")
+    ranks = [p for p in children(s.pid) if "spawn_main" in cmdline(p)]
+    assert len(ranks) == 2
+    tree = descendants(s.pid)
+    kill(ranks[1:])
+    r = httpx.post(f"{s.url}/generate", timeout=60, json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2},
+        "data_parallel_rank": 0})
+    assert r.status_code == 503, r.text
+    assert s.proc.wait(timeout=30) == 1
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(is_gone(p) for p in tree):
+        time.sleep(0.1)
+    assert all(is_gone(p) for p in tree), "orphans after a rank died"
