@@ -446,9 +446,8 @@ class EngineConfig:
             if self.tp_size > 1 or self.nnodes > 1:
                 raise ValueError("enable_dp_attention with tp_size or nnodes > 1 is not "
                                  "supported yet")
-            if self.speculative_algorithm is not None or self.disaggregation_mode is not None:
-                raise ValueError("enable_dp_attention does not combine with speculative "
-                                 "decoding or disaggregation yet")
+            if self.disaggregation_mode is not None:
+                raise ValueError("enable_dp_attention does not combine with disaggregation yet")
         elif self.ep_size > 1:
             raise ValueError("ep_size > 1 is expert parallelism over DP attention ranks: it "
                              "needs enable_dp_attention")
@@ -466,10 +465,9 @@ class EngineConfig:
         if self.tp_size > 1:
             if self.device != "cpu":
                 raise ValueError("tensor parallelism runs on CPU ranks (gloo) so far")
-            if self.speculative_algorithm is not None or self.disaggregation_mode is not None \
-                    or self.enable_deterministic_inference:
-                raise ValueError("tensor parallelism does not combine with speculative "
-                                 "decoding, disaggregation or deterministic inference yet")
+            if self.disaggregation_mode is not None or self.enable_deterministic_inference:
+                raise ValueError("tensor parallelism does not combine with disaggregation or "
+                                 "deterministic inference yet")
 
     def _check_disaggregation(self) -> None:
         if self.disaggregation_mode not in (None, "prefill", "decode"):

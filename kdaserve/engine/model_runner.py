@@ -151,4 +151,6 @@ class ModelRunner:
         rows, cu = record.spans([(record.starts[id(r)], n) for r, n in replays], self.device)
         slots = torch.tensor([r.state_slot for r, _ in replays], dtype=torch.int64,
                              device=self.device)
+        if self.followers is not None:
+            self.followers.replay(rows, cu, slots, self.states)
         self.model.replay_kda(record, rows, cu, slots, self.states)

@@ -95,6 +95,13 @@ class Followers:
         dist.broadcast_object_list([("forward", fb, log)], src=0)
         COMM["broadcast_s"] += time.perf_counter() - start
 
+    def replay(self, rows: torch.Tensor, cu: torch.Tensor, slots: torch.Tensor,
+               states: StatePool) -> None:
+        """A speculative rollback: the followers restore their heads' states (the logged
+        copies) and replay the accepted steps from their own record of the verify forward."""
+        log, states.log = states.log or [], []
+        dist.broadcast_object_list([("replay", rows, cu, slots, log)], src=0)
+
     @staticmethod
     def metrics() -> dict[str, float]:
         return {"tp_all_reduces": COMM["all_reduces"],
@@ -160,13 +167,20 @@ def follower_main(c: EngineConfig, rank: int) -> None:
     num_blocks, num_slots = got[0]
     blocks = BlockPool(mc, num_blocks, c.block_size, torch.float32, device)
     states = StatePool(mc, num_slots, torch.float32, device, tp.size)
+    record = None  # this rank's step record of the last verify forward
     with torch.inference_mode():
         while True:
             msg: list[Any] = [None]
             dist.broadcast_object_list(msg, src=0)
             if msg[0][0] == "stop":
                 break
+            if msg[0][0] == "replay":
+                _, rows, cu, slots, log = msg[0]
+                states.apply(log)
+                model.replay_kda(record, rows, cu, slots, states)
+                continue
             _, fb, log = msg[0]
             states.apply(log)
             model.forward_hidden(fb, states, blocks)
+            record = fb.record
     dist.destroy_process_group()

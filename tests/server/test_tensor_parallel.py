@@ -20,6 +20,7 @@ from tests.server.conftest import (
     REPO,
     ServerProc,
     children,
+    clear,
     cmdline,
     descendants,
     free_port,
@@ -38,10 +39,10 @@ NEW = 8
 TP_ARGS = ("--tp-size", "2", "--max-num-batched-tokens", "32", "--max-total-tokens", "256")
 
 
-def generate_all(url: str, prompts: list[list[int]]) -> list[dict]:
+def generate_all(url: str, prompts: list[list[int]], new: int = NEW) -> list[dict]:
     def one(ids: list[int]) -> dict:
         r = httpx.post(f"{url}/generate", timeout=120, json={
-            "input_ids": ids, "sampling_params": {"max_new_tokens": NEW, "temperature": 0,
+            "input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0,
                                                   "ignore_eos": True}})
         assert r.status_code == 200, r.text
         return r.json()
@@ -117,3 +118,31 @@ def test_rank_death_takes_the_server_down(tiny_ckpt: Path, tmp_path: Path) -> No
         time.sleep(0.1)
     assert all(is_gone(p) for p in tree), "orphans after a rank died"
     assert "Connection closed by peer" in s.output()
+
+
+@pytest.mark.parametrize("parallel", [("--tp-size", "2"),
+                                      ("--dp-size", "2", "--enable-dp-attention", "--ep-size",
+                                       "2")], ids=["tp2", "dp_attention"])
+def test_speculative_decoding_per_rank(tiny_ckpt: Path, tmp_path: Path, llm: LLM,
+                                       parallel: tuple[str, ...]) -> None:
+    """n-gram speculation on repetitive prompts: drafts verified in one forward on every
+    rank, and the rejected ones rolled back on every rank (the followers restore their
+    heads' states and replay from their own record): the reference's tokens."""
+    import random
+
+    rng = random.Random(3)
+    base = [rng.randrange(300, 3000) for _ in range(12)]
+    batch = [base * 4 + [rng.randrange(300, 3000) for _ in range(5)] for _ in range(6)]
+    batch = [p for p, ok in zip(batch, clear(llm, batch, 24), strict=True) if ok]
+    assert len(batch) >= 3
+    s = start_server(tiny_ckpt, tmp_path, *parallel, "--speculative-algorithm", "ngram",
+                     "--speculative-num-draft-tokens", "4")
+    try:
+        want = [o.token_ids for o in reference(llm, batch, greedy(24))]
+        assert [r["output_ids"] for r in generate_all(s.url, batch, 24)] == want
+        with httpx.Client(base_url=s.url) as c:
+            assert metrics(c)["kdaserve_spec_num_verifies"] > 0
+            wait_idle(c)
+            assert c.get("/check_integrity").status_code == 200
+    finally:
+        stop_server(s)
