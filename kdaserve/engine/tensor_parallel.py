@@ -81,7 +81,18 @@ class Followers:
                         name=f"kdaserve-tp{rank}") for rank in local_ranks(c) if rank != 0]
         for p in self.procs:
             p.start()
+        joined = threading.Event()
+
+        def watch() -> None:  # a local rank that dies before the rendezvous: never waited on
+            while not joined.wait(0.5):
+                dead = [p.name for p in self.procs if p.exitcode is not None]
+                if dead:
+                    logger.error("tensor parallel: %s exited during start-up", dead)
+                    os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
         self.tp = join(c, 0)
+        joined.set()
 
     def start(self, blocks: BlockPool, states: StatePool) -> None:
         """Tells every rank the pools' geometry (decided here, from rank 0's memory budget)
