@@ -1,10 +1,12 @@
-"""What an engine reports about itself: metrics, pool invariants, the prefix-cache flush
-(a mixin of `LLMEngine`, apart so the engine's request path reads alone)."""
+"""What an engine reports about itself: its summary, metrics, pool invariants, the
+prefix-cache flush (a mixin of `LLMEngine`, apart so its request path reads alone)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from kdaserve.checkpoint import RANDOM_MARKER
 from kdaserve.layers.parallel import COMM
 
 
@@ -21,8 +23,37 @@ class Introspection:
     groups: dict[str, Any]
     counters: dict[str, int]
 
+    config: Any
+    model_config: Any
+    model: Any
+    device: Any
+    path: Any
+
     def has_unfinished(self) -> bool:
         raise NotImplementedError
+
+    def summary(self) -> str:
+        mc = self.model_config
+        params = sum(p.numel() for p in self.model.parameters())
+        dtypes = "/".join(sorted({str(p.dtype)[6:] for p in self.model.parameters()}))
+        text = (f"{params / 1e6:.0f}M parameters ({dtypes}, "
+                f"{self.device}), {mc.num_hidden_layers} layers ({len(mc.kda_layers)} KDA + "
+                f"{len(mc.mla_layers)} MLA), {mc.num_experts} experts top-"
+                f"{mc.num_experts_per_token}, vocab {mc.vocab_size}")
+        c = self.config
+        if c.tp_size > 1:
+            text += f"; tensor parallel over {c.tp_size} ranks (parameters: rank 0's share)"
+        if self.ep.size > 1:
+            local = self.ep.experts(mc.num_experts)
+            text += (f"; DP attention rank {self.ep.rank} of {self.ep.size}, experts "
+                     f"{local.start}-{local.stop - 1} here")
+        if self.spec is not None:
+            src = f", {c.speculative_draft_model}" if c.speculative_draft_model else ""
+            text += (f"; speculation {c.speculative_algorithm} (up to {self.spec.drafter.k} "
+                     f"drafts{src})")
+        if self.config.load_format == "dummy" or (Path(self.path) / RANDOM_MARKER).is_file():
+            text += "; RANDOM WEIGHTS (a built-in test model: its text is meaningless)"
+        return text
 
     def flush_cache(self) -> bool:
         """Empties the prefix cache (what running requests lock stays); True if emptied."""

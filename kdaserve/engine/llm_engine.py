@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kdaserve.cache.radix_cache import RadixCache
-from kdaserve.checkpoint import PRESETS, RANDOM_MARKER, default_model_path
+from kdaserve.checkpoint import PRESETS, default_model_path
 from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.disaggregation import DecodeSide, PrefillSide, make_side
@@ -164,29 +164,6 @@ class LLMEngine(Introspection):
             path, self.model_config, self.kernels, self.dtype, self.device, k, max_running,
             self.blocks.num_blocks * self.blocks.block_size, c.block_size,
             c.max_num_batched_tokens)
-
-    def summary(self) -> str:
-        mc = self.model_config
-        params = sum(p.numel() for p in self.model.parameters())
-        dtypes = "/".join(sorted({str(p.dtype)[6:] for p in self.model.parameters()}))
-        text = (f"{params / 1e6:.0f}M parameters ({dtypes}, "
-                f"{self.device}), {mc.num_hidden_layers} layers ({len(mc.kda_layers)} KDA + "
-                f"{len(mc.mla_layers)} MLA), {mc.num_experts} experts top-"
-                f"{mc.num_experts_per_token}, vocab {mc.vocab_size}")
-        c = self.config
-        if c.tp_size > 1:
-            text += f"; tensor parallel over {c.tp_size} ranks (parameters: rank 0's share)"
-        if self.ep.size > 1:
-            local = self.ep.experts(mc.num_experts)
-            text += (f"; DP attention rank {self.ep.rank} of {self.ep.size}, experts "
-                     f"{local.start}-{local.stop - 1} here")
-        if self.spec is not None:
-            src = f", {c.speculative_draft_model}" if c.speculative_draft_model else ""
-            text += (f"; speculation {c.speculative_algorithm} (up to {self.spec.drafter.k} "
-                     f"drafts{src})")
-        if self.config.load_format == "dummy" or (Path(self.path) / RANDOM_MARKER).is_file():
-            text += "; RANDOM WEIGHTS (a built-in test model: its text is meaningless)"
-        return text
 
     def grammar_backend(self) -> GrammarBackend:
         if self._grammar is None:
@@ -402,10 +379,7 @@ class LLMEngine(Introspection):
         """DP attention: whether this rank runs its batch now. Every rank takes part in
         every step some rank runs (its MoE layers gather all ranks' tokens): a rank with
         nothing to run passes its experts through an empty forward instead."""
-        flag = torch.tensor([0 if batch.is_empty else 1])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX,
-                                     group=self.ep.group)
-        self.lockstep_idle = not flag.item()
+        self.lockstep_idle = not self.ep.any_busy(not batch.is_empty)
         if batch.is_empty and not self.lockstep_idle:
             with torch.inference_mode():
                 self.model.idle_forward()

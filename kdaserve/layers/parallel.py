@@ -102,6 +102,12 @@ class ExpertParallel:
                              f"{self.size}")
         return range(self.rank * n, (self.rank + 1) * n)
 
+    def any_busy(self, busy: bool) -> bool:
+        """Whether any rank has tokens this step (every rank asks, every step)."""
+        flag = torch.tensor([int(busy)])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
     def gather(self, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Every rank's rows [sum T, D] (rank order) and each rank's row count."""
         dist = torch.distributed
