@@ -122,6 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     soak.add_parser(bench_sub)
     weight_sync.add_parser(bench_sub)
     disaggregation.add_parser(bench_sub)
+    from kdaserve.training import drafter as train_drafter
+    from kdaserve.training import lm as train_lm
+
+    train_lm.add_parser(sub)
+    train_drafter.add_parser(sub)
     from kdaserve.server import launch
 
     launch.add_parser(sub)

@@ -350,11 +350,20 @@ class EngineConfig:
     # SGLang's counterpart is its mamba track interval)
     prefill_snapshot_stride: int | None = None
     num_snapshot_slots: int | None = None  # KDA state snapshots the prefix cache may hold
-    # "ngram" (prompt lookup), "draft" (a smaller checkpoint with the same vocabulary) or
-    # "block" (a DSpark-style block drafter); the last two load speculative_draft_model
+    # "ngram" (prompt lookup), "draft" (a smaller checkpoint with the same vocabulary),
+    # "block" (a block drafter on the final hidden state) or "dspark" (DSpark: tapped target
+    # layers, Markov head, confidence head); the last three load speculative_draft_model
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_draft_model: str | None = None  # checkpoint folder (or preset, for "draft")
+    # n-gram drafter: suffix n-grams tried from the longest (vLLM's prompt_lookup_max/min)
+    speculative_ngram_max: int = 4
+    speculative_ngram_min: int = 1
+    # adaptive speculation (speculative/adaptive.py): a request whose recent drafts are kept
+    # at a lower rate than this decodes without drafts for a while (0: never switched off);
+    # no request drafts in a step with more decoding requests than disable_by_batch_size
+    speculative_min_acceptance_rate: float = 0.1
+    speculative_disable_by_batch_size: int | None = None
     # Same request, same tokens and logprobs to the bit, whatever it is batched with, chunked
     # into or cached from: every op from the batch-invariant kernels (CPU, fp32)
     enable_deterministic_inference: bool = False
@@ -394,14 +403,23 @@ class EngineConfig:
                 or self.prefill_snapshot_stride % self.snapshot_interval):
             raise ValueError(f"prefill_snapshot_stride={self.prefill_snapshot_stride} must be 0 "
                              f"or a multiple of snapshot_interval={self.snapshot_interval}")
-        if self.speculative_algorithm not in (None, "ngram", "draft", "block"):
+        if self.speculative_algorithm not in (None, "ngram", "draft", "block", "dspark"):
             raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} is not "
-                             "supported (ngram, draft or block)")
-        if self.speculative_algorithm in ("draft", "block") and not self.speculative_draft_model:
+                             "supported (ngram, draft, block or dspark)")
+        if self.speculative_algorithm in ("draft", "block", "dspark") and \
+                not self.speculative_draft_model:
             raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} needs "
                              "speculative_draft_model (a checkpoint folder)")
         if self.speculative_num_draft_tokens < 1:
             raise ValueError("speculative_num_draft_tokens must be >= 1")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError(f"need 1 <= speculative_ngram_min ({self.speculative_ngram_min}) "
+                             f"<= speculative_ngram_max ({self.speculative_ngram_max})")
+        if not 0 <= self.speculative_min_acceptance_rate <= 1:
+            raise ValueError("speculative_min_acceptance_rate must be in [0, 1]")
+        if self.speculative_disable_by_batch_size is not None and \
+                self.speculative_disable_by_batch_size < 0:
+            raise ValueError("speculative_disable_by_batch_size must be >= 0")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         for name in ("max_total_tokens", "num_state_slots", "num_snapshot_slots"):

@@ -34,6 +34,10 @@ class ForwardBatch:
     snapshots: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # rollout routing replay: when a list, each MoE layer appends its chosen experts [T, k]
     routing: list[torch.Tensor] | None = None
+    # a DSpark drafter's tap layers: the forward keeps the residual stream after each of them
+    # at the logits rows, concatenated, in `tapped` [L, len(taps) * D]
+    taps: tuple[int, ...] = ()
+    tapped: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -98,9 +98,15 @@ class LLM:
         (the oracle the engine paths are compared against)."""
         return self.engine.model.compute_logits(self.prefill_hidden(token_ids))
 
-    @torch.inference_mode()
     def prefill_hidden(self, token_ids: list[int]) -> torch.Tensor:
         """`prefill_logits`' final-normed hidden states [T, D] (what the LM head sees)."""
+        return self.prefill_taps(token_ids, ())[0]
+
+    @torch.inference_mode()
+    def prefill_taps(self, token_ids: list[int],
+                     taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`prefill_hidden`, and the residual streams after layers `taps` [T, len(taps) * D]
+        (what a DSpark drafter reads; None without taps)."""
         e = self.engine
         if e.config.tp_size > 1:  # the other ranks would have to run this forward too
             raise ValueError("prefill_logits is a single-process oracle (tp_size 1)")
@@ -110,4 +116,5 @@ class LLM:
         batch = ForwardBatch.build([list(token_ids)], [0], [states.allocate()],
                                    [blocks.allocate(blocks.num_blocks)], bs, all_logits=True,
                                    device=e.device)
-        return e.model.forward_hidden(batch, states, blocks)
+        batch.taps = taps
+        return e.model.forward_hidden(batch, states, blocks), batch.tapped

@@ -1,23 +1,27 @@
-"""`kdaserve bench spec`: single-stream speculative decoding on GSM8K-style prompts.
+"""`kdaserve bench spec`: speculative decoding per drafter, draft length and batch size, on
+GSM8K test prompts.
 
-For each draft length K: tokens/s and mean acceptance length without speculation and with each
-drafter: `ngram`; `self`, the target's own greedy tokens recorded from the plain run (the
-ceiling of the verify-and-rollback mechanism, drafting free); `self-half`, the same with the
-drafts after the first ceil(K/2) corrupted (a fixed partial acceptance: every verify rolls
-back, which prices the KDA state rollback); `draft-self`, the draft-model
-drafter with the target itself as draft (full acceptance, paying a real draft model);
-`draft-small`, a 2-layer random draft with the target's vocabulary; `block`, a random block
-drafter (random weights: acceptance near 0, the cost of the mechanism). Outputs are checked
-identical to the plain run.
+For each batch size B, the prompts run in waves of B concurrent requests (greedy, fixed
+length), first without speculation, then with each drafter at each draft length K: output
+tokens/s, decode tokens/s (the tokens after each request's first over the time after the
+wave's last first token: the part speculation speeds up) and the mean acceptance length
+(tokens per verify, accepted drafts + the target's token), and per block position the share
+of verifies that drafted it and kept it. Every output is checked identical to the run without
+speculation.
+
+Drafters: `ngram` (prompt lookup); `draft` (a small model with the target's tokenizer:
+`--draft-model`, default `train-lm --size draft`'s); `block` (the final-hidden-only block
+drafter, `--block-drafter`) and `dspark` (taps + Markov + confidence heads,
+`--dspark-drafter`), both from `train-drafter`. Mechanism ceilings: `self`, the target's own
+recorded greedy tokens as drafts (all accepted, drafting free); `self-half`, the same with the
+drafts after the first ceil(K/2) corrupted (a rollback every verify); `draft-self`, the
+target as its own draft model (all accepted, paying a real draft model).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,7 @@ from kdaserve.bench import write_result
 from kdaserve.bench.gsm8k import build_prompts, load_data
 from kdaserve.speculative.drafter import TokenDrafter
 
-DRAFTERS = ("ngram", "self", "self-half", "draft-self", "draft-small", "block")
+DRAFTERS = ("ngram", "draft", "block", "dspark", "self", "self-half", "draft-self")
 
 
 class SelfDrafter(TokenDrafter):
@@ -49,118 +53,217 @@ class SelfDrafter(TokenDrafter):
         return []
 
 
-def _timed(llm: Any, prompts: list[list[int]],
-           params: Any) -> tuple[float, float, list[list[int]]]:
-    """Single stream, one request at a time: (end-to-end tok/s, decode tok/s, outputs).
-    Decode tok/s counts the tokens after the first over the time after the first: the part
-    speculation speeds up, without the prompt's prefill (which dominates short outputs)."""
-    outs, total, decode_s = [], 0.0, 0.0
-    for p in prompts:
+def timed(llm: Any, prompts: list[list[int]], params: Any,
+          batch: int) -> tuple[float, float, list[list[int]]]:
+    """The prompts in waves of `batch` concurrent requests: (output tok/s, decode tok/s,
+    outputs in prompt order)."""
+    outs: list[list[int]] = []
+    total, decode_s, decoded = 0.0, 0.0, 0
+    for w in range(0, len(prompts), batch):
+        wave = prompts[w:w + batch]
         t0 = time.perf_counter()
-        llm.engine.add_request(p, params)
-        first, final = None, None
+        rids = [llm.engine.add_request(p, params) for p in wave]
+        started: set[str] = set()
+        first_all, final = None, {}
         while llm.engine.has_unfinished():
             for out in llm.engine.step():
-                if first is None and out.token_ids:
-                    first = time.perf_counter()
-                final = out if out.finished else final
+                if out.token_ids:
+                    started.add(out.rid)
+                if out.finished:
+                    final[out.rid] = out.token_ids
+            if first_all is None and len(started) == len(wave):
+                first_all = time.perf_counter()
         t1 = time.perf_counter()
-        outs.append(final.token_ids)
+        outs.extend(final[r] for r in rids)
         total += t1 - t0
-        decode_s += t1 - (first or t1)
+        decode_s += t1 - (first_all or t1)
+        decoded += sum(len(final[r]) for r in rids) - len(wave)
     n = sum(map(len, outs))
-    return n / total, (n - len(outs)) / max(decode_s, 1e-9), outs
+    return n / total, decoded / max(decode_s, 1e-9), outs
 
 
-def _drafter_kwargs(name: str, plain: Any, k: int, workdir: Path) -> dict[str, Any]:
-    """EngineConfig fields for one drafter; random draft checkpoints are written to workdir
-    (once) with the target's vocabulary and hidden size."""
-    from kdaserve.checkpoint import make_checkpoint
-    from kdaserve.config import DENSE, KDA, MLA, MOE
-    from kdaserve.speculative.block import make_block_drafter
+def ngram_acceptance(prompts: list[list[int]], refs: list[list[int]], k: int,
+                     max_n: int, min_n: int) -> float:
+    """Mean acceptance length of greedy n-gram speculation, replayed offline on the target's
+    recorded outputs (exactly what the engine would see: greedy outputs do not depend on
+    the drafts): each verify keeps the drafts that match the continuation, plus one token."""
+    from kdaserve.speculative.ngram import NgramDrafter
+
+    d = NgramDrafter(k, max_n, min_n)
+    verifies, emitted = 0, 0
+    for prompt, out in zip(prompts, refs, strict=True):
+        pos = 1  # the first token comes from the prefill
+        while pos < len(out):
+            drafts = d.propose_ids(prompt + out[:pos], min(k, len(out) - pos - 1))
+            j = 0
+            while j < len(drafts) and drafts[j] == out[pos + j]:
+                j += 1
+            if drafts:
+                verifies += 1
+                emitted += j + 1
+            pos += j + 1
+    return emitted / verifies if verifies else 1.0
+
+
+def tune_ngram(prompts: list[list[int]], refs: list[list[int]],
+               ks: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for k in ks:
+        for max_n in (2, 3, 4, 6, 8):
+            for min_n in range(1, min(max_n, 4) + 1):
+                rows.append({"k": k, "max_n": max_n, "min_n": min_n,
+                             "acceptance_length": ngram_acceptance(prompts, refs, k, max_n,
+                                                                   min_n)})
+    return rows
+
+
+def _drafter_kwargs(name: str, args: argparse.Namespace, target: Path) -> dict[str, Any]:
+    from kdaserve.training.lm import cached_path
 
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r} ({', '.join(DRAFTERS)})")
     if name in ("ngram", "self", "self-half"):
         return {"speculative_algorithm": "ngram"}
     if name == "draft-self":
-        return {"speculative_algorithm": "draft", "speculative_draft_model": str(plain.path)}
-    path = workdir / f"{name}-{k}"
-    if name == "draft-small" and not path.is_dir():
-        config = replace(plain.config, num_hidden_layers=2, layer_types=(KDA, MLA),
-                         mlp_types=(DENSE, MOE))
-        make_checkpoint(path, config, seed=1, with_tokenizer=False)
-    if name == "block" and not path.is_dir():
-        make_block_drafter(path, plain.config, block_size=k, seed=1)
-    return {"speculative_algorithm": "draft" if name == "draft-small" else "block",
+        return {"speculative_algorithm": "draft", "speculative_draft_model": str(target)}
+    path = {"draft": args.draft_model or cached_path("draft"),
+            "block": args.block_drafter or Path(f"{target}.block"),
+            "dspark": args.dspark_drafter or Path(f"{target}.dspark")}[name]
+    if not Path(path, "config.json").is_file():
+        how = ("kdaserve train-lm --size draft" if name == "draft" else
+               f"kdaserve train-drafter --kind {name} --target {target} --out {path}")
+        raise ValueError(f"no {name} drafter at {path}: make it with `{how}` or pass its path")
+    return {"speculative_algorithm": "draft" if name == "draft" else name,
             "speculative_draft_model": str(path)}
 
 
 def main(args: argparse.Namespace) -> None:
     from kdaserve import LLM, SamplingParams
+    from kdaserve.training.lm import trained_model
 
+    target = Path(args.model) if args.model else trained_model("target")
     rows = load_data(args.data)
-    texts, _ = build_prompts(rows, args.num_shots, args.num_prompts)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    texts, _ = build_prompts(rows, args.num_shots, max(args.num_prompts, *batches))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    plain = LLM(args.model, disable_prefix_cache=True)
+    plain = LLM(target, disable_prefix_cache=True)
     prompts = [plain.tokenizer.encode(t) for t in texts]
-    _timed(plain, prompts[:1], params)  # warm-up
-    base_tps, base_dec, refs = _timed(plain, prompts, params)
-    results: list[dict[str, Any]] = [{"drafter": "none", "k": 0, "tok_s": base_tps,
-                                      "decode_tok_s": base_dec, "acceptance_length": 1.0,
-                                      "speedup": 1.0, "decode_speedup": 1.0}]
-    print(f"{'drafter':>11} {'K':>3} {'tok/s':>8} {'speedup':>8} {'decode tok/s':>13} "
-          f"{'speedup':>8} {'accept len':>11}")
-    _row(results[0])
-    workdir = Path(tempfile.mkdtemp(prefix="kdaserve-spec-"))  # random draft checkpoints
-    try:
-        _run_drafters(args, plain, prompts, params, refs, results, workdir)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    write_result(args.out, {"model": args.model, "max_tokens": args.max_tokens,
-                            "num_prompts": len(prompts), "rows": results})
+    timed(plain, prompts[:1], params, 1)  # warm-up
+    results: list[dict[str, Any]] = []
+    ngram_rows: list[dict[str, Any]] = []
+    print(f"{'B':>3} {'drafter':>10} {'K':>2} {'tok/s':>7} {'speedup':>8} {'decode tok/s':>13}"
+          f" {'speedup':>8} {'accept len':>11}  kept by position")
+    for b in batches:
+        wave = prompts[:max(args.num_prompts, b)]
+        tps, dec, refs = timed(plain, wave, params, b)
+        base = {"batch": b, "drafter": "none", "k": 0, "tok_s": tps, "decode_tok_s": dec,
+                "acceptance_length": 1.0, "speedup": 1.0, "decode_speedup": 1.0,
+                "kept_by_position": []}
+        results.append(base)
+        _row(base)
+        futures = {tuple(p): r for p, r in zip(wave, refs, strict=True)}
+        if args.tune_ngram and b == batches[0]:
+            tuned = tune_ngram(wave, refs, [int(x) for x in args.k.split(",")])
+            for r in sorted(tuned, key=lambda r: -r["acceptance_length"])[:5]:
+                print(f"n-gram K={r['k']} max_n={r['max_n']} min_n={r['min_n']}: "
+                      f"acceptance length {r['acceptance_length']:.2f} (offline)")
+            ngram_rows = tuned
+        for k in [int(x) for x in args.k.split(",")]:
+            for name in args.drafters.split(","):
+                llm = LLM(target, disable_prefix_cache=True, speculative_num_draft_tokens=k,
+                          speculative_ngram_max=args.ngram_max,
+                          speculative_ngram_min=args.ngram_min,
+                          **_drafter_kwargs(name, args, target))
+                spec = llm.engine.spec
+                assert spec is not None
+                if name in ("self", "self-half"):
+                    accept = -(-k // 2) if name == "self-half" else None
+                    spec.drafter = SelfDrafter(k, futures, accept, plain.config.vocab_size)
+                tps, dec, outs = timed(llm, wave, params, b)
+                if outs != refs:
+                    raise RuntimeError(f"speculation ({name}, K={k}, batch {b}) changed "
+                                       "greedy outputs")
+                m = llm.get_metrics()
+                results.append({
+                    "batch": b, "drafter": name, "k": k, "tok_s": tps, "decode_tok_s": dec,
+                    "acceptance_length": m["spec_mean_acceptance_length"] or 1.0,
+                    "speedup": tps / base["tok_s"], "decode_speedup": dec / base["decode_tok_s"],
+                    "verifies": m["spec_num_verifies"],
+                    "kept_by_position": [a / d if d else 0.0 for a, d in
+                                         zip(spec.accepted_at, spec.drafted_at, strict=True)],
+                    "drafted_by_position": list(spec.drafted_at)})
+                _row(results[-1])
+    write_result(args.out, {"model": str(target), "max_tokens": args.max_tokens,
+                            "num_shots": args.num_shots, "rows": results,
+                            "ngram_offline": ngram_rows})
     print(f"wrote {args.out}")
-
-
-def _run_drafters(args: argparse.Namespace, plain: Any, prompts: list[list[int]], params: Any,
-                  refs: list[list[int]], results: list[dict[str, Any]],
-                  workdir: Path) -> None:
-    from kdaserve import LLM
-
-    futures = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
-    for k in [int(x) for x in args.k.split(",")]:
-        for name in args.drafters.split(","):
-            llm = LLM(args.model, disable_prefix_cache=True, speculative_num_draft_tokens=k,
-                      **_drafter_kwargs(name, plain, k, workdir))
-            if name in ("self", "self-half"):
-                accept = -(-k // 2) if name == "self-half" else None
-                llm.engine.spec.drafter = SelfDrafter(  # type: ignore[union-attr]
-                    k, futures, accept, plain.config.vocab_size)
-            tps, dec, outs = _timed(llm, prompts, params)
-            if outs != refs:
-                raise RuntimeError(f"speculation ({name}, K={k}) changed greedy outputs")
-            acc = llm.get_metrics()["spec_mean_acceptance_length"] or 1.0
-            results.append({"drafter": name, "k": k, "tok_s": tps, "decode_tok_s": dec,
-                            "acceptance_length": acc, "speedup": tps / results[0]["tok_s"],
-                            "decode_speedup": dec / results[0]["decode_tok_s"]})
-            _row(results[-1])
+    if args.plot:
+        plot(results, Path(args.plot))
 
 
 def _row(r: dict[str, Any]) -> None:
-    print(f"{r['drafter']:>11} {r['k']:>3} {r['tok_s']:>8.1f} {r['speedup']:>7.2f}x "
-          f"{r['decode_tok_s']:>13.1f} {r['decode_speedup']:>7.2f}x "
-          f"{r['acceptance_length']:>11.2f}", flush=True)
+    kept = " ".join(f"{x:.2f}" for x in r["kept_by_position"])
+    print(f"{r['batch']:>3} {r['drafter']:>10} {r['k']:>2} {r['tok_s']:>7.1f} "
+          f"{r['speedup']:>7.2f}x {r['decode_tok_s']:>13.1f} {r['decode_speedup']:>7.2f}x "
+          f"{r['acceptance_length']:>11.2f}  {kept}", flush=True)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Kept share by block position (batch 1, the longest K per drafter), and decode
+    speed-up against batch size (each drafter at its best K)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    first = min(r["batch"] for r in results)
+    for name in dict.fromkeys(r["drafter"] for r in results if r["drafter"] != "none"):
+        mine = [r for r in results if r["drafter"] == name]
+        longest = max((r for r in mine if r["batch"] == first), key=lambda r: r["k"],
+                      default=None)
+        if longest and longest["kept_by_position"]:
+            xs = range(1, len(longest["kept_by_position"]) + 1)
+            a.plot(xs, longest["kept_by_position"], marker="o",
+                   label=f"{name} (K={longest['k']})")
+        per_batch: dict[int, float] = {}
+        for r in mine:
+            per_batch[r["batch"]] = max(per_batch.get(r["batch"], 0.0), r["decode_speedup"])
+        b.plot(list(per_batch), list(per_batch.values()), marker="o", label=name)
+    a.set_xlabel("position in the drafted block")
+    a.set_ylabel("verifies that kept it (and all before)")
+    a.set_title(f"acceptance by position, batch {first}")
+    a.legend(fontsize=8)
+    b.axhline(1.0, color="k", lw=0.8)
+    b.set_xscale("log", base=2)
+    b.set_xlabel("batch size")
+    b.set_ylabel("decode speed-up (best K)")
+    b.set_title("speculation under load")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("spec", help="single-stream speculative decoding, per drafter")
-    p.add_argument("--model", default="bench")
+    p = sub.add_parser("spec", help="speculative decoding per drafter, K and batch size")
+    p.add_argument("--model", default=None,
+                   help="target checkpoint (default: train-lm's trained target)")
     p.add_argument("--data", default=None)
-    p.add_argument("--num-shots", type=int, default=5)
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--k", default="2,4,8", help="draft lengths")
-    p.add_argument("--drafters", default="ngram,self",
+    p.add_argument("--num-shots", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=4,
+                   help="prompts per batch size (at least the batch size)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k", default="2,4,7", help="draft lengths")
+    p.add_argument("--batch-sizes", default="1", help="concurrent requests, e.g. 1,4,16")
+    p.add_argument("--drafters", default="ngram,draft,block,dspark",
                    help=f"comma-separated, from {','.join(DRAFTERS)}")
+    p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--tune-ngram", action="store_true",
+                   help="also replay n-gram speculation offline for a grid of n-gram sizes")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--block-drafter", default=None, help="default: TARGET.block")
+    p.add_argument("--dspark-drafter", default=None, help="default: TARGET.dspark")
     p.add_argument("--out", default="bench_results/spec.json")
+    p.add_argument("--plot", default=None, help="write the acceptance / load PNG here")
     p.set_defaults(func=main)

@@ -39,9 +39,11 @@ from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
 from kdaserve.request import CompletionOutput, Request, RequestOutput, SamplingParams
+from kdaserve.speculative.adaptive import AdaptiveSpeculation
 from kdaserve.speculative.block import BlockDrafter
 from kdaserve.speculative.draft_model import DraftModelDrafter
 from kdaserve.speculative.drafter import Drafter
+from kdaserve.speculative.dspark import DSparkDrafter
 from kdaserve.speculative.ngram import NgramDrafter
 from kdaserve.speculative.verify import Speculator, trim_drafts
 from kdaserve.tokenizer import Tokenizer
@@ -96,7 +98,9 @@ class LLMEngine(Introspection):
         if config.speculative_algorithm is not None:
             max_running = self.scheduler.max_num_seqs
             self.spec = Speculator(self._make_drafter(max_running), self.states, self.cache,
-                                   max_running)
+                                   max_running, AdaptiveSpeculation(
+                                       config.speculative_min_acceptance_rate,
+                                       config.speculative_disable_by_batch_size))
             self.scheduler.hooks = self.spec
         self._grammar: GrammarBackend | None = None  # built on the first constrained request
         self.groups: dict[str, list[Request]] = {}
@@ -155,11 +159,13 @@ class LLMEngine(Introspection):
         c = self.config
         k = c.speculative_num_draft_tokens
         if c.speculative_algorithm == "ngram":
-            return NgramDrafter(k)
+            return NgramDrafter(k, c.speculative_ngram_max, c.speculative_ngram_min)
         assert c.speculative_draft_model is not None  # EngineConfig checks
         path = Path(resolve_model_path(c.speculative_draft_model))
         if c.speculative_algorithm == "block":
             return BlockDrafter.load(path, self.model_config, k, self.dtype, self.device)
+        if c.speculative_algorithm == "dspark":
+            return DSparkDrafter.load(path, self.model_config, k, self.dtype, self.device)
         return DraftModelDrafter.load(
             path, self.model_config, self.kernels, self.dtype, self.device, k, max_running,
             self.blocks.num_blocks * self.blocks.block_size, c.block_size,
@@ -292,11 +298,12 @@ class LLMEngine(Introspection):
         saved = spec.save(batch) if spec is not None else {}
         try:  # the scratch slots go back to the pool whatever happens
             record = spec.record(batch, saved, self.device) if spec is not None and saved else None
-            wants_hidden = spec is not None and spec.drafter.wants_hidden
+            hidden_rows = spec.drafter.taps if spec is not None and spec.drafter.wants_hidden \
+                else None
             # Grammar masks are computed after the forward, not beside it on a thread: the closing
             # estimate is Python, and GIL hand-offs (5 ms switch interval) against the model's
             # Python-level op dispatch made tests/model/test_grammar.py 5x slower (160 s vs 32 s).
-            logits, to_sample, hidden, prompt = self.runner.run(batch, wants_hidden, record)
+            logits, to_sample, hidden, prompt = self.runner.run(batch, hidden_rows, record)
             if isinstance(self.pd, PrefillSide):
                 self.pd.after_forward(batch)
             for req, rows in prompt:

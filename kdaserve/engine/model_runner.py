@@ -110,14 +110,16 @@ class ModelRunner:
         return fb, [r for r, s in zip(batch.reqs, sample, strict=True) if s], layout
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, return_hidden: bool = False,
+    def run(self, batch: ScheduledBatch, return_hidden: tuple[int, ...] | None = None,
             record: StepRecord | None = None) -> StepOutput:
         """One forward. Logits are computed here only for the rows that sample; prompt-logprob
         rows come back as hidden states, whose logits the caller computes in slices (a long
         chunk's full [T, vocab] logits would not fit). With `record`, the KDA layers fill it
-        with their step inputs."""
+        with their step inputs. return_hidden: None, or the sampling rows' hidden states
+        to return: () the final-normed ones, layer indices those layers' (a drafter's taps)."""
         fb, to_sample, layout = self.prepare(batch)
         fb.record = record
+        fb.taps = return_hidden or ()
         if any(r.params.return_routed_experts for r in batch.reqs):
             fb.routing = []
         if self.followers is not None:
@@ -137,12 +139,16 @@ class ModelRunner:
                 keep.extend(range(row + x.size - x.sampled, row + x.size))
                 row += x.size
             hidden = hidden[keep]
+            if fb.tapped is not None:
+                fb.tapped = fb.tapped[keep]
         logits = self.model.compute_logits(hidden)
         if fb.routing:
             record_routing(batch, torch.stack(fb.routing, 1).cpu())
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             req.num_computed_tokens += n
-        return StepOutput(logits, to_sample, hidden if return_hidden else None, prompt)
+        if return_hidden is None:
+            return StepOutput(logits, to_sample, None, prompt)
+        return StepOutput(logits, to_sample, fb.tapped if return_hidden else hidden, prompt)
 
     @torch.inference_mode()
     def replay(self, record: StepRecord, replays: list[tuple[Request, int]]) -> None:

@@ -119,8 +119,10 @@ class KimiLinearForCausalLM(nn.Module):
     def forward_hidden(self, batch: ForwardBatch, states: StatePool,
                        blocks: BlockPool) -> torch.Tensor:
         """As `forward`, but returns the final-normed hidden states [L, D] of the logits rows
-        (what the LM head sees; block drafters condition on them)."""
+        (what the LM head sees; block drafters condition on them). With `batch.taps`, the
+        rows after those layers also go to `batch.tapped`."""
         h = self.embed_tokens(batch.input_ids)
+        tapped: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
             j = self.cache_index[i]
@@ -132,6 +134,10 @@ class KimiLinearForCausalLM(nn.Module):
             x = layer.post_attention_layernorm(h)
             x = layer.mlp(x, batch.routing) if layer.is_moe else layer.mlp(x)
             h = h + self.tp.all_reduce(x)
+            if i in batch.taps:
+                tapped.append(h[batch.logits_indices])
+        if tapped:
+            batch.tapped = torch.cat(tapped, dim=-1)
         return self.norm(h[batch.logits_indices])
 
     def idle_forward(self) -> None:

@@ -24,6 +24,8 @@ ENGINE_GAUGES = {
     "spec_num_drafted": "Speculative tokens drafted (total)",
     "spec_num_accepted": "Speculative tokens accepted (total)",
     "spec_mean_acceptance_length": "Tokens emitted per verify step (accepted + bonus)",
+    "spec_num_switched_off": "Times a request stopped drafting for low acceptance (total)",
+    "spec_num_batch_skips": "Steps too large a batch decoded without drafts (total)",
     "pd_transfers": "Disaggregated requests whose caches were shipped (total)",
     "pd_failed": "Disaggregated requests failed by a transfer (total)",
     "pd_writes": "Batched writes to decode servers, one per prefill chunk with new blocks (total)",

@@ -116,9 +116,19 @@ class BlockDrafter(Drafter):
             return
         hidden = torch.stack([self.hidden[id(r)] for r in ready])
         tokens = torch.tensor([r.all_ids[-1] for r in ready], device=self.device)
-        probs = self.net(hidden, tokens)[:, :self.k].softmax(-1)
-        conf, drafts = probs.max(-1)
-        for req, c, d in zip(ready, conf.tolist(), drafts.tolist(), strict=True):
+        drafts, conf = self.draft(hidden, tokens)
+        self.choose(ready, drafts.tolist(), conf.tolist(), load)
+
+    def draft(self, hidden: torch.Tensor,
+              tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [B, *] and pending tokens [B] -> (drafts [B, k], confidences [B, k])."""
+        conf, drafts = self.net(hidden, tokens)[:, :self.k].softmax(-1).max(-1)
+        return drafts, conf
+
+    def choose(self, reqs: list[Request], drafts: list[list[int]], conf: list[list[float]],
+               load: float) -> None:
+        """Each request verifies the prefix of its block its confidences support at `load`."""
+        for req, d, c in zip(reqs, drafts, conf, strict=True):
             n = min(choose_verify_length(c, load, self.idle, self.busy),
                     self.max_draft_tokens(req))
             self.lengths.append(n)

@@ -22,6 +22,9 @@ class Drafter:
     k: int  # most drafts per request and step
     # the engine then passes each sampled request's final hidden state row to on_accept
     wants_hidden: ClassVar[bool] = False
+    # with wants_hidden: () passes the final-normed row (what the LM head sees); layer indices
+    # pass instead the residual stream after each of those target layers, concatenated
+    taps: tuple[int, ...] = ()
 
     def propose(self, reqs: list[Request], load: float = 0.0) -> None:
         """Fills req.draft_ids for each request. load: running requests / max_num_seqs, so a
@@ -40,7 +43,8 @@ class Drafter:
                   hidden: torch.Tensor | None = None) -> None:
         """req sampled its next token(s) this step: num_accepted of its drafts were kept, plus
         one target token. hidden: [D] target final hidden state at the last computed position
-        (the one whose logits gave the newest token), when `wants_hidden`."""
+        (the one whose logits gave the newest token), or [len(taps) * D] its tapped rows,
+        when `wants_hidden`."""
 
     def on_finish(self, req: Request) -> None:
         """req finished (stop or length): release its drafter state."""

@@ -21,6 +21,7 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.engine.sampler import apply_filters
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.request import Request
+from kdaserve.speculative.adaptive import AdaptiveSpeculation
 from kdaserve.speculative.drafter import Drafter
 from kdaserve.step_record import StepRecord
 
@@ -74,24 +75,32 @@ class Speculator:
     scheduler's hooks) to the drafter."""
 
     def __init__(self, drafter: Drafter, states: StatePool, cache: RadixCache | None,
-                 max_num_seqs: int = 1) -> None:
+                 max_num_seqs: int = 1, adaptive: AdaptiveSpeculation | None = None) -> None:
         self.drafter, self.states, self.cache = drafter, states, cache
         self.max_num_seqs = max_num_seqs
+        self.adaptive = adaptive or AdaptiveSpeculation()
         self.num_verifies = 0
         self.num_drafted = 0
         self.num_accepted = 0
+        # per draft position i: verifies that drafted it, and that kept it (and all before)
+        self.drafted_at: list[int] = []
+        self.accepted_at: list[int] = []
 
     def propose(self, running: list[Request]) -> None:
         """Drafts for decoding requests. Requests with penalties or logprobs decode normally
-        (their target distribution at draft i would depend on drafts before i)."""
+        (their target distribution at draft i would depend on drafts before i), and so does
+        every request the adaptive policy switches off, or all of them in a large batch."""
         eligible = []
         for req in running:
             req.draft_ids = []
+        if not self.adaptive.batch_allows(sum(not r.is_prefilling for r in running)):
+            return
+        for req in running:
             p = req.params
             if req.is_prefilling or p.logprobs is not None or p.repetition_penalty != 1.0 \
                     or p.presence_penalty or p.frequency_penalty:
                 continue
-            if self.drafter.max_draft_tokens(req) > 0:
+            if self.drafter.max_draft_tokens(req) > 0 and self.adaptive.allows(req):
                 eligible.append(req)
         if eligible:
             self.drafter.propose(eligible, len(running) / self.max_num_seqs)
@@ -103,9 +112,11 @@ class Speculator:
         self.drafter.on_admit(req)
 
     def on_finish(self, req: Request) -> None:
+        self.adaptive.forget(req)
         self.drafter.on_finish(req)
 
     def on_abort(self, req: Request) -> None:
+        self.adaptive.forget(req)
         self.drafter.on_abort(req)
 
     def on_preempt(self, req: Request) -> None:
@@ -161,6 +172,13 @@ class Speculator:
         self.num_verifies += 1
         self.num_drafted += len(drafts)
         self.num_accepted += j
+        self.adaptive.record(req, len(drafts), j)
+        while len(self.drafted_at) < len(drafts):
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(len(drafts)):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < j
         return drafts[:j] + [bonus], j < len(drafts)
 
     def restore(self, req: Request, scratch: int) -> None:
@@ -176,5 +194,7 @@ class Speculator:
     def metrics(self) -> dict[str, float]:
         return {"spec_num_verifies": self.num_verifies, "spec_num_drafted": self.num_drafted,
                 "spec_num_accepted": self.num_accepted,
+                "spec_num_switched_off": self.adaptive.num_switched_off,
+                "spec_num_batch_skips": self.adaptive.num_batch_skips,
                 "spec_mean_acceptance_length": (self.num_accepted + self.num_verifies)
                 / self.num_verifies if self.num_verifies else 0.0}

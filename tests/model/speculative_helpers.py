@@ -21,6 +21,7 @@ class ScriptedDrafter(Drafter):
         self.inner, self.k, self.vocab = inner, k, vocab
         self.futures, self.corrupt = futures, corrupt
         self.wants_hidden = inner is not None and inner.wants_hidden  # type: ignore[misc]
+        self.taps = inner.taps if inner is not None else ()
         self.proposed: dict[int, list[int]] = {}
         self.log: list[tuple[int, int]] = []
 

@@ -58,18 +58,38 @@ def test_gsm8k_prompt_format_and_scoring() -> None:
 
 
 def test_bench_spec_smoke(tiny_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> None:
+    from kdaserve.checkpoint import make_checkpoint, preset_config
+    from kdaserve.config import DENSE, KDA, MLA, MOE
+    from kdaserve.speculative.block import make_block_drafter
+    from kdaserve.speculative.dspark import make_dspark_drafter
+
+    tiny = preset_config("tiny")
+    draft = make_checkpoint(tmp_path / "draft", preset_config(
+        "tiny", num_hidden_layers=2, layer_types=(KDA, MLA), mlp_types=(DENSE, MOE)), seed=1,
+        with_tokenizer=False)
+    block = make_block_drafter(tmp_path / "block", tiny, seed=1)
+    dspark = make_dspark_drafter(tmp_path / "dspark", tiny, taps=[1, 3], seed=1)
     out = tmp_path / "s.json"
     cli_main(["bench", "spec", "--model", str(tiny_ckpt), "--data", str(gsm8k_file),
               "--num-shots", "1", "--num-prompts", "2", "--max-tokens", "6", "--k", "2",
-              "--drafters", "ngram,self,self-half,draft-self,draft-small,block", "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["drafter"], r["k"]) for r in rows] == [
-        ("none", 0), ("ngram", 2), ("self", 2), ("self-half", 2), ("draft-self", 2),
-        ("draft-small", 2), ("block", 2)]
-    # the self-drafts propose the target's own tokens: everything is accepted; self-half
-    # corrupts the second of two drafts, so exactly one is accepted per verify
-    assert rows[2]["acceptance_length"] > 2 and rows[4]["acceptance_length"] > 2
-    assert rows[3]["acceptance_length"] == 2
+              "--batch-sizes", "1,2", "--drafters",
+              "ngram,self,self-half,draft-self,draft,block,dspark", "--draft-model",
+              str(draft), "--block-drafter", str(block), "--dspark-drafter", str(dspark),
+              "--out", str(out), "--plot", str(tmp_path / "s.png"), "--tune-ngram"])
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert {(r["max_n"], r["min_n"]) for r in result["ngram_offline"]} >= {(4, 1), (2, 2)}
+    names = ["none", "ngram", "self", "self-half", "draft-self", "draft", "block", "dspark"]
+    assert [(r["batch"], r["drafter"]) for r in rows] == [(b, n) for b in (1, 2)
+                                                         for n in names]
+    for b in (0, 8):
+        # the self-drafts propose the target's own tokens: everything is accepted; self-half
+        # corrupts the second of two drafts, so exactly one is accepted per verify
+        assert rows[b + 2]["acceptance_length"] > 2 and rows[b + 4]["acceptance_length"] > 2
+        assert rows[b + 3]["acceptance_length"] == 2
+        assert rows[b + 2]["kept_by_position"] == [1.0, 1.0]
+        assert rows[b + 3]["kept_by_position"] == [1.0, 0.0]
+    assert (tmp_path / "s.png").stat().st_size > 0
 
 
 def test_bench_kernels_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:

@@ -175,3 +175,39 @@ def test_partial_acceptance_leaves_the_states_of_plain_decoding(
             torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5, msg=pool)
         plain.engine.abort(rid)
     plain.engine.check_integrity()
+
+
+def test_adaptive_speculation_in_the_engine(tiny_ckpt: Path, spec_plain: LLM,
+                                            spec_prompts: list[list[int]]) -> None:
+    """Requests whose drafts never land stop drafting after a few verifies (and outputs stay
+    those of plain decoding); a batch larger than the limit drafts nothing, and a batch
+    that shrinks back under it drafts again."""
+    k, prompts = 4, spec_prompts[:4]
+    refs = reference(spec_plain, prompts)
+    futures = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
+    llm = LLM(tiny_ckpt, speculative_algorithm="ngram", speculative_num_draft_tokens=k,
+              speculative_min_acceptance_rate=0.3)
+    scripted = ScriptedDrafter(None, k, llm.config.vocab_size, futures, corrupt={0})
+    llm.engine.spec.drafter = scripted  # type: ignore[union-attr]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    m = llm.get_metrics()
+    assert m["spec_num_switched_off"] >= len(prompts)
+    # each request verified its first few steps, then decoded plainly (NEW - 1 would be
+    # one verify per token)
+    assert 4 * len(prompts) <= m["spec_num_verifies"] < len(prompts) * (NEW - 1) / 2
+    llm.check_integrity()
+
+    limited = LLM(tiny_ckpt, speculative_algorithm="ngram", speculative_num_draft_tokens=k,
+                  speculative_disable_by_batch_size=2)
+    limited.engine.spec.drafter = ScriptedDrafter(  # type: ignore[union-attr]
+        None, k, llm.config.vocab_size, futures)
+    short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = limited.generate(prompt_token_ids=prompts, sampling_params=[short] * 3 + [GREEDY])
+    assert outs[3].token_ids == refs[3] and [o.token_ids for o in outs[:3]] == [
+        r[:4] for r in refs[:3]]
+    m = limited.get_metrics()
+    assert m["spec_num_batch_skips"] > 0
+    assert outs[0].outputs[0].spec_num_verifies == 0  # it only ran in the large batch
+    assert outs[3].outputs[0].spec_num_verifies > 0  # alone, it drafted again
+    limited.check_integrity()

@@ -13,6 +13,7 @@ from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import make_checkpoint, preset_config
 from kdaserve.config import DENSE, KDA, MLA, MOE, EngineConfig
 from kdaserve.speculative.block import BlockDrafter, choose_verify_length, make_block_drafter
+from kdaserve.speculative.dspark import make_dspark_drafter
 
 from .conftest import SPEC_NEW as NEW
 from .conftest import greedy_outputs as reference
@@ -35,8 +36,18 @@ def block_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def drafters(tiny_ckpt: Path, small_draft: Path, block_drafter: Path) -> dict[str, dict]:
+def dspark_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Taps the tiny target's layers 0 and 2 (a KDA layer's and an MLA layer's output)."""
+    return make_dspark_drafter(tmp_path_factory.mktemp("dspark"), preset_config("tiny"),
+                               taps=[0, 2], seed=4)
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny_ckpt: Path, small_draft: Path, block_drafter: Path,
+             dspark_drafter: Path) -> dict[str, dict]:
     return {
+        "dspark": {"speculative_algorithm": "dspark",
+                   "speculative_draft_model": str(dspark_drafter)},
         "self": {"speculative_algorithm": "draft", "speculative_draft_model": str(tiny_ckpt)},
         "small": {"speculative_algorithm": "draft", "speculative_draft_model": str(small_draft)},
         "block": {"speculative_algorithm": "block",
@@ -44,7 +55,7 @@ def drafters(tiny_ckpt: Path, small_draft: Path, block_drafter: Path) -> dict[st
     }
 
 
-@pytest.mark.parametrize("drafter", ["self", "small", "block"])
+@pytest.mark.parametrize("drafter", ["self", "small", "block", "dspark"])
 @pytest.mark.parametrize("kw", [
     {}, {"max_num_batched_tokens": 16}, {"max_total_tokens": 192, "max_num_seqs": 4},
 ], ids=["default", "chunked", "preempt"])
@@ -71,13 +82,13 @@ def test_drafters_keep_greedy_outputs(tiny_ckpt: Path, spec_plain: LLM,
         assert m["spec_num_accepted"] == m["spec_num_drafted"]
     if "max_total_tokens" in kw:
         assert m["num_preemptions"] > 0
-    if drafter != "block":  # a draft model verifies k drafts wherever max_tokens allows
+    if drafter in ("self", "small"):  # a draft model verifies k drafts wherever it may
         c = outs[1].outputs[0]
         assert c.spec_num_verifies > 0 and c.spec_num_drafted >= c.spec_num_verifies
 
 
 @pytest.mark.parametrize("corrupt", [set(), {0}, {2}], ids=["all", "none", "some"])
-@pytest.mark.parametrize("drafter", ["self", "block"])
+@pytest.mark.parametrize("drafter", ["self", "block", "dspark"])
 def test_forced_acceptance_rolls_back_exactly(tiny_ckpt: Path, spec_plain: LLM,
                                               spec_prompts: list[list[int]], drafters: dict,
                                               drafter: str, corrupt: set[int]) -> None:
@@ -92,11 +103,11 @@ def test_forced_acceptance_rolls_back_exactly(tiny_ckpt: Path, spec_plain: LLM,
     futures = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
     spec = llm.engine.spec
     assert spec is not None
-    if drafter == "block":
+    if drafter != "self":
         assert isinstance(spec.drafter, BlockDrafter)
         spec.drafter.idle = spec.drafter.busy = 0.05  # verify something most steps
     scripted = ScriptedDrafter(spec.drafter, k, llm.config.vocab_size,
-                               futures if drafter == "block" else None, corrupt)
+                               futures if drafter != "self" else None, corrupt)
     spec.drafter = scripted
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.token_ids for o in outs] == refs
@@ -113,9 +124,10 @@ def test_forced_acceptance_rolls_back_exactly(tiny_ckpt: Path, spec_plain: LLM,
     llm.check_integrity()
 
 
+@pytest.mark.parametrize("drafter", ["block", "dspark"])
 def test_block_drafter_lengths_vary(tiny_ckpt: Path, spec_prompts: list[list[int]],
-                                    drafters: dict) -> None:
-    llm = LLM(tiny_ckpt, **drafters["block"])
+                                    drafters: dict, drafter: str) -> None:
+    llm = LLM(tiny_ckpt, **drafters[drafter])
     llm.generate(prompt_token_ids=spec_prompts, sampling_params=GREEDY)
     drafter = llm.engine.spec.drafter  # type: ignore[union-attr]
     assert isinstance(drafter, BlockDrafter)
@@ -150,13 +162,13 @@ def test_drafters_reject_mismatched_checkpoints(tiny_ckpt: Path, small_ckpt: Pat
         EngineConfig(speculative_algorithm="eagle")
 
 
-@pytest.mark.parametrize("drafter", ["self", "block"])
+@pytest.mark.parametrize("drafter", ["self", "block", "dspark"])
 def test_sampled_requests_and_aborts(tiny_ckpt: Path, spec_prompts: list[list[int]],
                                      drafters: dict, drafter: str) -> None:
     """Sampled requests verify drafts by rejection sampling (reproducible under a seed); an
     abort mid-generation releases the draft caches too."""
     llm = LLM(tiny_ckpt, **drafters[drafter])
-    if drafter == "block":
+    if drafter != "self":
         llm.engine.spec.drafter.idle = llm.engine.spec.drafter.busy = 0.0  # type: ignore
     p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=NEW, seed=5, ignore_eos=True)
     a = llm.generate(prompt_token_ids=spec_prompts[:3], sampling_params=p)

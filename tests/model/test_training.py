@@ -1,0 +1,69 @@
+"""Training at tiny scale, end to end: `train-lm` lowers the held-out loss and writes a
+checkpoint the engine loads and serves; `train-drafter` distils a DSpark drafter from it whose
+held-out acceptance improves, which the engine loads and which keeps greedy outputs
+unchanged."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kdaserve import LLM, SamplingParams
+from kdaserve.training import drafter as train_drafter
+from kdaserve.training.lm import TRAINING_LOG, TrainArgs, train_lm
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("lm") / "draft"
+    args = TrainArgs(size="draft", steps=12, batch_size=4, seq_len=64, lr=3e-3, warmup=2,
+                     eval_windows=4)
+    return out, train_lm(out, args)
+
+
+def test_train_lm_lowers_loss_and_serves(trained: tuple[Path, dict]) -> None:
+    out, result = trained
+    assert result["held_out_loss"] < result["held_out_loss_start"] - 0.5, result
+    assert json.loads((out / TRAINING_LOG).read_text())["steps_run"] == 12
+    assert len(result["samples"]) == 3 and all(s["completion"] for s in result["samples"])
+    llm = LLM(out)  # the hub format transformers wrote, with the tokenizer beside it
+    assert llm.config.num_hidden_layers == 2 and llm.tokenizer is not None
+    text = llm.generate(["Question: how many?\nAnswer:"],
+                        SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert len(text.token_ids) == 8
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    train_drafter.add_parser(parser.add_subparsers())
+    return parser.parse_args(["train-drafter", *argv])
+
+
+def test_train_drafter_learns_and_stays_lossless(trained: tuple[Path, dict],
+                                                 tmp_path: Path) -> None:
+    target, _ = trained
+    out = tmp_path / "dspark"
+    result = train_drafter.train_drafter(_args([
+        "--target", str(target), "--out", str(out), "--num-prompts", "6",
+        "--eval-prompts", "3", "--max-tokens", "24", "--steps", "60", "--batch-size", "32",
+        "--block-size", "4", "--hidden-size", "64", "--num-layers", "1",
+        "--markov-rank", "16"]))
+    assert result["taps"] == [1]  # the last layer of two (the spread collapses)
+    assert result["curve"][-1]["loss"] < result["curve"][0]["loss"] - 1.0
+    assert result["held_out"]["acceptance_length"] >= result["held_out_start"][
+        "acceptance_length"]
+    plain = LLM(target, disable_prefix_cache=True)
+    spec = LLM(target, disable_prefix_cache=True, speculative_algorithm="dspark",
+               speculative_draft_model=str(out), speculative_num_draft_tokens=4)
+    prompts = ["Question: Tom has 3 apples and buys 5 more. How many?\nAnswer:",
+               "Question: A train goes 60 miles in 2 hours. How fast?\nAnswer:"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert spec.get_metrics()["spec_num_verifies"] > 0
+    spec.check_integrity()
