@@ -1,6 +1,7 @@
 """`kdaserve bench kernels`: every backend of each hot op on a model's shapes, side by side in
 one run (ms per call and speed-up over the `ref` oracle), plus the engine's per-step host
-overhead at batch 1 (a decode step of the `tiny` preset, whose compute is negligible)."""
+overhead at batch 1, 16 and 64 (decode steps of the `tiny` preset, whose compute is small),
+split into the model's forward and the rest of the step."""
 
 from __future__ import annotations
 
@@ -74,20 +75,36 @@ def _cases(c: ModelConfig, batches: list[int], prompt_len: int) -> list[tuple[st
     return cases
 
 
-def host_overhead_ms(model: str) -> float:
-    """Median engine step (scheduler, inputs, ~all ops of 2 layers, sampler) of a batch-1
-    decode on the tiny preset: compute is negligible, so this is the per-step host cost."""
+def host_overhead(model: str, batch: int = 1) -> dict[str, float]:
+    """Median engine step of a `batch`-request decode on the tiny preset (compute is small,
+    so this is mostly the per-step host cost), and the part of it inside the model's
+    forward (Python dispatch of ~all ops of the layers, plus their small kernels); the rest
+    is scheduling, batch building and sampling."""
     from kdaserve import LLM, SamplingParams
 
     llm = LLM(model)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    llm.engine.add_request(list(range(10, 20)), params)
+    for i in range(batch):
+        llm.engine.add_request([10 + (i + j) % 50 for j in range(10)], params)
+    model_s: list[float] = []
+    inner = llm.engine.model.forward_hidden
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = inner(*a, **kw)
+        model_s.append(time.perf_counter() - t0)
+        return out
+
+    llm.engine.model.forward_hidden = timed  # type: ignore[method-assign]
     steps = []
     while llm.engine.has_unfinished():
         t0 = time.perf_counter()
         llm.engine.step()
         steps.append(time.perf_counter() - t0)
-    return sorted(steps[2:])[len(steps[2:]) // 2] * 1e3
+    del llm.engine.model.forward_hidden
+    step = sorted(steps[2:])[len(steps[2:]) // 2] * 1e3
+    forward = sorted(model_s[2:])[len(model_s[2:]) // 2] * 1e3
+    return {"batch": batch, "step_ms": step, "forward_ms": forward, "rest_ms": step - forward}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -120,7 +137,7 @@ def main(args: argparse.Namespace) -> None:
                 row["gbps"] = kw["weight"].numel() * 4 / s / 1e9
                 row["read_fraction"] = row["gbps"] / read_at[mb]
             rows.append(row)
-    overhead = host_overhead_ms(args.overhead_model)
+    overhead = [host_overhead(args.overhead_model, b) for b in (1, 16, 64)]
     probes = ", ".join(f"{mb} MB: {g:.1f} GB/s" for mb, g in read_at.items())
     print(f"measured read bandwidth {read:.1f} GB/s (512 MB); linear: weight GB/s and its "
           f"fraction of reading as many bytes ({probes})")
@@ -129,10 +146,13 @@ def main(args: argparse.Namespace) -> None:
         vs = f"{r['vs_ref']:.1f}x" if r["vs_ref"] else "-"
         bw = f"{r['gbps']:6.1f} ({r['read_fraction']:.0%})" if "gbps" in r else ""
         print(f"{r['op']:14} {r['shape']:28} {r['backend']:15} {r['ms']:10.3f} {vs:>8} {bw}")
-    print(f"engine host overhead per decode step at batch 1 (tiny preset): {overhead:.2f} ms")
+    for o in overhead:
+        print(f"engine decode step at batch {o['batch']:>2} ({args.overhead_model}): "
+              f"{o['step_ms']:.2f} ms, of which the model forward {o['forward_ms']:.2f} ms "
+              f"and scheduling + batch building + sampling {o['rest_ms']:.2f} ms")
     out = Path(args.out)
     write_result(out, {"model": args.model, "threads": torch.get_num_threads(),
-                       "read_gbps": read, "rows": rows, "host_overhead_ms": overhead})
+                       "read_gbps": read, "rows": rows, "host_overhead": overhead})
     print(f"wrote {out}")
 
 
@@ -142,6 +162,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=900)
     p.add_argument("--overhead-model", default="tiny",
-                   help="model whose batch-1 decode step measures the host overhead")
+                   help="model whose decode steps (batch 1, 16, 64) measure the host overhead")
     p.add_argument("--out", default="bench_results/kernels.json")
     p.set_defaults(func=main)

@@ -83,17 +83,19 @@ def timed(llm: Any, prompts: list[list[int]], params: Any,
 
 
 def ngram_acceptance(prompts: list[list[int]], refs: list[list[int]], k: int,
-                     max_n: int, min_n: int) -> float:
-    """Mean acceptance length of greedy n-gram speculation, replayed offline on the target's
-    recorded outputs (exactly what the engine would see: greedy outputs do not depend on
-    the drafts): each verify keeps the drafts that match the continuation, plus one token."""
+                     max_n: int, min_n: int) -> tuple[float, float]:
+    """Greedy n-gram speculation replayed offline on the target's recorded outputs (exactly
+    what the engine would see: greedy outputs do not depend on the drafts): (mean acceptance
+    length per verify, tokens per target forward, verifies and plain decodes alike). Each
+    verify keeps the drafts that match the continuation, plus one token."""
     from kdaserve.speculative.ngram import NgramDrafter
 
     d = NgramDrafter(k, max_n, min_n)
-    verifies, emitted = 0, 0
+    verifies, emitted, forwards = 0, 0, 0
     for prompt, out in zip(prompts, refs, strict=True):
         pos = 1  # the first token comes from the prefill
         while pos < len(out):
+            forwards += 1
             drafts = d.propose_ids(prompt + out[:pos], min(k, len(out) - pos - 1))
             j = 0
             while j < len(drafts) and drafts[j] == out[pos + j]:
@@ -102,7 +104,8 @@ def ngram_acceptance(prompts: list[list[int]], refs: list[list[int]], k: int,
                 verifies += 1
                 emitted += j + 1
             pos += j + 1
-    return emitted / verifies if verifies else 1.0
+    decoded = sum(len(out) - 1 for out in refs)
+    return (emitted / verifies if verifies else 1.0), decoded / max(forwards, 1)
 
 
 def tune_ngram(prompts: list[list[int]], refs: list[list[int]],
@@ -111,9 +114,9 @@ def tune_ngram(prompts: list[list[int]], refs: list[list[int]],
     for k in ks:
         for max_n in (2, 3, 4, 6, 8):
             for min_n in range(1, min(max_n, 4) + 1):
+                acc, per_forward = ngram_acceptance(prompts, refs, k, max_n, min_n)
                 rows.append({"k": k, "max_n": max_n, "min_n": min_n,
-                             "acceptance_length": ngram_acceptance(prompts, refs, k, max_n,
-                                                                   min_n)})
+                             "acceptance_length": acc, "tokens_per_forward": per_forward})
     return rows
 
 
@@ -164,13 +167,15 @@ def main(args: argparse.Namespace) -> None:
         futures = {tuple(p): r for p, r in zip(wave, refs, strict=True)}
         if args.tune_ngram and b == batches[0]:
             tuned = tune_ngram(wave, refs, [int(x) for x in args.k.split(",")])
-            for r in sorted(tuned, key=lambda r: -r["acceptance_length"])[:5]:
+            for r in sorted(tuned, key=lambda r: -r["tokens_per_forward"])[:5]:
                 print(f"n-gram K={r['k']} max_n={r['max_n']} min_n={r['min_n']}: "
-                      f"acceptance length {r['acceptance_length']:.2f} (offline)")
+                      f"{r['tokens_per_forward']:.2f} tokens per target forward, acceptance "
+                      f"length {r['acceptance_length']:.2f} (offline)")
             ngram_rows = tuned
         for k in [int(x) for x in args.k.split(",")]:
             for name in args.drafters.split(","):
                 llm = LLM(target, disable_prefix_cache=True, speculative_num_draft_tokens=k,
+                          speculative_disable_by_batch_size=args.disable_by_batch_size,
                           speculative_ngram_max=args.ngram_max,
                           speculative_ngram_min=args.ngram_min,
                           **_drafter_kwargs(name, args, target))
@@ -257,6 +262,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch-sizes", default="1", help="concurrent requests, e.g. 1,4,16")
     p.add_argument("--drafters", default="ngram,draft,block,dspark",
                    help=f"comma-separated, from {','.join(DRAFTERS)}")
+    p.add_argument("--disable-by-batch-size", type=int, default=None,
+                   help="the engine's speculative_disable_by_batch_size for every drafter")
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--tune-ngram", action="store_true",

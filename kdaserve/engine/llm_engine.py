@@ -165,7 +165,8 @@ class LLMEngine(Introspection):
         if c.speculative_algorithm == "block":
             return BlockDrafter.load(path, self.model_config, k, self.dtype, self.device)
         if c.speculative_algorithm == "dspark":
-            return DSparkDrafter.load(path, self.model_config, k, self.dtype, self.device)
+            return DSparkDrafter.load(path, self.model_config, k, self.dtype, self.device,
+                                      self.kernels.linear)
         return DraftModelDrafter.load(
             path, self.model_config, self.kernels, self.dtype, self.device, k, max_running,
             self.blocks.num_blocks * self.blocks.block_size, c.block_size,

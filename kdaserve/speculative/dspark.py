@@ -33,6 +33,7 @@ norm). `training/drafter.py` trains one by distillation from the target.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,20 @@ from kdaserve.layers.norm import RMSNorm
 from kdaserve.speculative.block import BlockDrafter
 
 ARCHITECTURE = "kdaserve-dspark"
+Linear = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
+
+
+def torch_linear(x: torch.Tensor, mod: nn.Linear) -> torch.Tensor:
+    return F.linear(x, mod.weight)
+
+
+def kernel_linear(op: Callable[..., torch.Tensor]) -> Linear:
+    """A bias-free projection through the engine's `linear` op (2-D inputs): decode-sized
+    row counts take the native weight-streaming kernel, where torch's sgemm would repack the
+    whole weight on every call (measured 4x slower for the drafter's LM head)."""
+    def lin(x: torch.Tensor, mod: nn.Linear) -> torch.Tensor:
+        return op(x.reshape(-1, x.shape[-1]), mod.weight, None).view(*x.shape[:-1], -1)
+    return lin
 
 
 class DraftLayer(nn.Module):
@@ -61,14 +76,14 @@ class DraftLayer(nn.Module):
         self.gate_up = nn.Linear(H, 2 * inter, bias=False)
         self.down = nn.Linear(inter, H, bias=False)
 
-    def forward(self, s: torch.Tensor) -> torch.Tensor:
+    def forward(self, s: torch.Tensor, lin: Linear) -> torch.Tensor:
         B, N, H = s.shape
-        q, k, v = self.qkv(self.attn_norm(s)).view(B, N, 3, self.heads, -1).unbind(2)
+        q, k, v = lin(self.attn_norm(s), self.qkv).view(B, N, 3, self.heads, -1).unbind(2)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2))
-        s = s + self.o(a.transpose(1, 2).reshape(B, N, H))
-        gate, up = self.gate_up(self.mlp_norm(s)).chunk(2, dim=-1)
-        return s + self.down(F.silu(gate) * up)
+        s = s + lin(a.transpose(1, 2).reshape(B, N, H), self.o)
+        gate, up = lin(self.mlp_norm(s), self.gate_up).chunk(2, dim=-1)
+        return s + lin(F.silu(gate) * up, self.down)
 
 
 class DSparkNet(nn.Module):
@@ -91,23 +106,25 @@ class DSparkNet(nn.Module):
         self.markov_gate = nn.Linear(H, r, bias=False)
         self.markov_out = nn.Linear(r, V, bias=False)
         self.confidence = nn.Linear(H + r, 1)
+        # how projections run: torch's for training, the engine's `linear` op when serving
+        self.lin: Linear = torch_linear
 
     def backbone(self, taps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """taps [B, n*D] (tap layers' rows, concatenated), tokens [B] pending -> z [B, K, H]."""
         B, n = taps.shape[0], self.tap_norm.shape[0]
         t = taps.view(B, n, -1).to(self.fc.weight.dtype)
         t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.eps) * self.tap_norm
-        c = self.fc(t.flatten(1))
+        c = self.lin(t.flatten(1), self.fc)
         K = self.pos_embed.shape[0] - 1
         s = torch.cat([(c + self.embed(tokens))[:, None],
                        (c[:, None] + self.mask_embed).expand(B, K, -1)], dim=1) + self.pos_embed
         for layer in self.layers:
-            s = layer(s)
+            s = layer(s, self.lin)
         return self.norm(s[:, 1:])
 
     def markov(self, z: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """The Markov feature m for positions z [..., H] whose previous tokens are prev [...]."""
-        return self.markov_embed(prev) * torch.sigmoid(self.markov_gate(z))
+        return self.markov_embed(prev) * torch.sigmoid(self.lin(z, self.markov_gate))
 
     def confidence_logit(self, z: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         # trained on the drafts' correctness without moving the features that make them
@@ -119,20 +136,30 @@ class DSparkNet(nn.Module):
         (fp32 logits [B, K, V], confidence logits [B, K])."""
         z = self.backbone(taps, tokens)
         m = self.markov(z, prev)
-        return (self.lm_head(z) + self.markov_out(m)).float(), self.confidence_logit(z, m)
+        return (self.lin(z, self.lm_head) + self.lin(m, self.markov_out)).float(), \
+            self.confidence_logit(z, m)
 
     def draft(self, taps: torch.Tensor, tokens: torch.Tensor,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first k positions of the block: (drafts [B, k], confidences [B, k])."""
+        """The first k positions of the block: (drafts [B, k], confidences [B, k]). Everything
+        that does not depend on the previous draft (base logits, the Markov gates, the
+        confidence head's z part) runs once for the block; the sequential part per position
+        is a gather, a [r] x [r, V] product and an argmax."""
         z = self.backbone(taps, tokens)[:, :k]
-        base = self.lm_head(z).float()  # the parallel part: one GEMM for the block
-        prev, drafts, conf = tokens, [], []
+        base = self.lin(z, self.lm_head).float()  # the parallel part: one GEMM for the block
+        gate = torch.sigmoid(self.lin(z, self.markov_gate))  # [B, k, r]
+        H = z.shape[-1]
+        w = self.confidence.weight[0]
+        conf_z = z @ w[:H] + self.confidence.bias  # [B, k]
+        prev = tokens
+        drafts = torch.empty(z.shape[0], k, dtype=torch.int64, device=z.device)
+        conf = torch.empty(z.shape[0], k, dtype=torch.float32, device=z.device)
         for i in range(k):
-            m = self.markov(z[:, i], prev)
-            prev = (base[:, i] + self.markov_out(m).float()).argmax(-1)
-            drafts.append(prev)
-            conf.append(torch.sigmoid(self.confidence_logit(z[:, i], m).float()))
-        return torch.stack(drafts, 1), torch.stack(conf, 1)
+            m = self.markov_embed(prev) * gate[:, i]
+            prev = (base[:, i] + self.lin(m, self.markov_out).float()).argmax(-1)
+            drafts[:, i] = prev
+            conf[:, i] = (m @ w[H:]).float()
+        return drafts, torch.sigmoid(conf + conf_z.float())
 
 
 def load_config(path: Path, target: ModelConfig) -> dict[str, Any]:
@@ -169,7 +196,8 @@ class DSparkDrafter(BlockDrafter):
 
     @classmethod
     def load(cls, path: Path, target: ModelConfig, k: int, dtype: torch.dtype,
-             device: torch.device) -> DSparkDrafter:
+             device: torch.device,
+             linear: Callable[..., torch.Tensor] | None = None) -> DSparkDrafter:
         cfg = load_config(path, target)
         with torch.device("meta"):
             net = DSparkNet(cfg)
@@ -181,6 +209,8 @@ class DSparkDrafter(BlockDrafter):
             raise ValueError(f"DSpark drafter {path}: tensors do not match its config.json "
                              f"(first: {bad[0]})")
         net.load_state_dict(tensors, assign=True)
+        if linear is not None:
+            net.lin = kernel_linear(linear)
         return cls(net.to(device=device, dtype=dtype).eval(), k, device)
 
     def draft(self, hidden: torch.Tensor,

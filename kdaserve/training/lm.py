@@ -245,7 +245,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seq-len", type=int, default=TrainArgs.seq_len)
     p.add_argument("--lr", type=float, default=TrainArgs.lr)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-minutes", type=float, default=None)
+    p.add_argument("--max-minutes", type=float, default=30.0,
+                   help="stop early past this (the schedule is by steps: a safety)")
     p.add_argument("--data-dir", default=None, help="folder with GSM8K train/test.jsonl")
     p.add_argument("--out", default=None, help="default: ~/.cache/kdaserve/gsm8k-SIZE-seedN")
     p.add_argument("--plot", default=None, help="write the loss curve PNG here")

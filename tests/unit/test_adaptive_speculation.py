@@ -65,6 +65,7 @@ def test_offline_ngram_replay_counts_verifies_like_the_engine() -> None:
     prompt, out = [1, 2, 3, 4, 5, 9], [2, 3, 4, 5, 7, 8]
     # min_n 1: at "... 9 2" the unigram "2" recurs: drafts 3 4, both kept (+ bonus 5); at
     # "... 4 5" the bigram recurs: draft 9, wrong (+ bonus 7); the last token is not drafted
-    assert ngram_acceptance([prompt], [out], k=2, max_n=2, min_n=1) == (3 + 1) / 2
+    # 5 tokens after the first in 3 forwards (two verifies, one plain decode)
+    assert ngram_acceptance([prompt], [out], k=2, max_n=2, min_n=1) == ((3 + 1) / 2, 5 / 3)
     # min_n 2: "9 2" never recurs, the next step's "2 3" does: one verify keeping 2 drafts
-    assert ngram_acceptance([prompt], [out], k=2, max_n=2, min_n=2) == 3.0
+    assert ngram_acceptance([prompt], [out], k=2, max_n=2, min_n=2) == (3.0, 5 / 3)
