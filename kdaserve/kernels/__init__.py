@@ -87,6 +87,7 @@ from kdaserve.kernels.native.ops import (  # noqa: E402
     linear_native,
     mla_attention_native,
     moe_experts_native,
+    short_conv_native,
 )
 from kdaserve.kernels.triton import supports as _triton  # noqa: E402
 from kdaserve.kernels.triton.kda import kda_chunk_triton, kda_decode_triton  # noqa: E402
@@ -108,6 +109,7 @@ registry.register("moe_experts", "cpu", moe_experts_cpu, priority=10, supports=_
 registry.register("moe_experts", "native", moe_experts_native, priority=20, supports=_native)
 registry.register("linear", "native", linear_native, priority=20, supports=_native)
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)
+registry.register("short_conv", "native", short_conv_native, priority=20, supports=_native)
 registry.register("mla_attention", "cpu", mla_attention_cpu, priority=10, supports=_cpu_only)
 registry.register("kda_chunk", "triton", kda_chunk_triton, priority=30, supports=_triton)
 registry.register("kda_decode", "triton", kda_decode_triton, priority=30, supports=_triton)

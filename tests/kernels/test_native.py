@@ -16,8 +16,9 @@ from kdaserve.kernels.native.ops import (
     linear_native,
     mla_attention_native,
     moe_experts_native,
+    short_conv_native,
 )
-from kdaserve.kernels.ref.kda import kda_decode_ref
+from kdaserve.kernels.ref.kda import kda_decode_ref, short_conv_ref
 from kdaserve.kernels.ref.mla import mla_attention_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref
 
@@ -243,3 +244,32 @@ def test_moe_native_with_int8_weights(T: int) -> None:
                                atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(moe_experts_ref(x, weights, ids, q13, q2, s13, s2), want,
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [[1], [8], [5] * 16, [1, 40, 3, 1, 300]],
+                         ids=["decode", "verify", "verify-batch", "ragged"])
+@pytest.mark.parametrize("C", [24, 768, 600])
+def test_short_conv_native_matches_reference(lengths: list[int], C: int) -> None:
+    """Ragged sequences from random slots of a pool, run twice in a row so the second call
+    starts from the windows the first one left (and a sequence shorter than the window
+    shifts part of the old window through)."""
+    g = gen(11)
+    w = torch.randn(C, W, generator=g)
+    pool = torch.randn(40, W - 1, C, generator=g)
+    slots = torch.randperm(40, generator=g)[:len(lengths)]
+    cu = torch.tensor([0, *lengths]).cumsum(0)
+    ref_pool, nat_pool = pool.clone(), pool.clone()
+    for _ in range(2):
+        x = torch.randn(int(cu[-1]), C, generator=g)
+        want = short_conv_ref(x, w, ref_pool, slots, cu)
+        got = short_conv_native(x, w, nat_pool, slots, cu)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(nat_pool, ref_pool, atol=0, rtol=0)  # copies, exactly
+
+
+def test_short_conv_native_falls_back_for_bf16() -> None:
+    x, w = torch.randn(6, 32, dtype=torch.bfloat16), torch.randn(32, W)
+    pool = torch.zeros(2, W - 1, 32, dtype=torch.bfloat16)
+    cu, slots = torch.tensor([0, 6]), torch.tensor([1])
+    want = short_conv_ref(x, w, pool.clone(), slots, cu)
+    torch.testing.assert_close(short_conv_native(x, w, pool, slots, cu), want)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu
+from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu, short_conv_cpu
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, library
 from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_ref
@@ -74,6 +74,22 @@ def _kda_prefill(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(A_log), _ptr(dt_bias),
         _ptr(state), _ptr(slots), _ptr(cu),
         None if snap is None else _ptr(snap), _ptr(out), cu.shape[0] - 1, H, K, V)
+    return out
+
+
+def short_conv_native(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                      state_slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Same contract as `short_conv_ref`, one C++ pass over every sequence (the reference
+    loops over sequences in Python: 1.2 ms for 16 verifying requests of 5 tokens)."""
+    if not (_f32(x, weight, conv_state) and conv_state.is_contiguous()):
+        return short_conv_cpu(x, weight, conv_state, state_slots, cu_seqlens)
+    xc, wt = x.contiguous(), weight.t().contiguous()
+    slots = state_slots.to(torch.int64).contiguous()
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    out = torch.empty_like(xc)
+    C, W = weight.shape
+    library().short_conv_f32(_ptr(xc), _ptr(wt), _ptr(conv_state), _ptr(slots), _ptr(cu),
+                             _ptr(out), cu.shape[0] - 1, C, W)
     return out
 
 

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
@@ -120,6 +121,41 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
     const float* zr = z + (b * H + h) * V;
     float* dst = out + (b * H + h) * V;
     for (int64_t j = 0; j < V; ++j) dst[j] = norm_w[j] * (o[j] * r) * sigmoidf(zr[j]);
+  }
+}
+
+// Causal depthwise conv + SiLU over B packed sequences (`short_conv`'s contract), continuing
+// from and updating each slot's window. x, out [T, C]; wt [W, C] (the weight transposed, so a
+// tap is contiguous over channels and the channel loop vectorises; tap W-1 is the current
+// token); conv_state [N, W-1, C] oldest first; slots [B]; cu [B+1]. One task per (sequence,
+// block of channels): tokens in order, the window in registers for the block.
+void short_conv_f32(const float* x, const float* wt, float* conv_state, const int64_t* slots,
+                    const int64_t* cu, float* out, int64_t B, int64_t C, int64_t W) {
+  constexpr int64_t kCols = 256;
+  const int64_t cblocks = (C + kCols - 1) / kCols;
+#pragma omp parallel for schedule(static)
+  for (int64_t task = 0; task < B * cblocks; ++task) {
+    const int64_t b = task / cblocks, c0 = (task % cblocks) * kCols;
+    const int64_t n = std::min(C, c0 + kCols) - c0;
+    float* cs = conv_state + slots[b] * (W - 1) * C + c0;
+    for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
+      const float* xr = x + t * C + c0;
+      float* yr = out + t * C + c0;
+      const float* wl = wt + (W - 1) * C + c0;
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) yr[c] = wl[c] * xr[c];
+      for (int64_t j = 0; j < W - 1; ++j) {
+        const float* wj = wt + j * C + c0;
+        const float* sj = cs + j * C;
+#pragma omp simd
+        for (int64_t c = 0; c < n; ++c) yr[c] += wj[c] * sj[c];
+      }
+      for (int64_t j = 0; j + 1 < W - 1; ++j)
+        std::memcpy(cs + j * C, cs + (j + 1) * C, n * sizeof(float));
+      if (W > 1) std::memcpy(cs + (W - 2) * C, xr, n * sizeof(float));
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) yr[c] = yr[c] * sigmoidf(yr[c]);
+    }
   }
 }
 
