@@ -6,8 +6,8 @@ length), first without speculation, then with each drafter at each draft length 
 tokens/s, decode tokens/s (the tokens after each request's first over the time after the
 wave's last first token: the part speculation speeds up) and the mean acceptance length
 (tokens per verify, accepted drafts + the target's token), and per block position the share
-of verifies that drafted it and kept it. Every output is checked identical to the run without
-speculation.
+of verifies that drafted it and kept it. Each row is the fastest of `--repeats` runs, and
+every output is checked identical to the run without speculation.
 
 Drafters: `ngram` (prompt lookup); `draft` (a small model with the target's tokenizer:
 `--draft-model`, default `train-lm --size draft`'s); `block` (the final-hidden-only block
@@ -120,6 +120,16 @@ def tune_ngram(prompts: list[list[int]], refs: list[list[int]],
     return rows
 
 
+def best_of(llm: Any, prompts: list[list[int]], params: Any, batch: int,
+            repeats: int) -> tuple[float, float, list[list[int]]]:
+    """`timed` `repeats` times, the fastest run (this machine's run-to-run noise is 10-20%,
+    more than some of the differences measured); outputs must not change between runs."""
+    runs = [timed(llm, prompts, params, batch) for _ in range(repeats)]
+    if any(r[2] != runs[0][2] for r in runs):
+        raise RuntimeError("greedy outputs changed between repeated runs")
+    return max(runs, key=lambda r: r[1])
+
+
 def _drafter_kwargs(name: str, args: argparse.Namespace, target: Path) -> dict[str, Any]:
     from kdaserve.training.lm import cached_path
 
@@ -158,7 +168,7 @@ def main(args: argparse.Namespace) -> None:
           f" {'speedup':>8} {'accept len':>11}  kept by position")
     for b in batches:
         wave = prompts[:max(args.num_prompts, b)]
-        tps, dec, refs = timed(plain, wave, params, b)
+        tps, dec, refs = best_of(plain, wave, params, b, args.repeats)
         base = {"batch": b, "drafter": "none", "k": 0, "tok_s": tps, "decode_tok_s": dec,
                 "acceptance_length": 1.0, "speedup": 1.0, "decode_speedup": 1.0,
                 "kept_by_position": []}
@@ -184,7 +194,7 @@ def main(args: argparse.Namespace) -> None:
                 if name in ("self", "self-half"):
                     accept = -(-k // 2) if name == "self-half" else None
                     spec.drafter = SelfDrafter(k, futures, accept, plain.config.vocab_size)
-                tps, dec, outs = timed(llm, wave, params, b)
+                tps, dec, outs = best_of(llm, wave, params, b, args.repeats)
                 if outs != refs:
                     raise RuntimeError(f"speculation ({name}, K={k}, batch {b}) changed "
                                        "greedy outputs")
@@ -260,6 +270,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--k", default="2,4,7", help="draft lengths")
     p.add_argument("--batch-sizes", default="1", help="concurrent requests, e.g. 1,4,16")
+    p.add_argument("--repeats", type=int, default=2, help="runs per row, the fastest kept")
     p.add_argument("--drafters", default="ngram,draft,block,dspark",
                    help=f"comma-separated, from {','.join(DRAFTERS)}")
     p.add_argument("--disable-by-batch-size", type=int, default=None,

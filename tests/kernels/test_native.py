@@ -116,17 +116,22 @@ def test_mla_decode_native_matches_reference(block_size: int) -> None:
                                atol=2e-5, rtol=1e-4)
 
 
-def test_mla_native_falls_back_for_prefill() -> None:
-    """A mixed batch (one sequence with 3 new tokens) is not a decode: the reference runs."""
+@pytest.mark.parametrize("new", [[1, 3], [16, 2, 5], [1, 40]],
+                         ids=["verify", "verify-batch", "prefill-fallback"])
+def test_mla_native_multi_token_matches_reference(new: list[int]) -> None:
+    """Sequences with several new tokens: per-token decode rows (each seeing the cache up to
+    its own position) up to VERIFY_MAX_TOKENS, the reference beyond."""
     H, Dn, Dr, Dv, R = 2, 8, 4, 8, 12
-    ctx = [5, 9]
+    ctx = [c + n for c, n in zip([5, 9, 30], new, strict=False)]
     g = gen(3)
     cache, table = paged_cache(ctx, 4, R, Dr, seed=3)
-    q_nope, q_pe = torch.randn(4, H, Dn, generator=g), torch.randn(4, H, Dr, generator=g)
+    T = sum(new)
+    q_nope, q_pe = torch.randn(T, H, Dn, generator=g), torch.randn(T, H, Dr, generator=g)
     w_uk, w_uv = torch.randn(H, Dn, R, generator=g), torch.randn(H, Dv, R, generator=g)
-    args = (q_nope, q_pe, cache, table, torch.tensor([0, 1, 4]), torch.tensor(ctx), w_uk,
-            w_uv, 0.3)
-    torch.testing.assert_close(mla_attention_native(*args), mla_attention_ref(*args))
+    cu = torch.tensor([0, *new]).cumsum(0)
+    args = (q_nope, q_pe, cache, table, cu, torch.tensor(ctx), w_uk, w_uv, 0.3)
+    torch.testing.assert_close(mla_attention_native(*args), mla_attention_ref(*args),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 5, 40, 200])
@@ -137,6 +142,7 @@ def test_moe_experts_match_reference(T: int, backend: str, monkeypatch) -> None:
     import kdaserve.kernels.native.ops as native_ops
 
     monkeypatch.setattr(native_ops, "MOE_NATIVE_MAX_TOKENS", 10**6)
+    monkeypatch.setattr(native_ops, "MOE_NATIVE_MAX_PER_EXPERT", 10**6)
     E, inter, D, k = 12, 24, 40, 3
     g = gen(T)
     x = torch.randn(T, D, generator=g)

@@ -72,7 +72,7 @@ def test_bench_spec_smoke(tiny_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> 
     out = tmp_path / "s.json"
     cli_main(["bench", "spec", "--model", str(tiny_ckpt), "--data", str(gsm8k_file),
               "--num-shots", "1", "--num-prompts", "2", "--max-tokens", "6", "--k", "2",
-              "--batch-sizes", "1,2", "--drafters",
+              "--batch-sizes", "1,2", "--repeats", "1", "--drafters",
               "ngram,self,self-half,draft-self,draft,block,dspark", "--draft-model",
               str(draft), "--block-drafter", str(block), "--dspark-drafter", str(dspark),
               "--out", str(out), "--plot", str(tmp_path / "s.png"), "--tune-ngram"])
