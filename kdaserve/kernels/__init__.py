@@ -131,6 +131,19 @@ for _op, _fn in (("linear", bi.linear_bi), ("kda_chunk", bi.kda_chunk_bi),
     registry.register(_op, BATCH_INVARIANT, _fn, priority=-1, supports=_batch_invariant)
 
 
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_ref`'s contract through the batch-invariant library's C++ row norm (one pass,
+    no temporaries) for fp32: a decode step's norms are dispatch-bound, 20-27 us a call in
+    torch against 6-11 us (1 to 80 rows of 256)."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+        return rms_norm_ref(x, weight, eps)
+    return bi.rms_norm_bi(x, weight, eps)
+
+
+registry.register("rms_norm", "native", rms_norm_native, priority=20,
+                  supports=_batch_invariant)
+
+
 class Kernels(NamedTuple):
     linear: Callable
     kda_chunk: Callable

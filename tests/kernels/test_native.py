@@ -279,3 +279,15 @@ def test_short_conv_native_falls_back_for_bf16() -> None:
     cu, slots = torch.tensor([0, 6]), torch.tensor([1])
     want = short_conv_ref(x, w, pool.clone(), slots, cu)
     torch.testing.assert_close(short_conv_native(x, w, pool, slots, cu), want)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (7, 3, 40), (300, 768)])
+def test_rms_norm_native_matches_reference(shape: tuple[int, ...]) -> None:
+    from kdaserve.kernels import rms_norm_native, rms_norm_ref
+
+    g = gen(5)
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    torch.testing.assert_close(rms_norm_native(x, w, 1e-5), rms_norm_ref(x, w, 1e-5),
+                               atol=1e-5, rtol=1e-5)
+    xb, wb = x.bfloat16(), w.bfloat16()  # not fp32: the reference runs
+    torch.testing.assert_close(rms_norm_native(xb, wb, 1e-5), rms_norm_ref(xb, wb, 1e-5))
