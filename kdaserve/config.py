@@ -418,8 +418,18 @@ class EngineConfig:
         if not 0 <= self.speculative_min_acceptance_rate <= 1:
             raise ValueError("speculative_min_acceptance_rate must be in [0, 1]")
         if self.speculative_disable_by_batch_size is not None and \
-                self.speculative_disable_by_batch_size < 0:
-            raise ValueError("speculative_disable_by_batch_size must be >= 0")
+                self.speculative_disable_by_batch_size < 1:
+            raise ValueError("speculative_disable_by_batch_size must be >= 1 (to turn "
+                             "speculation off, leave speculative_algorithm unset)")
+        # never accepted and ignored: knobs of a drafter that is not in use
+        if self.speculative_algorithm != "ngram" and (
+                self.speculative_ngram_max, self.speculative_ngram_min) != (4, 1):
+            raise ValueError("speculative_ngram_max/min apply to speculative_algorithm='ngram'")
+        if self.speculative_algorithm is None and (
+                self.speculative_min_acceptance_rate != 0.1
+                or self.speculative_disable_by_batch_size is not None):
+            raise ValueError("speculative_min_acceptance_rate and "
+                             "speculative_disable_by_batch_size need a speculative_algorithm")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         for name in ("max_total_tokens", "num_state_slots", "num_snapshot_slots"):

@@ -136,7 +136,8 @@ def _drafter_kwargs(name: str, args: argparse.Namespace, target: Path) -> dict[s
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r} ({', '.join(DRAFTERS)})")
     if name in ("ngram", "self", "self-half"):
-        return {"speculative_algorithm": "ngram"}
+        return {"speculative_algorithm": "ngram", "speculative_ngram_max": args.ngram_max,
+                "speculative_ngram_min": args.ngram_min}
     if name == "draft-self":
         return {"speculative_algorithm": "draft", "speculative_draft_model": str(target)}
     path = {"draft": args.draft_model or cached_path("draft"),
@@ -186,8 +187,7 @@ def main(args: argparse.Namespace) -> None:
             for name in args.drafters.split(","):
                 llm = LLM(target, disable_prefix_cache=True, speculative_num_draft_tokens=k,
                           speculative_disable_by_batch_size=args.disable_by_batch_size,
-                          speculative_ngram_max=args.ngram_max,
-                          speculative_ngram_min=args.ngram_min,
+                          speculative_min_acceptance_rate=args.min_acceptance_rate,
                           **_drafter_kwargs(name, args, target))
                 spec = llm.engine.spec
                 assert spec is not None
@@ -275,6 +275,8 @@ def add_parser(sub: Any) -> None:
                    help=f"comma-separated, from {','.join(DRAFTERS)}")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="the engine's speculative_disable_by_batch_size for every drafter")
+    p.add_argument("--min-acceptance-rate", type=float, default=0.1,
+                   help="the engine's speculative_min_acceptance_rate (0: never switch off)")
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--tune-ngram", action="store_true",

@@ -151,15 +151,14 @@ class DSparkNet(nn.Module):
         H = z.shape[-1]
         w = self.confidence.weight[0]
         conf_z = z @ w[:H] + self.confidence.bias  # [B, k]
-        prev = tokens
-        drafts = torch.empty(z.shape[0], k, dtype=torch.int64, device=z.device)
-        conf = torch.empty(z.shape[0], k, dtype=torch.float32, device=z.device)
+        prev, drafts, ms = tokens, [], []
         for i in range(k):
             m = self.markov_embed(prev) * gate[:, i]
             prev = (base[:, i] + self.lin(m, self.markov_out).float()).argmax(-1)
-            drafts[:, i] = prev
-            conf[:, i] = (m @ w[H:]).float()
-        return drafts, torch.sigmoid(conf + conf_z.float())
+            drafts.append(prev)
+            ms.append(m)
+        conf = torch.stack(ms, 1) @ w[H:] + conf_z  # the m part of the confidence, at once
+        return torch.stack(drafts, 1), torch.sigmoid(conf.float())
 
 
 def load_config(path: Path, target: ModelConfig) -> dict[str, Any]:
@@ -183,6 +182,14 @@ def load_config(path: Path, target: ModelConfig) -> dict[str, Any]:
                          f"[0, {target.num_hidden_layers})")
     if sorted(set(taps)) != taps:
         raise ValueError(f"DSpark drafter {path} taps {taps!r} must be increasing")
+    for key in ("hidden_size", "block_size", "num_layers", "num_heads", "intermediate_size",
+                "markov_rank"):
+        if not isinstance(cfg.get(key), int) or cfg[key] < 1:
+            raise ValueError(f"DSpark drafter {path}: {key}={cfg.get(key)!r} must be a "
+                             "positive integer")
+    if cfg["hidden_size"] % cfg["num_heads"]:
+        raise ValueError(f"DSpark drafter {path}: hidden_size {cfg['hidden_size']} is not a "
+                         f"multiple of num_heads {cfg['num_heads']}")
     return cfg
 
 

@@ -81,7 +81,7 @@ def make_samples(llm: Any, texts: list[str], taps: tuple[int, ...], block: int,
         greedy = top_ids[:, 0]
         P, T = len(prompt), len(ids)
         # anchor p: the row whose logits chose x[p+1]; labels are argmax rows p+1..p+K
-        anchors = torch.arange(P - 1, T - block - 1)
+        anchors = torch.arange(P - 1, T - block)  # the last: labels end at row T - 1
         if anchors.numel() == 0:
             continue
         rows = anchors[:, None] + 1 + torch.arange(block)

@@ -108,7 +108,10 @@ def _edit(src: Path, dst: Path, cfg_change: dict | None = None,
     ({"target_hidden_size": 32}, "target_hidden_size"),
     ({"architecture": "kdaserve-block-drafter"}, "not a DSpark drafter"),
     ({"markov_rank": 8}, "do not match"),
-], ids=["tap-past-end", "taps-order", "no-taps", "vocab", "hidden", "arch", "shapes"])
+    ({"num_heads": 3}, "multiple of num_heads"),
+    ({"block_size": 0}, "positive integer"),
+], ids=["tap-past-end", "taps-order", "no-taps", "vocab", "hidden", "arch", "shapes",
+        "heads", "block"])
 def test_broken_drafter_checkpoints_are_refused(tiny_ckpt: Path, drafter_path: Path,
                                                 tmp_path: Path, change: dict,
                                                 match: str) -> None:

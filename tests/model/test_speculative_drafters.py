@@ -160,6 +160,16 @@ def test_drafters_reject_mismatched_checkpoints(tiny_ckpt: Path, small_ckpt: Pat
         EngineConfig(speculative_algorithm="draft")
     with pytest.raises(ValueError, match="speculative_algorithm"):
         EngineConfig(speculative_algorithm="eagle")
+    # knobs of a drafter that is not in use are refused, not ignored
+    with pytest.raises(ValueError, match="speculative_ngram"):
+        EngineConfig(speculative_algorithm="dspark", speculative_draft_model="x",
+                      speculative_ngram_max=8)
+    with pytest.raises(ValueError, match="need a speculative_algorithm"):
+        EngineConfig(speculative_disable_by_batch_size=4)
+    with pytest.raises(ValueError, match=">= 1"):
+        EngineConfig(speculative_algorithm="ngram", speculative_disable_by_batch_size=0)
+    with pytest.raises(ValueError, match="speculative_ngram_min"):
+        EngineConfig(speculative_algorithm="ngram", speculative_ngram_min=5)
 
 
 @pytest.mark.parametrize("drafter", ["self", "block", "dspark"])
