@@ -9,7 +9,7 @@ raw HF names.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -422,12 +422,13 @@ class EngineConfig:
             raise ValueError("speculative_disable_by_batch_size must be >= 1 (to turn "
                              "speculation off, leave speculative_algorithm unset)")
         # never accepted and ignored: knobs of a drafter that is not in use
-        if self.speculative_algorithm != "ngram" and (
-                self.speculative_ngram_max, self.speculative_ngram_min) != (4, 1):
+        changed = {f.name for f in fields(self)
+                   if f.name.startswith("speculative_") and getattr(self, f.name) != f.default}
+        if self.speculative_algorithm != "ngram" and \
+                changed & {"speculative_ngram_max", "speculative_ngram_min"}:
             raise ValueError("speculative_ngram_max/min apply to speculative_algorithm='ngram'")
-        if self.speculative_algorithm is None and (
-                self.speculative_min_acceptance_rate != 0.1
-                or self.speculative_disable_by_batch_size is not None):
+        if self.speculative_algorithm is None and changed & {
+                "speculative_min_acceptance_rate", "speculative_disable_by_batch_size"}:
             raise ValueError("speculative_min_acceptance_rate and "
                              "speculative_disable_by_batch_size need a speculative_algorithm")
         if not 0 < self.mem_fraction <= 1:

@@ -39,13 +39,8 @@ from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
 from kdaserve.request import CompletionOutput, Request, RequestOutput, SamplingParams
-from kdaserve.speculative.adaptive import AdaptiveSpeculation
-from kdaserve.speculative.block import BlockDrafter
-from kdaserve.speculative.draft_model import DraftModelDrafter
-from kdaserve.speculative.drafter import Drafter
-from kdaserve.speculative.dspark import DSparkDrafter
-from kdaserve.speculative.ngram import NgramDrafter
-from kdaserve.speculative.verify import Speculator, trim_drafts
+from kdaserve.speculative.build import build_speculator
+from kdaserve.speculative.verify import trim_drafts
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
@@ -96,11 +91,11 @@ class LLMEngine(Introspection):
                                   self.followers)
         self.spec = None
         if config.speculative_algorithm is not None:
-            max_running = self.scheduler.max_num_seqs
-            self.spec = Speculator(self._make_drafter(max_running), self.states, self.cache,
-                                   max_running, AdaptiveSpeculation(
-                                       config.speculative_min_acceptance_rate,
-                                       config.speculative_disable_by_batch_size))
+            draft = config.speculative_draft_model
+            self.spec = build_speculator(
+                config, Path(resolve_model_path(draft)) if draft else None, self.model_config,
+                self.kernels, self.dtype, self.device, self.states, self.blocks, self.cache,
+                self.scheduler.max_num_seqs)
             self.scheduler.hooks = self.spec
         self._grammar: GrammarBackend | None = None  # built on the first constrained request
         self.groups: dict[str, list[Request]] = {}
@@ -155,23 +150,6 @@ class LLMEngine(Introspection):
                                    else config.prefill_snapshot_stride)
 
     # ---- set-up ----
-    def _make_drafter(self, max_running: int) -> Drafter:
-        c = self.config
-        k = c.speculative_num_draft_tokens
-        if c.speculative_algorithm == "ngram":
-            return NgramDrafter(k, c.speculative_ngram_max, c.speculative_ngram_min)
-        assert c.speculative_draft_model is not None  # EngineConfig checks
-        path = Path(resolve_model_path(c.speculative_draft_model))
-        if c.speculative_algorithm == "block":
-            return BlockDrafter.load(path, self.model_config, k, self.dtype, self.device)
-        if c.speculative_algorithm == "dspark":
-            return DSparkDrafter.load(path, self.model_config, k, self.dtype, self.device,
-                                      self.kernels.linear)
-        return DraftModelDrafter.load(
-            path, self.model_config, self.kernels, self.dtype, self.device, k, max_running,
-            self.blocks.num_blocks * self.blocks.block_size, c.block_size,
-            c.max_num_batched_tokens)
-
     def grammar_backend(self) -> GrammarBackend:
         if self._grammar is None:
             if self.tokenizer is None:

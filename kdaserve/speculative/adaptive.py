@@ -39,8 +39,9 @@ class AdaptiveSpeculation:
         self.num_switched_off = 0  # times a request stopped drafting for low acceptance
         self.num_batch_skips = 0  # steps a large batch did not draft
 
-    def batch_allows(self, num_decoding: int) -> bool:
-        if self.max_batch is not None and num_decoding > self.max_batch:
+    def batch_allows(self, running: list[Request]) -> bool:
+        if self.max_batch is not None and \
+                sum(not r.is_prefilling for r in running) > self.max_batch:
             self.num_batch_skips += 1
             return False
         return True

@@ -93,7 +93,7 @@ class Speculator:
         eligible = []
         for req in running:
             req.draft_ids = []
-        if not self.adaptive.batch_allows(sum(not r.is_prefilling for r in running)):
+        if not self.adaptive.batch_allows(running):
             return
         for req in running:
             p = req.params

@@ -54,9 +54,12 @@ def test_recovery_resets_the_backoff_and_a_rate_of_zero_never_switches_off() -> 
 
 def test_batch_size_limit() -> None:
     policy = AdaptiveSpeculation(disable_by_batch_size=4)
-    assert policy.batch_allows(4) and not policy.batch_allows(5)
+    decoding = [SimpleNamespace(is_prefilling=False) for _ in range(5)]
+    prefilling = SimpleNamespace(is_prefilling=True)
+    assert policy.batch_allows(decoding[:4] + [prefilling])  # a prefill does not count
+    assert not policy.batch_allows(decoding)
     assert policy.num_batch_skips == 1
-    assert AdaptiveSpeculation().batch_allows(10_000)
+    assert AdaptiveSpeculation().batch_allows(decoding * 2000)
 
 
 def test_offline_ngram_replay_counts_verifies_like_the_engine() -> None:
