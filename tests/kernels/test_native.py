@@ -12,13 +12,14 @@ from kdaserve.kernels.cpu.decode import kda_decode_cpu
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native import build
 from kdaserve.kernels.native.ops import (
+    kda_chunk_native,
     kda_decode_native,
     linear_native,
     mla_attention_native,
     moe_experts_native,
     short_conv_native,
 )
-from kdaserve.kernels.ref.kda import kda_decode_ref, short_conv_ref
+from kdaserve.kernels.ref.kda import kda_chunk_ref, kda_decode_ref, short_conv_ref
 from kdaserve.kernels.ref.mla import mla_attention_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref
 
@@ -55,6 +56,30 @@ def step_inputs(B: int, H: int, K: int, seed: int) -> dict:
     return {"qkv": torch.randn(B, 3 * H * K, generator=g),
             "f": torch.randn(B, H, K, generator=g) * 4, "beta": torch.randn(B, H, generator=g),
             "z": torch.randn(B, H, K, generator=g)}
+
+
+@pytest.mark.parametrize("V", [8, 16, 24, 37, 128])
+def test_kda_chunk_native_value_widths(V: int) -> None:
+    """The prefill scan runs value columns in blocks of two host vectors, then one, then
+    single columns: widths that leave every kind of remainder (8 lanes on AVX2, 16 on
+    AVX-512), with an empty sequence in the batch and snapshots, against the reference."""
+    g = gen(11)
+    H, K, lengths = 3, 20, [5, 0, 33, 1]
+    T, B = sum(lengths), len(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    q, k = torch.randn(T, H, K, generator=g), torch.randn(T, H, K, generator=g)
+    v, f = torch.randn(T, H, V, generator=g), torch.randn(T, H, K, generator=g) * 4
+    beta, A_log = torch.randn(T, H, generator=g), torch.rand(H, generator=g) * 2
+    dt_bias = torch.randn(H * K, generator=g)
+    pool = torch.randn(2 * B + 2, H, K, V, generator=g)
+    ref_pool = pool.clone()
+    slots = torch.tensor([4, 0, 7, 2])
+    snaps = (torch.tensor([2, 5 + 16, T - 1]), torch.tensor([1, 3, 5]))
+    args = (q, k, v, f, beta, A_log, dt_bias)
+    o = kda_chunk_native(*args, pool, slots, cu, snaps)
+    o_ref = kda_chunk_ref(*args, ref_pool, slots, cu, snaps)
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(pool, ref_pool, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("fn", [kda_decode_native, kda_decode_cpu], ids=["native", "cpu"])

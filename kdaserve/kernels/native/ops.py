@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu, short_conv_cpu
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, library
-from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_ref
+from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_ref, kda_gate_ref
 from kdaserve.kernels.ref.quant import dequantize
 
 
@@ -51,6 +51,15 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
     return out
 
 
+def _snap_rows(T: int, snapshots: Snapshots | None) -> torch.Tensor | None:
+    """[T] pool row to copy the state to after each row, -1 for none (None: no snapshots)."""
+    if snapshots is None or not snapshots[0].numel():
+        return None
+    snap = torch.full((T,), -1, dtype=torch.int64)
+    snap[snapshots[0]] = snapshots[1].to(torch.int64)
+    return snap
+
+
 def _kda_prefill(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                  state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -65,10 +74,7 @@ def _kda_prefill(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         t.contiguous() for t in (q, k, v, g, beta, A_log, dt_bias))
     slots = state_slots.to(torch.int64).contiguous()
     cu = cu_seqlens.to(torch.int64).contiguous()
-    snap = None
-    if snapshots is not None and snapshots[0].numel():
-        snap = torch.full((T,), -1, dtype=torch.int64)
-        snap[snapshots[0]] = snapshots[1].to(torch.int64)
+    snap = _snap_rows(T, snapshots)
     out = torch.empty(T, H, V, dtype=torch.float32)
     getattr(library(), kernel)(
         _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(A_log), _ptr(dt_bias),
@@ -99,9 +105,26 @@ def kda_chunk_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      snapshots: Snapshots | None = None) -> torch.Tensor:
     """Same contract as `kda_chunk_ref` (packed ragged sequences, states in place, optional
     snapshots written as the kernel passes their rows), computed as a token-serial scan per
-    (sequence, head): measured 2x faster here than the chunk form below."""
-    return _kda_prefill("kda_prefill_f32", q, k, v, g, beta, A_log, dt_bias, state,
-                        state_slots, cu_seqlens, snapshots)
+    (sequence, head, block of value columns): measured faster here than the chunk form."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    if not (_f32(q, k, v, g, beta, A_log, dt_bias, state) and state.is_contiguous()
+            and max(K, V) <= MAX_HEAD_DIM):
+        return kda_chunk_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens,
+                             snapshots)
+    # the decay's exps in torch (vectorised), the same function the reference uses
+    decay = kda_gate_ref(g, A_log, dt_bias).exp_()
+    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    slots = state_slots.to(torch.int64).contiguous()
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    snap = _snap_rows(T, snapshots)
+    out = torch.empty(T, H, V, dtype=torch.float32)
+    scratch = torch.empty(2 * T * H * K + T * H, dtype=torch.float32)
+    library().kda_prefill_f32(
+        _ptr(q), _ptr(k), _ptr(v), _ptr(decay), _ptr(beta), _ptr(state), _ptr(slots),
+        _ptr(cu), None if snap is None else _ptr(snap), _ptr(out), cu.shape[0] - 1, H, K, V, T,
+        _ptr(scratch))
+    return out
 
 
 def kda_chunk_native_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
