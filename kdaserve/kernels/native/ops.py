@@ -51,6 +51,14 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
     return out
 
 
+def _prefill_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    *rest: torch.Tensor) -> bool:
+    """Whether the C++ prefill kernels take these inputs (else the reference runs); the
+    state pool comes last."""
+    return _f32(q, k, v, *rest) and rest[-1].is_contiguous() and \
+        max(q.shape[-1], v.shape[-1]) <= MAX_HEAD_DIM
+
+
 def _snap_rows(T: int, snapshots: Snapshots | None) -> torch.Tensor | None:
     """[T] pool row to copy the state to after each row, -1 for none (None: no snapshots)."""
     if snapshots is None or not snapshots[0].numel():
@@ -65,11 +73,10 @@ def _kda_prefill(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
                  snapshots: Snapshots | None) -> torch.Tensor:
     T, H, K = q.shape
-    V = v.shape[-1]
-    if not (_f32(q, k, v, g, beta, A_log, dt_bias, state) and state.is_contiguous()
-            and max(K, V) <= MAX_HEAD_DIM):
+    if not _prefill_native(q, k, v, g, beta, A_log, dt_bias, state):
         return kda_chunk_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens,
                              snapshots)
+    V = v.shape[-1]
     q, k, v, g, beta, A_log, dt_bias = (
         t.contiguous() for t in (q, k, v, g, beta, A_log, dt_bias))
     slots = state_slots.to(torch.int64).contiguous()
@@ -107,11 +114,10 @@ def kda_chunk_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     snapshots written as the kernel passes their rows), computed as a token-serial scan per
     (sequence, head, block of value columns): measured faster here than the chunk form."""
     T, H, K = q.shape
-    V = v.shape[-1]
-    if not (_f32(q, k, v, g, beta, A_log, dt_bias, state) and state.is_contiguous()
-            and max(K, V) <= MAX_HEAD_DIM):
+    if not _prefill_native(q, k, v, g, beta, A_log, dt_bias, state):
         return kda_chunk_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens,
                              snapshots)
+    V = v.shape[-1]
     # the decay's exps in torch (vectorised), the same function the reference uses
     decay = kda_gate_ref(g, A_log, dt_bias).exp_()
     q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
