@@ -36,6 +36,7 @@ from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
 from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
 from kdaserve.engine.tensor_parallel import Followers, join_expert_parallel, with_init_addr
 from kdaserve.kernels import resolve_kernels
+from kdaserve.kernels.host_memory import keep_freed_memory
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
 from kdaserve.request import CompletionOutput, Request, RequestOutput, SamplingParams
@@ -73,6 +74,7 @@ class LLMEngine(Introspection):
         self.dtype = torch.float32 if self.device.type == "cpu" else asked
         self.kernels = resolve_kernels(self.device, config.kernel_backend,
                                        config.enable_deterministic_inference)
+        keep_freed_memory()  # a step's large temporaries reuse the last step's pages
         self.followers: Followers | None = None  # tensor-parallel ranks 1.., when tp_size > 1
         # DP attention: this engine is one rank of a group whose MoE layers it joins every
         # step (an empty forward when it has nothing to run but another rank has)
