@@ -28,6 +28,7 @@ class Outcome:
     ok: bool
     prompt_len: int
     output_tokens: int = 0
+    sent: float = 0.0  # perf_counter when the request went out
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -68,7 +69,7 @@ async def one(client: Any, url: str, model: str | None, s: Sample,
             body["model"] = model
     start = time.perf_counter()
     last = start
-    out = Outcome(ok=False, prompt_len=s.prompt_len)
+    out = Outcome(ok=False, prompt_len=s.prompt_len, sent=start)
     try:
         async with client.stream("POST", url + path, json=body) as r:
             if r.status_code != 200:
@@ -142,6 +143,10 @@ async def run(args: argparse.Namespace, samples: list[Sample]) -> dict[str, Any]
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
         "ttft": stats([o.ttft for o in ok]), "tpot": stats(tpot),
         "itl": stats([x for o in ok for x in o.itl]), "e2e": stats([o.e2e for o in ok]),
+        # each request (seconds from the run's start): when queueing or prefill decides TTFT
+        "requests": [{"sent": o.sent - start, "ttft": o.ttft, "e2e": o.e2e,
+                      "prompt_len": o.prompt_len, "output_tokens": o.output_tokens}
+                     for o in ok],
     }
 
 

@@ -77,6 +77,7 @@ from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the r
     mla_attention_cpu,
     short_conv_cpu,
 )
+from kdaserve.kernels.cpu.gemm import linear_cpu  # noqa: E402
 from kdaserve.kernels.cpu.moe import moe_experts_cpu  # noqa: E402
 from kdaserve.kernels.native import batch_invariant as bi  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
@@ -107,6 +108,7 @@ registry.register("mla_attention", "native", mla_attention_native, priority=20,
                   supports=_native)
 registry.register("moe_experts", "cpu", moe_experts_cpu, priority=10, supports=_cpu_only)
 registry.register("moe_experts", "native", moe_experts_native, priority=20, supports=_native)
+registry.register("linear", "cpu", linear_cpu, priority=10, supports=_cpu_only)
 registry.register("linear", "native", linear_native, priority=20, supports=_native)
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)
 registry.register("short_conv", "native", short_conv_native, priority=20, supports=_native)

@@ -182,8 +182,12 @@ def test_moe_experts_match_reference(T: int, backend: str, monkeypatch) -> None:
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32, 33])
 @pytest.mark.parametrize("K", [16, 40, 768])
-def test_linear_native_matches_torch(rows: int, K: int) -> None:
-    """Row counts around the 4-row tiles and the size limit; K not a multiple of 16 too."""
+def test_linear_native_matches_torch(rows: int, K: int, monkeypatch) -> None:
+    """Row counts around the 4-row tiles and the size limit; K not a multiple of 16 too (the
+    native kernel at every count: oneDNN would take fp32 above ONEDNN_NATIVE_MAX_ROWS)."""
+    from kdaserve.kernels.native import ops
+
+    monkeypatch.setattr(ops, "ONEDNN_NATIVE_MAX_ROWS", 64)
     g = gen(rows * K)
     x, w = torch.randn(2, rows, K, generator=g), torch.randn(70, K, generator=g)
     torch.testing.assert_close(linear_native(x[1], w), torch.nn.functional.linear(x[1], w),
@@ -196,6 +200,7 @@ def test_linear_native_takes_more_rows_of_a_large_weight(monkeypatch: pytest.Mon
     from kdaserve.kernels.native import ops
 
     monkeypatch.setattr(ops, "LARGE_WEIGHT", 70 * 40)  # this test's weight counts as large
+    monkeypatch.setattr(ops, "onednn_usable", lambda: False)  # sgemm's caps
     g = gen(5)
     w = torch.randn(70, 40, generator=g)
     calls = []
@@ -213,6 +218,51 @@ def test_linear_native_takes_more_rows_of_a_large_weight(monkeypatch: pytest.Mon
         torch.testing.assert_close(ops.linear_native(x, w), torch.nn.functional.linear(x, w),
                                    atol=1e-4, rtol=1e-5)
         assert (calls == ["linear_small_f32"]) == native
+
+
+def test_gemm_row_padding_keeps_few_shapes() -> None:
+    """Products run at padded row counts (so oneDNN compiles few kernels): never fewer rows,
+    at most 1.5x as many below 128 rows and 1.25x above, ~60 distinct counts up to 4,096."""
+    from kdaserve.kernels.cpu.gemm import padded_rows
+
+    counts = [padded_rows(m) for m in range(1, 4097)]
+    assert all(p >= m for m, p in zip(range(1, 4097), counts, strict=True))
+    assert all(p == m for m, p in zip(range(1, 17), counts, strict=False))
+    assert all(p <= 1.5 * m for m, p in zip(range(17, 129), counts[16:128], strict=True))
+    assert all(p <= 1.25 * m for m, p in zip(range(129, 4097), counts[128:], strict=True))
+    assert len(set(counts)) <= 60
+
+
+def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With oneDNN, fp32 weights use the native GEMM only up to ONEDNN_NATIVE_MAX_ROWS rows;
+    bf16 weights keep it for more (oneDNN would need them widened first). Every result equals
+    F.linear on the fp32 values."""
+    from kdaserve.kernels.cpu.gemm import gemm, onednn_usable
+    from kdaserve.kernels.native import ops
+
+    assert onednn_usable()  # torch's CPU build here has oneDNN
+    calls: list[str] = []
+    real = ops.library
+
+    class Spy:
+        def __getattr__(self, name: str):  # noqa: ANN204
+            calls.append(name)
+            return getattr(real(), name)
+
+    monkeypatch.setattr(ops, "library", Spy)
+    g = gen(9)
+    w = torch.randn(70, 40, generator=g)
+    for rows, weight, native in ((ops.ONEDNN_NATIVE_MAX_ROWS, w, True),
+                                 (ops.ONEDNN_NATIVE_MAX_ROWS + 1, w, False),
+                                 (300, w, False), (9, w.bfloat16(), True)):
+        calls.clear()
+        x = torch.randn(1, rows, 40, generator=g)
+        want = torch.nn.functional.linear(x, weight.float())
+        torch.testing.assert_close(ops.linear_native(x, weight), want, atol=1e-4, rtol=1e-5)
+        assert bool(calls) == native, (rows, weight.dtype, calls)
+    x = torch.randn(3, 7, 40, generator=g)
+    torch.testing.assert_close(gemm(x, w), torch.nn.functional.linear(x, w), atol=1e-4,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 33, 64])

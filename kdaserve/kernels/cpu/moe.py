@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdaserve.kernels.cpu.gemm import gemm
 from kdaserve.kernels.ref.quant import dequantize
 
 
@@ -31,9 +32,9 @@ def moe_experts_cpu(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             continue
         # weight-only bf16 / int8: only the experts this batch touches are widened
         s13, s2 = (None if s is None else s[e] for s in (scale13, scale2))
-        h = F.linear(xs[start:start + n], dequantize(w13[e], s13, xs.dtype))
-        F.linear(F.silu(h[:, :inter]) * h[:, inter:], dequantize(w2[e], s2, xs.dtype),
-                 out=ys[start:start + n])
+        h = gemm(xs[start:start + n], dequantize(w13[e], s13, xs.dtype))
+        ys[start:start + n] = gemm(F.silu(h[:, :inter]) * h[:, inter:],
+                                   dequantize(w2[e], s2, xs.dtype))
         start += n
     ys.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(x.dtype))
     return torch.zeros_like(x).index_add_(0, tok, ys)
