@@ -195,15 +195,11 @@ def test_linear_native_matches_torch(rows: int, K: int, monkeypatch) -> None:
     assert linear_native(x, w).shape == (2, rows, 70)
 
 
-def test_linear_native_takes_more_rows_of_a_large_weight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An lm_head-sized weight stays on the native GEMM up to LARGE_WEIGHT_MAX_ROWS rows."""
+def spy_on_native_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the native library's functions called from now on (in order)."""
     from kdaserve.kernels.native import ops
 
-    monkeypatch.setattr(ops, "LARGE_WEIGHT", 70 * 40)  # this test's weight counts as large
-    monkeypatch.setattr(ops, "onednn_usable", lambda: False)  # sgemm's caps
-    g = gen(5)
-    w = torch.randn(70, 40, generator=g)
-    calls = []
+    calls: list[str] = []
     real = ops.library
 
     class Spy:
@@ -212,6 +208,18 @@ def test_linear_native_takes_more_rows_of_a_large_weight(monkeypatch: pytest.Mon
             return getattr(real(), name)
 
     monkeypatch.setattr(ops, "library", Spy)
+    return calls
+
+
+def test_linear_native_takes_more_rows_of_a_large_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An lm_head-sized weight stays on the native GEMM up to LARGE_WEIGHT_MAX_ROWS rows."""
+    from kdaserve.kernels.native import ops
+
+    monkeypatch.setattr(ops, "LARGE_WEIGHT", 70 * 40)  # this test's weight counts as large
+    monkeypatch.setattr(ops, "onednn_usable", lambda: False)  # sgemm's caps
+    g = gen(5)
+    w = torch.randn(70, 40, generator=g)
+    calls = spy_on_native_calls(monkeypatch)
     for rows, native in ((64, True), (ops.LARGE_WEIGHT_MAX_ROWS + 1, False)):
         calls.clear()
         x = torch.randn(rows, 40, generator=g)
@@ -241,15 +249,7 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
     from kdaserve.kernels.native import ops
 
     assert onednn_usable()  # torch's CPU build here has oneDNN
-    calls: list[str] = []
-    real = ops.library
-
-    class Spy:
-        def __getattr__(self, name: str):  # noqa: ANN204
-            calls.append(name)
-            return getattr(real(), name)
-
-    monkeypatch.setattr(ops, "library", Spy)
+    calls = spy_on_native_calls(monkeypatch)
     g = gen(9)
     w = torch.randn(70, 40, generator=g)
     for rows, weight, native in ((ops.ONEDNN_NATIVE_MAX_ROWS, w, True),

@@ -9,7 +9,6 @@ dims up to MAX_HEAD_DIM) and otherwise hands the call to the torch `cpu` backend
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu, short_conv_cpu
 from kdaserve.kernels.cpu.gemm import gemm, onednn_usable
