@@ -265,7 +265,7 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
                                rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 33, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 33, 64])
 @pytest.mark.parametrize("K", [40, 768])
 def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
     """Weight-only bf16: fp32 activations against bf16 weights, widened in registers (1-3
@@ -293,7 +293,7 @@ def test_moe_native_with_bf16_weights(T: int) -> None:
                                atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 33, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 33, 64])
 def test_linear_native_with_int8_weights(rows: int) -> None:
     """Weight-only int8: the native kernel equals fp32 arithmetic on the dequantized weight."""
     from kdaserve.kernels import linear_ref

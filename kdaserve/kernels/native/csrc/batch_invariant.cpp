@@ -16,6 +16,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 namespace {

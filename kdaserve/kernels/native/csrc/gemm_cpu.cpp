@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 namespace {
@@ -15,114 +17,73 @@ inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 #include "tiles.h"
 
-// Routed experts for a few tokens (decode): E_e(x) = W2 (SiLU(W1 x) * W3 x), weighted and
-// summed over each token's k choices.  x [T, D]; ids, weights [T, k]; w13 [E, 2I, D] (gate
-// rows then up rows); w2 [E, D, I]; out [T, D].  Choices are grouped by expert (a counting
-// sort) so each weight row is read once for all tokens that chose its expert; work is split
-// over (expert, block of rows), which keeps both cores busy even for one token.
-// s13 [E, 2I] and s2 [E, D] (nullable): int8 weights' per-row scales.
-template <typename W>
-void moe_decode(const float* x, const int64_t* ids, const float* weights, const W* w13,
-                const W* w2, const float* s13, const float* s2, float* out, int64_t T, int64_t k,
-                int64_t E, int64_t I, int64_t D) {
-  const int64_t n = T * k;
-  std::vector<int64_t> offset(E + 1, 0), order(n);
-  for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
-  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
-  {
-    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
-    for (int64_t c = 0; c < n; ++c) order[fill[ids[c]]++] = c;  // sorted position -> choice
-  }
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (offset[e + 1] > offset[e]) active.push_back(e);
-  const int64_t A = static_cast<int64_t>(active.size());
-  std::vector<float> act(n * I), ys(n * D);
-  constexpr int64_t kRows = 32;
-  const int64_t iblocks = (I + kRows - 1) / kRows, dblocks = (D + kRows - 1) / kRows;
-#pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < A * iblocks; ++task) {
-      const int64_t e = active[task / iblocks], r0 = (task % iblocks) * kRows;
-      for (int64_t r = r0; r < std::min(I, r0 + kRows); ++r) {
-        const W* __restrict wg = w13 + (e * 2 * I + r) * D;
-        const W* __restrict wu = wg + I * D;
-        for (int64_t s = offset[e]; s < offset[e + 1]; ++s) {
-          const float* __restrict xt = x + (order[s] / k) * D;
-          float g = 0.0f, u = 0.0f;
-#pragma omp simd reduction(+ : g, u)
-          for (int64_t d = 0; d < D; ++d) {
-            g += widen(wg[d]) * xt[d];
-            u += widen(wu[d]) * xt[d];
-          }
-          if (s13 != nullptr) {
-            g *= s13[e * 2 * I + r];
-            u *= s13[e * 2 * I + I + r];
-          }
-          act[s * I + r] = g * sigmoidf(g) * u;
-        }
-      }
-    }
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < A * dblocks; ++task) {
-      const int64_t e = active[task / dblocks], d0 = (task % dblocks) * kRows;
-      for (int64_t d = d0; d < std::min(D, d0 + kRows); ++d) {
-        const W* __restrict wd = w2 + (e * D + d) * I;
-        for (int64_t s = offset[e]; s < offset[e + 1]; ++s) {
-          const float* __restrict a = act.data() + s * I;
-          float y = 0.0f;
-#pragma omp simd reduction(+ : y)
-          for (int64_t i = 0; i < I; ++i) y += widen(wd[i]) * a[i];
-          if (s2 != nullptr) y *= s2[e * D + d];
-          ys[order[s] * D + d] = y * weights[order[s]];  // ys is indexed by choice
-        }
-      }
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      float* __restrict o = out + t * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-      for (int64_t j = 0; j < k; ++j) {
-        const float* __restrict y = ys.data() + (t * k + j) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += y[d];
-      }
-    }
-  }
-}
-
-
 // y [M, N] = x [M, K] @ w [N, K]^T for a few rows (decode). MKL's sgemm packs w on every
 // call, which on these shapes reaches about a third of the memory bandwidth (measured on the
 // 100k x 768 lm_head: 11.7 GB/s against 30+ here). Here each block of weight rows is streamed
-// once per call and dotted with the x rows in register tiles (kTileN weight rows x kTileM x
-// rows) while it sits in L2.
+// once per call and dotted with the x rows in register tiles while it sits in L2.
+//
+// Up to kFewM x rows the product is bandwidth-bound: the weight rows are read one after the
+// other (one sequential stream, which the prefetchers follow best), each dotted with every x
+// row in kUnroll independent partial sums (a single running sum per dot stalls on the add
+// latency: bf16 weights streamed at ~37 GB/s, int8 at ~30, on a host reading 70+). More x
+// rows make it compute-bound: kTileN x kTileM tiles.
+#if defined(__AVX512F__)
+constexpr int kFewM = 3;
+#else
+constexpr int kFewM = 1;  // 16 registers
+#endif
+constexpr int kUnroll = 2;
+
+template <int TM, typename W>
+inline void dot_stream(const W* __restrict w, const float* __restrict x, float* __restrict y,
+                       int64_t N, int64_t K) {
+  vtile acc[kUnroll][TM] = {};
+  int64_t j = 0;
+  for (; j + kUnroll * kLanes <= K; j += kUnroll * kLanes)
+    for (int u = 0; u < kUnroll; ++u) {
+      const vtile wv = load_tile(w + j + u * kLanes);
+      for (int tm = 0; tm < TM; ++tm) acc[u][tm] += wv * load_tile(x + tm * K + j + u * kLanes);
+    }
+  for (; j + kLanes <= K; j += kLanes) {
+    const vtile wv = load_tile(w + j);
+    for (int tm = 0; tm < TM; ++tm) acc[0][tm] += wv * load_tile(x + tm * K + j);
+  }
+  for (int tm = 0; tm < TM; ++tm) {
+    vtile a = acc[0][tm];
+    for (int u = 1; u < kUnroll; ++u) a += acc[u][tm];
+    float sum = hsum_tree(a);
+    for (int64_t l = j; l < K; ++l) sum += widen(w[l]) * x[tm * K + l];
+    y[tm * N] = sum;
+  }
+}
+
+template <int TM, typename W>
+void few_rows(const float* x, const W* wb, float* y, int64_t N, int64_t K, int64_t n0,
+              int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) dot_stream<TM>(wb + (n - n0) * K, x, y + n, N, K);
+}
+
 // Rows [n0, n1) of y = x w^T, the block's weight rows starting at wb (row n0).
 template <typename W>
 void linear_block(const float* x, const W* wb, float* y, int64_t M, int64_t N, int64_t K,
                   int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  if (M < 4) {  // bandwidth-bound: a plain dot per (row, x) streams fastest (measured)
-    for (; n < n1; ++n)
-      for (int64_t m = 0; m < M; ++m) {
-        const W* __restrict wr = wb + (n - n0) * K;
-        const float* __restrict xr = x + m * K;
-        float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t j = 0; j < K; ++j) acc += widen(wr[j]) * xr[j];
-        y[m * N + n] = acc;
-      }
+  if (M == 2 && kFewM >= 2) return few_rows<2>(x, wb, y, N, K, n0, n1);
+  if (M == 3 && kFewM >= 3) return few_rows<3>(x, wb, y, N, K, n0, n1);
+  if (M < kTileM || M <= 3) {
+    for (int64_t m = 0; m < M; ++m) few_rows<1>(x + m * K, wb, y + m * N, N, K, n0, n1);
+    return;
   }
+  int64_t n = n0;
   for (; n + kTileN <= n1; n += kTileN) {
     const W* wr = wb + (n - n0) * K;
     int64_t m = 0;
     for (; m + kTileM <= M; m += kTileM)
-      dot_tile<kTileN, kTileM>(wr, x + m * K, y + m * N + n, N, K);
-    for (; m < M; ++m) dot_tile<kTileN, 1>(wr, x + m * K, y + m * N + n, N, K);
+      dot_tile<kTileN, kTileM, false>(wr, x + m * K, y + m * N + n, N, K);
+    for (; m < M; ++m) dot_tile<kTileN, 1, false>(wr, x + m * K, y + m * N + n, N, K);
   }
   for (; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m)
-      dot_tile<1, 1>(wb + (n - n0) * K, x + m * K, y + m * N + n, N, K);
+      dot_tile<1, 1, false>(wb + (n - n0) * K, x + m * K, y + m * N + n, N, K);
 }
 
 // scale (nullable) [N]: multiplies output column n (int8 weights' per-row scales).
@@ -130,22 +91,102 @@ template <typename W>
 void linear_small(const float* x, const W* w, const float* scale, float* y, int64_t M,
                   int64_t N, int64_t K) {
   constexpr int64_t kRows = 64;
+// bf16 and int8 weights widen in registers at every row count: widening each block into an
+// fp32 buffer first (the earlier way) made them 1.5-2x slower from 4 rows on.
+#pragma omp parallel for schedule(static)
+  for (int64_t n0 = 0; n0 < N; n0 += kRows) {
+    const int64_t n1 = std::min(N, n0 + kRows);
+    linear_block(x, w + n0 * K, y, M, N, K, n0, n1);
+    if (scale != nullptr)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = n0; n < n1; ++n) y[m * N + n] *= scale[n];
+  }
+}
+
+
+// Routed experts for a few tokens (decode): E_e(x) = W2 (SiLU(W1 x) * W3 x), weighted and
+// summed over each token's k choices.  x [T, D]; ids, weights [T, k]; w13 [E, 2I, D] (gate
+// rows then up rows); w2 [E, D, I]; out [T, D].  Choices are grouped by expert (a counting
+// sort) and their x rows gathered, so each expert is one small product per projection (the
+// register tiles above: each weight row read once for all tokens that chose its expert); work
+// is split over (expert, block of rows), which keeps both cores busy even for one token.
+// s13 [E, 2I] and s2 [E, D] (nullable): int8 weights' per-row scales.
+template <typename W>
+void moe_decode(const float* x, const int64_t* ids, const float* weights, const W* w13,
+                const W* w2, const float* s13, const float* s2, float* out, int64_t T, int64_t k,
+                int64_t E, int64_t I, int64_t D) {
+  const int64_t n = T * k;
+  std::vector<int64_t> offset(E + 1, 0), order(n), slot(n);
+  for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
+  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
+  {
+    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+    for (int64_t c = 0; c < n; ++c) {
+      slot[c] = fill[ids[c]]++;
+      order[slot[c]] = c;  // sorted position -> choice
+    }
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (offset[e + 1] > offset[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+  // xs, h, act, ys: rows in sorted order (an expert's tokens are consecutive)
+  std::vector<float> xs(n * D), h(n * 2 * I), act(n * I), ys(n * D);
+  constexpr int64_t kRows = 32;
+  const int64_t iblocks = (I + kRows - 1) / kRows, dblocks = (D + kRows - 1) / kRows;
 #pragma omp parallel
   {
-    std::vector<float> wide;  // bf16 weights with several x rows: widened once per block
 #pragma omp for schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += kRows) {
-      const int64_t n1 = std::min(N, n0 + kRows);
-      if (!std::is_same<W, float>::value && M >= 4) {
-        wide.resize((n1 - n0) * K);
-        for (int64_t i = 0; i < (n1 - n0) * K; ++i) wide[i] = widen(w[n0 * K + i]);
-        linear_block(x, wide.data(), y, M, N, K, n0, n1);
+    for (int64_t s = 0; s < n; ++s)
+      std::copy(x + (order[s] / k) * D, x + (order[s] / k + 1) * D, xs.data() + s * D);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < A * iblocks; ++task) {
+      const int64_t e = active[task / iblocks], r0 = (task % iblocks) * kRows;
+      const int64_t r1 = std::min(I, r0 + kRows), s0 = offset[e], cnt = offset[e + 1] - s0;
+      const W* we = w13 + e * 2 * I * D;
+      float* he = h.data() + s0 * 2 * I;
+      const float* xe = xs.data() + s0 * D;
+      if (cnt <= kFewM) {
+        // bandwidth-bound: gate and up rows read side by side, two streams in flight
+        // (measured 10% faster than one block after the other at 1-4 tokens, fp32)
+        for (int64_t r = r0; r < r1; ++r) {
+          linear_block(xe, we + r * D, he, cnt, 2 * I, D, r, r + 1);
+          linear_block(xe, we + (I + r) * D, he, cnt, 2 * I, D, I + r, I + r + 1);
+        }
       } else {
-        linear_block(x, w + n0 * K, y, M, N, K, n0, n1);
+        linear_block(xe, we + r0 * D, he, cnt, 2 * I, D, r0, r1);
+        linear_block(xe, we + (I + r0) * D, he, cnt, 2 * I, D, I + r0, I + r1);
       }
-      if (scale != nullptr)
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = n0; n < n1; ++n) y[m * N + n] *= scale[n];
+      for (int64_t m = 0; m < cnt; ++m)
+        for (int64_t r = r0; r < r1; ++r) {
+          float g = he[m * 2 * I + r], u = he[m * 2 * I + I + r];
+          if (s13 != nullptr) {
+            g *= s13[e * 2 * I + r];
+            u *= s13[e * 2 * I + I + r];
+          }
+          act[(s0 + m) * I + r] = g * sigmoidf(g) * u;
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < A * dblocks; ++task) {
+      const int64_t e = active[task / dblocks], d0 = (task % dblocks) * kRows;
+      const int64_t d1 = std::min(D, d0 + kRows), s0 = offset[e], cnt = offset[e + 1] - s0;
+      linear_block(act.data() + s0 * I, w2 + (e * D + d0) * I, ys.data() + s0 * D, cnt, D, I,
+                   d0, d1);
+      for (int64_t m = 0; m < cnt; ++m) {
+        const float wt = weights[order[s0 + m]];
+        for (int64_t d = d0; d < d1; ++d)
+          ys[(s0 + m) * D + d] *= (s2 != nullptr ? s2[e * D + d] : 1.0f) * wt;
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      float* __restrict o = out + t * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        const float* __restrict y = ys.data() + slot[t * k + j] * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += y[d];
+      }
     }
   }
 }

@@ -12,6 +12,9 @@
 #include <cmath>
 #include <cstring>
 #include <cstdint>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <utility>
 #include <vector>
 

@@ -1,7 +1,7 @@
 // Register tiles for the skinny GEMMs of both native libraries (kda_cpu.cpp and
 // batch_invariant.cpp): the host's vector, the tile shape, weight loads that widen bf16 and
 // int8 in registers, and the tile itself. Included by each source inside its anonymous
-// namespace, after <cstdint>.
+// namespace, after <cstdint> and (on x86) <immintrin.h>.
 
 #pragma once
 
@@ -32,6 +32,19 @@ typedef uint16_t bf16;
 typedef uint16_t vtile_bf16 __attribute__((vector_size(sizeof(vtile) / 2)));
 typedef uint32_t vtile_u32 __attribute__((vector_size(sizeof(vtile))));
 
+// GCC's generic vectors lower the widening loads poorly (bf16 in 256-bit halves, int8 one lane
+// at a time: 8 GB/s of weights), so x86 hosts get them as intrinsics.
+#if defined(__AVX512F__)
+inline vtile load_tile(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#elif defined(__AVX2__)
+inline vtile load_tile(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#else
 inline vtile load_tile(const bf16* p) {
   vtile_bf16 h;
   __builtin_memcpy(&h, p, sizeof(h));
@@ -40,16 +53,29 @@ inline vtile load_tile(const bf16* p) {
   __builtin_memcpy(&v, &u, sizeof(v));
   return v;
 }
+#endif
 
 // int8 weights (weight-only int8, a scale per output row applied to each finished sum): a
 // quarter of the fp32 bytes, converted in registers like bf16.
 typedef int8_t vtile_i8 __attribute__((vector_size(sizeof(vtile) / 4)));
 
+#if defined(__AVX512F__)
+inline vtile load_tile(const int8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+}
+#elif defined(__AVX2__)
+inline vtile load_tile(const int8_t* p) {
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+}
+#else
 inline vtile load_tile(const int8_t* p) {
   vtile_i8 q;
   __builtin_memcpy(&q, p, sizeof(q));
   return __builtin_convertvector(q, vtile);
 }
+#endif
 
 inline float widen(int8_t w) { return static_cast<float>(w); }
 inline float widen(float w) { return w; }
@@ -68,8 +94,23 @@ inline float hsum(vtile acc) {
   return s;
 }
 
-// TN weight rows (stride K) dotted with TM x rows (stride K); y[tm * N + tn].
-template <int TN, int TM, typename W>
+// Lanes summed as a tree, for products that need not match batch_invariant.cpp: the ordered
+// sum is 15 dependent adds, which cost as much as the dot itself on the experts' 128-wide rows.
+inline float hsum_tree(vtile a) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(a);
+#elif defined(__AVX2__)
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+#else
+  return hsum(a);
+#endif
+}
+
+// TN weight rows (stride K) dotted with TM x rows (stride K); y[tm * N + tn]. kOrdered: lanes
+// summed in order (hsum), so each value equals batch_invariant.cpp's dot.
+template <int TN, int TM, bool kOrdered = true, typename W>
 inline void dot_tile(const W* __restrict w, const float* __restrict x, float* __restrict y,
                      int64_t N, int64_t K) {
   vtile acc[TN][TM] = {};
@@ -84,7 +125,7 @@ inline void dot_tile(const W* __restrict w, const float* __restrict x, float* __
   }
   for (int tn = 0; tn < TN; ++tn)
     for (int tm = 0; tm < TM; ++tm) {
-      float sum = hsum(acc[tn][tm]);
+      float sum = kOrdered ? hsum(acc[tn][tm]) : hsum_tree(acc[tn][tm]);
       for (int64_t l = j; l < K; ++l) sum += widen(w[tn * K + l]) * x[tm * K + l];
       y[tm * N + tn] = sum;
     }
