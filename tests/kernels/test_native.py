@@ -243,8 +243,8 @@ def test_gemm_row_padding_keeps_few_shapes() -> None:
 
 def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     """With oneDNN, fp32 weights use the native GEMM only up to ONEDNN_NATIVE_MAX_ROWS rows;
-    bf16 weights keep it for more (oneDNN would need them widened first). Every result equals
-    F.linear on the fp32 values."""
+    bf16 weights keep it up to QUANTIZED_MAX_ROWS (oneDNN would need them widened first).
+    Every result equals F.linear on the fp32 values."""
     from kdaserve.kernels.cpu.gemm import gemm, onednn_usable
     from kdaserve.kernels.native import ops
 
@@ -254,7 +254,9 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
     w = torch.randn(70, 40, generator=g)
     for rows, weight, native in ((ops.ONEDNN_NATIVE_MAX_ROWS, w, True),
                                  (ops.ONEDNN_NATIVE_MAX_ROWS + 1, w, False),
-                                 (300, w, False), (9, w.bfloat16(), True)):
+                                 (300, w, False), (9, w.bfloat16(), True),
+                                 (ops.QUANTIZED_MAX_ROWS, w.bfloat16(), True),
+                                 (ops.QUANTIZED_MAX_ROWS + 1, w.bfloat16(), False)):
         calls.clear()
         x = torch.randn(1, rows, 40, generator=g)
         want = torch.nn.functional.linear(x, weight.float())

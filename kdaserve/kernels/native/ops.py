@@ -235,8 +235,14 @@ LARGE_WEIGHT_MAX_ROWS = 128
 # oneDNN (`gemm`) reads the plain weight without repacking: fp32 weights go to it from 5 rows
 # (AVX-512 host, weights streamed from memory, ms per call native / oneDNN: 2566 x 768 at 4
 # rows 0.24 / 0.30, at 8 0.34 / 0.32; the 100k-row lm_head at 4 10.1 / 10.2, at 8 14.2 / 11.3).
-# bf16 / int8 weights keep the caps above: oneDNN would need them widened first.
 ONEDNN_NATIVE_MAX_ROWS = 4
+# bf16 / int8 weights: above these caps they are widened to fp32 for the GEMM, a pass over the
+# whole weight per call. The native kernel widens in registers and is ahead of that up to ~64
+# rows on the projections (ms, in_proj 2816 x 768 bf16 at 32 / 64 / 128 rows: 0.49 / 0.93 /
+# 1.70 native, 0.54 / 0.88 / 1.48 widened + oneDNN) and far longer on the lm_head (100k x 768
+# at 128 / 256 rows: bf16 65 / 146 against 148 / 209; int8 66 / 136 against 237 / 288).
+QUANTIZED_MAX_ROWS = 64
+QUANTIZED_LARGE_MAX_ROWS = 512
 
 
 def linear_native(x: torch.Tensor, weight: torch.Tensor,
@@ -245,10 +251,13 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor,
     # called ~50 times per decode step: checks kept to attribute reads (no generators)
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if weight.dtype == torch.float32 and onednn_usable():
+    large = weight.numel() >= LARGE_WEIGHT
+    if weight.dtype != torch.float32:
+        cap = QUANTIZED_LARGE_MAX_ROWS if large else QUANTIZED_MAX_ROWS
+    elif onednn_usable():
         cap = ONEDNN_NATIVE_MAX_ROWS
     else:
-        cap = LARGE_WEIGHT_MAX_ROWS if weight.numel() >= LARGE_WEIGHT else LINEAR_NATIVE_MAX_ROWS
+        cap = LARGE_WEIGHT_MAX_ROWS if large else LINEAR_NATIVE_MAX_ROWS
     kernel = _WEIGHT_KERNELS.get(weight.dtype, ("", ""))[0]
     if not 0 < rows <= cap or x.dtype != torch.float32 or not kernel or not x.is_cpu \
             or not weight.is_contiguous():
