@@ -85,6 +85,10 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             idle_step = engine.counters["num_steps"] == steps and not outputs
         except Exception as e:  # a failed step fails the requests in flight, loudly
             if engine.followers is not None or lockstep:  # a rank is gone: collectives broken
+                # said in our words: the collective library's message depends on where the
+                # peer was when it died (closed, reset, broken pipe, timeout)
+                logger.error("a parallel rank is gone (%s: %s): the engine stops",
+                             type(e).__name__, e)
                 raise
             logger.exception("engine step failed")
             for rid in list(engine.groups):
