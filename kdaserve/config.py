@@ -339,6 +339,10 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64  # running requests at once; also the default number of state slots
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
+    # prompt tokens a step may run while requests are decoding (None: max_num_batched_tokens):
+    # every decoding stream waits for the whole step, so a 2,048-token chunk is a 1 s stall of
+    # each stream on a 2-core CPU; idle decoders leave prompts the full budget
+    max_prefill_tokens_with_decodes: int | None = None
     max_total_tokens: int | None = None  # MLA latent cache capacity in tokens
     num_state_slots: int | None = None
     mem_fraction: float = 0.5  # of physical memory that model + caches may use
@@ -392,8 +396,9 @@ class EngineConfig:
     dp_rank: int = 0  # which replica an engine is (set by the server's data-parallel controller)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "max_prefill_tokens_with_decodes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.snapshot_interval < 1 or self.snapshot_interval % self.block_size:
             raise ValueError(f"snapshot_interval={self.snapshot_interval} must be a positive "

@@ -149,7 +149,8 @@ class LLMEngine(Introspection):
                                    config.snapshot_interval, num_snapshot_slots(config),
                                    config.snapshot_interval
                                    if config.prefill_snapshot_stride is None
-                                   else config.prefill_snapshot_stride)
+                                   else config.prefill_snapshot_stride,
+                                   config.max_prefill_tokens_with_decodes)
 
     # ---- set-up ----
     def grammar_backend(self) -> GrammarBackend:

@@ -78,13 +78,15 @@ class Scheduler:
     def __init__(self, blocks: BlockPool, states: StatePool, max_num_seqs: int,
                  max_num_batched_tokens: int, cache: RadixCache | None = None,
                  snapshot_interval: int = 64, max_snapshots: int = 0,
-                 prefill_snapshot_stride: int = 0) -> None:
+                 prefill_snapshot_stride: int = 0,
+                 max_prefill_tokens_with_decodes: int | None = None) -> None:
         self.blocks, self.states, self.cache = blocks, states, cache
         self.snapshot_interval = snapshot_interval
         self.prefill_snapshot_stride = prefill_snapshot_stride
         self.max_snapshots = max_snapshots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._in_flight: list[tuple[Request, int, int]] = []  # planned in-chunk snapshots
@@ -173,15 +175,22 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        # decodes before prefill chunks, so a long prompt never stalls running streams
+        # decodes before prefill chunks, so a long prompt never stalls running streams; while
+        # some decode, prompts get at most max_prefill_tokens_with_decodes (their step is each
+        # stream's inter-token latency)
         order = sorted(self.running, key=lambda r: (r.is_prefilling, r.arrival))
+        decoding = bool(order) and not order[0].is_prefilling
+        prefill_budget = budget
+        if decoding and self.max_prefill_tokens_with_decodes is not None:
+            prefill_budget = self.max_prefill_tokens_with_decodes
         scheduled: set[int] = set()
         for req in order:
-            if budget == 0:
+            prefilling = req.is_prefilling
+            if budget == 0 or (prefilling and prefill_budget == 0):
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._chunk(req, budget)
+            n = self._chunk(req, min(budget, prefill_budget) if prefilling else budget)
             while not self._grow(req, req.num_computed_tokens + n):
                 victims = [r for r in self.running if id(r) not in scheduled]
                 victim = max(victims, key=lambda r: r.arrival)
@@ -195,12 +204,14 @@ class Scheduler:
             batch.reqs.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+            if prefilling:
+                prefill_budget -= n
         self._order_waiting()
         # admission pops from the front and stops at the first request that does not fit:
         # O(admitted) a step, whatever the queue's length (thousands of n > 1 siblings)
         deferred: list[Request] = []
         while self.waiting:
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
+            if min(budget, prefill_budget) == 0 or len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting.popleft()
             if self._defer_for_shared_prefix(req, batch):
@@ -211,7 +222,7 @@ class Scheduler:
                 break
             req.state_slot = self.states.allocate()
             self._resume_from_cache(req)
-            n = self._chunk(req, budget)
+            n = self._chunk(req, min(budget, prefill_budget))
             if not self._grow(req, req.num_computed_tokens + n):
                 self._release(req)  # back to waiting untouched: cache refs, slot, blocks
                 self.waiting.appendleft(req)
@@ -226,6 +237,7 @@ class Scheduler:
             batch.reqs.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+            prefill_budget -= n
         self.waiting.extendleft(reversed(deferred))  # in their places, at the front
         self._plan_snapshots(batch)
         return batch

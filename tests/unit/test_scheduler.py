@@ -81,10 +81,12 @@ class FakeRunner:
 
 
 def make_scheduler(*, num_blocks: int = 64, block_size: int = 4, num_slots: int = 8,
-                   max_num_seqs: int = 8, budget: int = 16) -> Scheduler:
+                   max_num_seqs: int = 8, budget: int = 16,
+                   prefill_with_decodes: int | None = None) -> Scheduler:
     blocks = BlockPool(CONFIG, num_blocks, block_size, torch.float32)
     states = StatePool(CONFIG, num_slots, torch.float32)
-    return Scheduler(blocks, states, max_num_seqs, budget)
+    return Scheduler(blocks, states, max_num_seqs, budget,
+                     max_prefill_tokens_with_decodes=prefill_with_decodes)
 
 
 @dataclass
@@ -234,6 +236,30 @@ def test_long_prompt_prefilled_in_chunks_alongside_a_decode() -> None:
     assert batch.num_new_tokens == [1, 1]
     h.run_until_done(max_steps=20)
     assert long.output_ids == expected_output(long.prompt_ids, 2)
+
+
+def test_prompt_tokens_capped_while_requests_decode() -> None:
+    """max_prefill_tokens_with_decodes: while a request decodes, prompts (running chunks and
+    new admissions together) take at most that many tokens a step; with no decoder they take
+    the whole budget. Outputs stay those of an unconstrained run."""
+    specs = [Spec("short", 3, 12), Spec("long", 40, 2), Spec("other", 4, 2)]
+    h = Harness(make_scheduler(num_blocks=64, budget=16, prefill_with_decodes=5))
+    short, long, other = (sp.make() for sp in specs)
+    h.add(short)
+    h.add(long)
+    assert h.step().num_new_tokens == [3, 13]  # nobody decodes yet: the full budget
+    h.add(other)
+    capped = 0
+    while long.num_computed_tokens < 40:
+        decoding = [r for r in h.scheduler.running if not r.is_prefilling]
+        batch = h.step()
+        prompt_tokens = sum(n for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True)
+                            if r not in decoding)
+        assert prompt_tokens <= (5 if decoding else 16), batch.num_new_tokens
+        capped += bool(decoding) and prompt_tokens == 5
+    assert capped >= 5  # the long prompt and `other` ran 5-token steps beside the decode
+    h.run_until_done(max_steps=40)
+    assert {r.rid: r.output_ids for r in (short, long, other)} == reference_outputs(specs)
 
 
 def test_continuous_batching_joins_next_step_and_finished_leave() -> None:
