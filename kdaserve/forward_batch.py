@@ -27,6 +27,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64, flat cache row (block * block_size + offset)
     logits_indices: torch.Tensor  # [L] int64, rows of [T] whose logits are wanted
     is_decode: bool = False  # every sequence has exactly one new token
+    max_seqlen: int = 0  # the most new tokens of any sequence (0: not known)
     # set for a verify forward: KDA layers keep their step inputs for the state rollback
     record: StepRecord | None = None
     # prefix-cache snapshots inside this step's chunks: (sequence index [S], tokens of that
@@ -108,4 +109,5 @@ class ForwardBatch:
             slot_mapping=t(slot_mapping),
             logits_indices=t(logits_rows),
             is_decode=all(len(x) == 1 for x in new_tokens),
+            max_seqlen=max(len(x) for x in new_tokens),
         )

@@ -38,11 +38,17 @@ class StepRecord:
     def __init__(self, rows: list[int], starts: dict[int, int],
                  device: torch.device | str) -> None:
         self.rows = torch.tensor(rows, dtype=torch.int64, device=device)
+        # how many of the rows are 0, 1, 2, ... (all of them: a verify-only batch)
+        self.num_leading = len(rows) if rows == list(range(len(rows))) else -1
         self.starts = starts
         self.layers: list[KDASteps] = []
 
     def add(self, *tensors: torch.Tensor) -> None:
-        """A KDA layer's qkv, q, k, v, f, beta over the whole batch [T, ...]."""
+        """A KDA layer's qkv, q, k, v, f, beta over the whole batch [T, ...] (kept as they
+        are when the record is the whole batch: the forward never writes them again)."""
+        if tensors[0].shape[0] == self.rows.shape[0] == self.num_leading:
+            self.layers.append(KDASteps(*tensors))
+            return
         self.layers.append(KDASteps(*(t.index_select(0, self.rows) for t in tensors)))
 
     def spans(self, replays: list[tuple[int, int]],

@@ -16,6 +16,11 @@ from kdaserve.layers.linear import Linear
 from kdaserve.layers.parallel import SINGLE, Destination, TensorParallel
 from kdaserve.step_record import KDASteps
 
+# New tokens per sequence up to which a batch runs the fused decode step token by token
+# (speculative verifies) instead of the prefill ops (short conv, chunk scan, norm), whose
+# fixed cost per op dominates a few tokens
+FUSED_MAX_TOKENS = 16
+
 
 class KDAttention(nn.Module):
     def __init__(self, config: ModelConfig, kernels: Kernels,
@@ -71,13 +76,20 @@ class KDAttention(nn.Module):
         qkv, f_a, g_a, beta = self.in_proj(x).split(self.in_split, dim=-1)
         f = self.f_b_proj(f_a).view(T, H, K)
         z = self.g_b_proj(g_a).view(T, H, K)
-        if batch.is_decode:
-            # (a verify runs 1 + k tokens of a request: never a decode batch, whose fused
-            # step does not expose the post-conv rows)
-            assert batch.record is None
+        if batch.is_decode or (0 < batch.max_seqlen <= FUSED_MAX_TOKENS
+                               and batch.snapshots is None):
+            # a few tokens per sequence (a verify): the fused step token by token, the same
+            # arithmetic as that many decodes, and no per-op overhead of the prefill path
+            post = None
+            if batch.record is not None:  # the rollback replays from the post-conv rows
+                post = qkv.new_empty(qkv.shape)
             o = self.kernels.kda_decode(qkv, f, beta, z, self.conv_weight, self.A_log,
                                         self.dt_bias, self.o_norm_weight, self.eps,
-                                        recurrent_state, conv_state, batch.state_slots)
+                                        recurrent_state, conv_state, batch.state_slots,
+                                        None if batch.is_decode else batch.cu_seqlens, post)
+            if post is not None:
+                batch.record.add(qkv, *(t.view(T, H, K) for t in post.chunk(3, dim=-1)),
+                                 f, beta)
             return self.o_proj(o.reshape(T, H * K))
         pre = qkv
         snapshots = None

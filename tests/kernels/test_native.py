@@ -10,6 +10,7 @@ import torch
 from kdaserve.kernels import resolve_kernels
 from kdaserve.kernels.cpu.decode import kda_decode_cpu
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
+from kdaserve.kernels.native import batch_invariant as bi
 from kdaserve.kernels.native import build
 from kdaserve.kernels.native.ops import (
     kda_chunk_native,
@@ -100,6 +101,38 @@ def test_kda_decode_matches_reference(fn, B: int, H: int, K: int) -> None:
     assert torch.equal(ours["conv_state"][untouched], before[1])
 
 
+@pytest.mark.parametrize("fn", [kda_decode_native, kda_decode_cpu, bi.kda_decode_bi],
+                         ids=["native", "cpu", "batch_invariant"])
+def test_kda_decode_few_tokens_per_sequence(fn) -> None:
+    """A verify-shaped batch (1-8 tokens per sequence, `cu_seqlens`): outputs, both pools and
+    the post-conv rows as the reference's; the native kernel's outputs and states are
+    bit-identical to the same tokens run as single decodes (the rollback relies on a verify
+    leaving exactly what decoding would)."""
+    H, K, lengths = 2, 64, [8, 1, 5]
+    B, T = len(lengths), sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    ours, ref = decode_inputs(B, H, K, B + 3, seed=21), decode_inputs(B, H, K, B + 3, seed=21)
+    x = step_inputs(T, H, K, seed=22)
+    post, post_ref = torch.empty(T, 3 * H * K), torch.empty(T, 3 * H * K)
+    o = fn(**x, **ours, cu_seqlens=cu, post_conv=post)
+    o_ref = kda_decode_ref(**x, **ref, cu_seqlens=cu, post_conv=post_ref)
+    torch.testing.assert_close(o, o_ref, atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(post, post_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(ours["state"], ref["state"], atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(ours["conv_state"], ref["conv_state"])
+    if fn is not kda_decode_native:
+        return
+    single = decode_inputs(B, H, K, B + 3, seed=21)
+    slots = single.pop("state_slots")
+    for b in range(B):
+        for t in range(int(cu[b]), int(cu[b + 1])):
+            row = {name: v[t:t + 1] for name, v in x.items()}
+            assert torch.equal(kda_decode_native(**row, **single, state_slots=slots[b:b + 1]),
+                               o[t:t + 1])
+    assert torch.equal(single["state"], ours["state"])
+    assert torch.equal(single["conv_state"], ours["conv_state"])
+
+
 def test_kda_decode_native_falls_back_for_bf16() -> None:
     B, H, K, N = 3, 2, 16, 6
     ours, ref = decode_inputs(B, H, K, N, seed=7), decode_inputs(B, H, K, N, seed=7)
@@ -184,10 +217,10 @@ def test_moe_experts_match_reference(T: int, backend: str, monkeypatch) -> None:
 @pytest.mark.parametrize("K", [16, 40, 768])
 def test_linear_native_matches_torch(rows: int, K: int, monkeypatch) -> None:
     """Row counts around the 4-row tiles and the size limit; K not a multiple of 16 too (the
-    native kernel at every count: oneDNN would take fp32 above ONEDNN_NATIVE_MAX_ROWS)."""
+    native kernel at every count: oneDNN would take fp32 above onednn_native_max_rows)."""
     from kdaserve.kernels.native import ops
 
-    monkeypatch.setattr(ops, "ONEDNN_NATIVE_MAX_ROWS", 64)
+    monkeypatch.setattr(ops, "onednn_native_max_rows", lambda large: 64)
     g = gen(rows * K)
     x, w = torch.randn(2, rows, K, generator=g), torch.randn(70, K, generator=g)
     torch.testing.assert_close(linear_native(x[1], w), torch.nn.functional.linear(x[1], w),
@@ -242,7 +275,7 @@ def test_gemm_row_padding_keeps_few_shapes() -> None:
 
 
 def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With oneDNN, fp32 weights use the native GEMM only up to ONEDNN_NATIVE_MAX_ROWS rows;
+    """With oneDNN, fp32 weights use the native GEMM only up to onednn_native_max_rows rows;
     bf16 weights keep it up to QUANTIZED_MAX_ROWS (oneDNN would need them widened first).
     Every result equals F.linear on the fp32 values."""
     from kdaserve.kernels.cpu.gemm import gemm, onednn_usable
@@ -252,8 +285,8 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
     calls = spy_on_native_calls(monkeypatch)
     g = gen(9)
     w = torch.randn(70, 40, generator=g)
-    for rows, weight, native in ((ops.ONEDNN_NATIVE_MAX_ROWS, w, True),
-                                 (ops.ONEDNN_NATIVE_MAX_ROWS + 1, w, False),
+    cap = ops.onednn_native_max_rows(False)
+    for rows, weight, native in ((cap, w, True), (cap + 1, w, False),
                                  (300, w, False), (9, w.bfloat16(), True),
                                  (ops.QUANTIZED_MAX_ROWS, w.bfloat16(), True),
                                  (ops.QUANTIZED_MAX_ROWS + 1, w.bfloat16(), False)):
@@ -265,6 +298,20 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
     x = torch.randn(3, 7, 40, generator=g)
     torch.testing.assert_close(gemm(x, w), torch.nn.functional.linear(x, w), atol=1e-4,
                                rtol=1e-5)
+
+
+def test_onednn_row_cap_follows_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's AVX-512 code wins from 5 rows; its AVX2 code only above 32 (16 for a large
+    weight)."""
+    from kdaserve.kernels.native import ops
+
+    for isa, large, cap in (("AVX512", False, ops.ONEDNN_NATIVE_MAX_ROWS),
+                            ("AVX512", True, ops.ONEDNN_NATIVE_MAX_ROWS),
+                            ("AVX2", False, 32), ("AVX2", True, 16), ("DEFAULT", False, 32)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
+        ops.onednn_native_max_rows.cache_clear()
+        assert ops.onednn_native_max_rows(large) == cap
+    ops.onednn_native_max_rows.cache_clear()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 33, 64])

@@ -8,6 +8,8 @@ dims up to MAX_HEAD_DIM) and otherwise hands the call to the torch `cpu` backend
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu, short_conv_cpu
@@ -29,25 +31,30 @@ def _f32(*ts: torch.Tensor) -> bool:
 def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: torch.Tensor,
                       conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
-                      conv_state: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
+                      conv_state: torch.Tensor, state_slots: torch.Tensor,
+                      cu_seqlens: torch.Tensor | None = None,
+                      post_conv: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `kda_decode_ref`; the state pools are updated in place by the kernel,
     so they must be contiguous (they are: slices of the pool along its first dimension)."""
-    B, H, K = f.shape
+    T, H, K = f.shape
     V = z.shape[-1]
     if not (_f32(qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight, state, conv_state)
             and state.is_contiguous() and conv_state.is_contiguous()
-            and max(K, V) <= MAX_HEAD_DIM):
+            and max(K, V) <= MAX_HEAD_DIM
+            and (post_conv is None or (_f32(post_conv) and post_conv.is_contiguous()))):
         return kda_decode_cpu(qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight, eps,
-                              state, conv_state, state_slots)
+                              state, conv_state, state_slots, cu_seqlens, post_conv)
     # bound to names: a temporary's memory would be freed before the call
     qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight = (
         t.contiguous() for t in (qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight))
     slots = state_slots.to(torch.int64).contiguous()
-    out = torch.empty(B, H, V, dtype=torch.float32)
+    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int64).contiguous()
+    out = torch.empty(T, H, V, dtype=torch.float32)
     library().kda_decode_f32(
         _ptr(qkv), _ptr(f), _ptr(beta), _ptr(z), _ptr(conv_weight), _ptr(A_log), _ptr(dt_bias),
-        _ptr(norm_weight), _ptr(state),
-        _ptr(conv_state), _ptr(slots), _ptr(out), B, H, K, V, conv_weight.shape[1], eps)
+        _ptr(norm_weight), _ptr(state), _ptr(conv_state), _ptr(slots),
+        None if cu is None else _ptr(cu), None if post_conv is None else _ptr(post_conv),
+        _ptr(out), slots.shape[0], H, K, V, conv_weight.shape[1], eps)
     return out
 
 
@@ -233,9 +240,25 @@ LINEAR_NATIVE_MAX_ROWS = 32
 LARGE_WEIGHT = 16 * 2**20  # elements (64 MB in fp32)
 LARGE_WEIGHT_MAX_ROWS = 128
 # oneDNN (`gemm`) reads the plain weight without repacking: fp32 weights go to it from 5 rows
-# (AVX-512 host, weights streamed from memory, ms per call native / oneDNN: 2566 x 768 at 4
+# on AVX-512 (weights streamed from memory, ms per call native / oneDNN: 2566 x 768 at 4
 # rows 0.24 / 0.30, at 8 0.34 / 0.32; the 100k-row lm_head at 4 10.1 / 10.2, at 8 14.2 / 11.3).
+# Its AVX2 code pays ~0.1 ms a call and streams skinny products slowly, so there fp32 stays
+# native up to 32 rows, 16 for an lm_head-sized weight (AVX2 AMD EPYC, us native / oneDNN:
+# 900 x 256 at 8 / 32 rows 70 / 198, 231 / 320; 2816 x 768 at 16 / 32 876 / 1773,
+# 1863 / 2190; 768 x 1024 at 32 871 / 651; the lm_head, ms, at 16 / 32 77 / 78, 137 / 111).
 ONEDNN_NATIVE_MAX_ROWS = 4
+ONEDNN_NATIVE_MAX_ROWS_AVX2 = 32
+ONEDNN_NATIVE_MAX_ROWS_AVX2_LARGE = 16
+
+
+@functools.cache
+def onednn_native_max_rows(large: bool) -> int:
+    """Up to how many rows fp32 weights stay on the native GEMM when oneDNN is there."""
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return ONEDNN_NATIVE_MAX_ROWS
+    return ONEDNN_NATIVE_MAX_ROWS_AVX2_LARGE if large else ONEDNN_NATIVE_MAX_ROWS_AVX2
+
+
 # bf16 / int8 weights: above these caps they are widened to fp32 for the GEMM, a pass over the
 # whole weight per call. The native kernel widens in registers and is ahead of that up to ~64
 # rows on the projections (ms, in_proj 2816 x 768 bf16 at 32 / 64 / 128 rows: 0.49 / 0.93 /
@@ -255,7 +278,7 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor,
     if weight.dtype != torch.float32:
         cap = QUANTIZED_LARGE_MAX_ROWS if large else QUANTIZED_MAX_ROWS
     elif onednn_usable():
-        cap = ONEDNN_NATIVE_MAX_ROWS
+        cap = onednn_native_max_rows(large)
     else:
         cap = LARGE_WEIGHT_MAX_ROWS if large else LINEAR_NATIVE_MAX_ROWS
     kernel = _WEIGHT_KERNELS.get(weight.dtype, ("", ""))[0]

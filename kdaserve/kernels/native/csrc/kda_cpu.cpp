@@ -172,40 +172,53 @@ void scan_columns(const Prepared& in, float* __restrict S, int64_t h, int64_t c0
 
 extern "C" {
 
-// Fused KDA decode for B sequences: conv (+ window update), L2 norm, decay gate, beta, the
+// Fused KDA steps for B sequences: conv (+ window update), L2 norm, decay gate, beta, the
 // gated delta-rule update of the fp32 state in place in the pool, the output and the gated
-// RMSNorm.  qkv [B, 2HK+HV] pre-conv; f [B, H, K] raw gate; beta [B, H] logits; z [B, H, V]
-// output gate; conv_w [2HK+HV, W]; A_log [H]; dt_bias [H*K]; norm_w [V];
-// state [N, H, K, V]; conv_state [N, W-1, 2HK+HV]; slots [B]; out [B, H, V].
+// RMSNorm. cu [B+1] (nullable: one token per sequence) packs a few tokens per sequence (a
+// verify), run token by token with the arithmetic of single decodes, so a verify of n tokens
+// leaves the states a run of n decodes would. qkv [T, 2HK+HV] pre-conv; f [T, H, K] raw
+// gate; beta [T, H] logits; z [T, H, V] output gate; conv_w [2HK+HV, W]; A_log [H];
+// dt_bias [H*K]; norm_w [V]; state [N, H, K, V]; conv_state [N, W-1, 2HK+HV]; slots [B];
+// out [T, H, V]; post (nullable) [T, 2HK+HV]: the post-conv rows, for a step record.
 void kda_decode_f32(const float* qkv, const float* f, const float* beta, const float* z,
                     const float* conv_w, const float* A_log, const float* dt_bias,
                     const float* norm_w, float* state, float* conv_state, const int64_t* slots,
-                    float* out, int64_t B, int64_t H, int64_t K, int64_t V, int64_t W,
-                    float eps) {
+                    const int64_t* cu, float* post, float* out, int64_t B, int64_t H,
+                    int64_t K, int64_t V, int64_t W, float eps) {
   const int64_t C = 2 * H * K + H * V;
   const float qscale = 1.0f / std::sqrt(static_cast<float>(K));
 #pragma omp parallel for schedule(static)
   for (int64_t task = 0; task < B * H; ++task) {
     const int64_t b = task / H, h = task % H, slot = slots[b];
+    const int64_t t0 = cu == nullptr ? b : cu[b], t1 = cu == nullptr ? b + 1 : cu[b + 1];
     float q[kMaxDim], k[kMaxDim], v[kMaxDim], decay[kMaxDim], pred[kMaxDim], o[kMaxDim];
-    const float* x = qkv + b * C;
     float* cs = conv_state + slot * (W - 1) * C;
-    conv_silu(x, conv_w, cs, C, W, h * K, K, q);
-    conv_silu(x, conv_w, cs, C, W, H * K + h * K, K, k);
-    conv_silu(x, conv_w, cs, C, W, 2 * H * K + h * V, V, v);
-    l2norm(q, K, qscale);
-    l2norm(k, K, 1.0f);
-    decay_gate(f + (b * H + h) * K, dt_bias + h * K, A_log[h], K, decay);
-    const float bt = sigmoidf(beta[b * H + h]);
+    float* S = state + (slot * H + h) * K * V;
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* x = qkv + t * C;
+      conv_silu(x, conv_w, cs, C, W, h * K, K, q);
+      conv_silu(x, conv_w, cs, C, W, H * K + h * K, K, k);
+      conv_silu(x, conv_w, cs, C, W, 2 * H * K + h * V, V, v);
+      if (post != nullptr) {
+        float* pr = post + t * C;
+        std::memcpy(pr + h * K, q, K * sizeof(float));
+        std::memcpy(pr + H * K + h * K, k, K * sizeof(float));
+        std::memcpy(pr + 2 * H * K + h * V, v, V * sizeof(float));
+      }
+      l2norm(q, K, qscale);
+      l2norm(k, K, 1.0f);
+      decay_gate(f + (t * H + h) * K, dt_bias + h * K, A_log[h], K, decay);
+      const float bt = sigmoidf(beta[t * H + h]);
 
-    delta_step(state + (slot * H + h) * K * V, q, k, v, decay, bt, K, V, pred, o);
-    float ms = 0.0f;
+      delta_step(S, q, k, v, decay, bt, K, V, pred, o);
+      float ms = 0.0f;
 #pragma omp simd reduction(+ : ms)
-    for (int64_t j = 0; j < V; ++j) ms += o[j] * o[j];
-    const float r = 1.0f / std::sqrt(ms / static_cast<float>(V) + eps);
-    const float* zr = z + (b * H + h) * V;
-    float* dst = out + (b * H + h) * V;
-    for (int64_t j = 0; j < V; ++j) dst[j] = norm_w[j] * (o[j] * r) * sigmoidf(zr[j]);
+      for (int64_t j = 0; j < V; ++j) ms += o[j] * o[j];
+      const float r = 1.0f / std::sqrt(ms / static_cast<float>(V) + eps);
+      const float* zr = z + (t * H + h) * V;
+      float* dst = out + (t * H + h) * V;
+      for (int64_t j = 0; j < V; ++j) dst[j] = norm_w[j] * (o[j] * r) * sigmoidf(zr[j]);
+    }
   }
 }
 
