@@ -114,9 +114,18 @@ class KDAttention(nn.Module):
     def replay_steps(self, steps: KDASteps, cu_seqlens: torch.Tensor, state_slots: torch.Tensor,
                      recurrent_state: torch.Tensor, conv_state: torch.Tensor) -> None:
         """Advances the states of `state_slots` by recorded steps (packed, `cu_seqlens` [B+1])
-        exactly as a forward over those tokens would, without its outputs: the conv window
-        becomes the last W-1 rows of [window ; new pre-conv rows], and kda_chunk runs the
-        delta rule on the recorded post-conv rows."""
+        exactly as a forward over those tokens would, without its outputs. Spans a verify ran
+        through the fused step run it again from the pre-conv rows (bit for bit the verify's
+        arithmetic); longer ones shift the conv window to the last W-1 rows of [window ; new
+        pre-conv rows] and run kda_chunk on the recorded post-conv rows."""
+        if int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) <= FUSED_MAX_TOKENS:
+            H, V = self.num_heads, self.head_dim
+            self.kernels.kda_decode(steps.qkv, steps.f, steps.beta,
+                                    steps.f.new_zeros(steps.f.shape[0], H, V),
+                                    self.conv_weight, self.A_log, self.dt_bias,
+                                    self.o_norm_weight, self.eps, recurrent_state, conv_state,
+                                    state_slots, cu_seqlens)
+            return
         conv_state[state_slots] = conv_windows(conv_state[state_slots], steps.qkv,
                                                cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1])
         self.kernels.kda_chunk(steps.q, steps.k, steps.v, steps.f, steps.beta, self.A_log,

@@ -211,3 +211,47 @@ def test_adaptive_speculation_in_the_engine(tiny_ckpt: Path, spec_plain: LLM,
     assert outs[0].outputs[0].spec_num_verifies == 0  # it only ran in the large batch
     assert outs[3].outputs[0].spec_num_verifies > 0  # alone, it drafted again
     limited.check_integrity()
+
+
+def test_replay_of_a_fused_verify_is_exact() -> None:
+    """A verify's KDA layers run the fused step; replaying its recorded steps from the saved
+    states reproduces the states the verify left, bit for bit, whether all of a request's
+    steps are replayed or a prefix followed by the rest (a rollback keeps the prefix)."""
+    from kdaserve.checkpoint import preset_config
+    from kdaserve.forward_batch import ForwardBatch
+    from kdaserve.kernels import resolve_kernels
+    from kdaserve.layers.kda import KDAttention
+    from kdaserve.step_record import StepRecord
+
+    config = preset_config("tiny")
+    layer = KDAttention(config, resolve_kernels(torch.device("cpu")))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    H, K = layer.num_heads, layer.head_dim
+    lengths, slots = [5, 3], [2, 0]
+    rec0 = torch.randn(4, H, K, K, generator=g)
+    conv0 = torch.randn(4, config.kda_conv_size - 1, 3 * H * K, generator=g)
+    fb = ForwardBatch.build([[1] * n for n in lengths], [7, 7], slots, [[0], [1]], 16)
+    fb.record = StepRecord(list(range(sum(lengths))), {}, "cpu")
+    x = torch.randn(sum(lengths), config.hidden_size, generator=g)
+    rec, conv = rec0.clone(), conv0.clone()
+    with torch.no_grad():
+        layer(x, fb, rec, conv)
+    steps = fb.record.layers[0]
+    for split in ([5, 3], [2, 1]):  # all steps at once; a prefix, then the rest
+        r, c = rec0.clone(), conv0.clone()
+        done = [0, 0]
+        for take in (split, [n - s for n, s in zip(lengths, split, strict=True)]):
+            rows = [row for b, start in enumerate((0, lengths[0]))
+                    for row in range(start + done[b], start + done[b] + take[b])]
+            keep = [b for b in range(2) if take[b]]
+            if not keep:
+                continue
+            cu = torch.tensor([0, *torch.tensor([take[b] for b in keep]).cumsum(0).tolist()])
+            sel = torch.tensor(rows)
+            layer.replay_steps(type(steps)(*(t.index_select(0, sel) for t in steps)), cu,
+                               torch.tensor([slots[b] for b in keep]), r, c)
+            done = [d + t for d, t in zip(done, take, strict=True)]
+        assert torch.equal(r, rec) and torch.equal(c, conv), split
