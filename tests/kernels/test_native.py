@@ -133,6 +133,24 @@ def test_kda_decode_few_tokens_per_sequence(fn) -> None:
     assert torch.equal(single["conv_state"], ours["conv_state"])
 
 
+def test_kda_decode_native_gates_at_extremes() -> None:
+    """The kernel's own exp / sigmoid / softplus (vectorised, not libm) at gate values far
+    out in both tails: conv inputs of +-100s, decay logits of +-60 (softplus near 0 and far
+    in its linear part, decays of 1 and 0), output gates of +-100: finite, and as the
+    reference's."""
+    B, H, K = 3, 2, 40  # 40: whole vectors and a tail on AVX2 and AVX-512
+    ours, ref = decode_inputs(B, H, K, 5, seed=31), decode_inputs(B, H, K, 5, seed=31)
+    x = step_inputs(B, H, K, seed=32)
+    x["qkv"] = x["qkv"] * 100
+    x["f"] = torch.linspace(-60, 60, B * H * K).view(B, H, K)
+    x["z"] = torch.linspace(-100, 100, B * H * K).view(B, H, K)
+    o = kda_decode_native(**x, **ours)
+    o_ref = kda_decode_ref(**x, **ref)
+    assert torch.isfinite(o).all() and torch.isfinite(ours["state"]).all()
+    torch.testing.assert_close(o, o_ref, atol=3e-5, rtol=1e-4)
+    torch.testing.assert_close(ours["state"], ref["state"], atol=3e-5, rtol=1e-4)
+
+
 def test_kda_decode_native_falls_back_for_bf16() -> None:
     B, H, K, N = 3, 2, 16, 6
     ours, ref = decode_inputs(B, H, K, N, seed=7), decode_inputs(B, H, K, N, seed=7)

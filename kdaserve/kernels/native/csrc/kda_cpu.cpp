@@ -21,6 +21,7 @@
 namespace {
 
 #include "tiles.h"
+#include "vmath.h"
 
 constexpr int kMaxDim = 512;  // head dims above this are refused on the Python side
 
@@ -40,8 +41,9 @@ void conv_silu(const float* __restrict x, const float* __restrict w, float* __re
     for (int64_t j = 0; j < W - 1; ++j) acc += wc[j] * cs[j * C + c];
     for (int64_t j = 0; j + 1 < W - 1; ++j) cs[j * C + c] = cs[(j + 1) * C + c];
     if (W > 1) cs[(W - 2) * C + c] = x[c];
-    y[i] = acc * sigmoidf(acc);
+    y[i] = acc;
   }
+  map_lanes(y, y, n, [](auto a) { return a * vsigmoid(a); });
 }
 
 // fla's l2norm (eps added to the sum of squares), times an extra scale.
@@ -85,7 +87,8 @@ void delta_step(float* __restrict S, const float* __restrict q, const float* __r
 void decay_gate(const float* __restrict f, const float* __restrict dt_bias, float A_log,
                 int64_t K, float* __restrict decay) {
   const float a = std::exp(A_log);
-  for (int64_t i = 0; i < K; ++i) decay[i] = std::exp(-a * softplusf(f[i] + dt_bias[i]));
+  for (int64_t i = 0; i < K; ++i) decay[i] = f[i] + dt_bias[i];
+  map_lanes(decay, decay, K, [a](auto u) { return vexp(-a * vsoftplus(u)); });
 }
 
 
@@ -215,9 +218,10 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
 #pragma omp simd reduction(+ : ms)
       for (int64_t j = 0; j < V; ++j) ms += o[j] * o[j];
       const float r = 1.0f / std::sqrt(ms / static_cast<float>(V) + eps);
-      const float* zr = z + (t * H + h) * V;
+      float* gate = pred;  // free again: the output gate's sigmoid, vectorised
+      map_lanes(z + (t * H + h) * V, gate, V, [](auto x) { return vsigmoid(x); });
       float* dst = out + (t * H + h) * V;
-      for (int64_t j = 0; j < V; ++j) dst[j] = norm_w[j] * (o[j] * r) * sigmoidf(zr[j]);
+      for (int64_t j = 0; j < V; ++j) dst[j] = norm_w[j] * (o[j] * r) * gate[j];
     }
   }
 }
@@ -251,8 +255,7 @@ void short_conv_f32(const float* x, const float* wt, float* conv_state, const in
       for (int64_t j = 0; j + 1 < W - 1; ++j)
         std::memcpy(cs + j * C, cs + (j + 1) * C, n * sizeof(float));
       if (W > 1) std::memcpy(cs + (W - 2) * C, xr, n * sizeof(float));
-#pragma omp simd
-      for (int64_t c = 0; c < n; ++c) yr[c] = yr[c] * sigmoidf(yr[c]);
+      map_lanes(yr, yr, n, [](auto a) { return a * vsigmoid(a); });
     }
   }
 }
