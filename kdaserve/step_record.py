@@ -3,9 +3,11 @@ be replayed through the KDA recurrences alone.
 
 Accepting j < k drafts leaves a request's KDA states k - j steps too far. The state is
 restored from its scratch copy and advanced again by the accepted 1 + j steps, which only
-needs what each KDA layer fed its short conv and its delta rule: those rows depend on the
-tokens before them alone (causal), so the verify forward already computed them exactly. The
-projections, MoE, MLA and LM head are not run again. (The other option of issue 8, every
+needs what each KDA layer fed its fused step (pre-conv q|k|v, gate, beta): those rows depend
+on the tokens before them alone (causal), so the verify forward already computed them
+exactly, and the replay runs the same fused step token by token (the states come out bit for
+bit as the verify's did when it ran that step). The projections, MoE, MLA and LM head are
+not run again. (The other option of issue 8, every
 intermediate state kept in scratch, needs per-step state output from every kda_chunk backend
 and costs H*K*V floats per token per layer to write.)
 """
@@ -18,12 +20,9 @@ import torch
 
 
 class KDASteps(NamedTuple):
-    """One KDA layer's inputs for the recorded rows (R of them)."""
+    """One KDA layer's inputs for the recorded rows (R of them): what the fused step takes."""
 
-    qkv: torch.Tensor  # [R, 3P] pre-conv q|k|v: what the conv window holds
-    q: torch.Tensor  # [R, H, K] post-conv, as kda_chunk takes them
-    k: torch.Tensor  # [R, H, K]
-    v: torch.Tensor  # [R, H, V]
+    qkv: torch.Tensor  # [R, 3P] pre-conv q|k|v (the conv runs again on replay)
     f: torch.Tensor  # [R, H, K] raw gate
     beta: torch.Tensor  # [R, H] logits
 
@@ -44,7 +43,7 @@ class StepRecord:
         self.layers: list[KDASteps] = []
 
     def add(self, *tensors: torch.Tensor) -> None:
-        """A KDA layer's qkv, q, k, v, f, beta over the whole batch [T, ...] (kept as they
+        """A KDA layer's qkv, f, beta over the whole batch [T, ...] (kept as they
         are when the record is the whole batch: the forward never writes them again)."""
         if tensors[0].shape[0] == self.rows.shape[0] == self.num_leading:
             self.layers.append(KDASteps(*tensors))

@@ -80,16 +80,12 @@ class KDAttention(nn.Module):
                                and batch.snapshots is None):
             # a few tokens per sequence (a verify): the fused step token by token, the same
             # arithmetic as that many decodes, and no per-op overhead of the prefill path
-            post = None
-            if batch.record is not None:  # the rollback replays from the post-conv rows
-                post = qkv.new_empty(qkv.shape)
+            if batch.record is not None:
+                batch.record.add(qkv, f, beta)
             o = self.kernels.kda_decode(qkv, f, beta, z, self.conv_weight, self.A_log,
                                         self.dt_bias, self.o_norm_weight, self.eps,
                                         recurrent_state, conv_state, batch.state_slots,
-                                        None if batch.is_decode else batch.cu_seqlens, post)
-            if post is not None:
-                batch.record.add(qkv, *(t.view(T, H, K) for t in post.chunk(3, dim=-1)),
-                                 f, beta)
+                                        None if batch.is_decode else batch.cu_seqlens)
             return self.o_proj(o.reshape(T, H * K))
         pre = qkv
         snapshots = None
@@ -104,7 +100,7 @@ class KDAttention(nn.Module):
                                       batch.cu_seqlens)
         q, k, v = (t.view(T, H, K) for t in qkv.chunk(3, dim=-1))
         if batch.record is not None:  # a verify forward: keep the steps for the rollback
-            batch.record.add(pre, q, k, v, f, beta)
+            batch.record.add(pre, f, beta)
         o = self.kernels.kda_chunk(q, k, v, f, beta, self.A_log, self.dt_bias, recurrent_state,
                                    batch.state_slots, batch.cu_seqlens,
                                    snapshots=snapshots)
@@ -113,23 +109,14 @@ class KDAttention(nn.Module):
 
     def replay_steps(self, steps: KDASteps, cu_seqlens: torch.Tensor, state_slots: torch.Tensor,
                      recurrent_state: torch.Tensor, conv_state: torch.Tensor) -> None:
-        """Advances the states of `state_slots` by recorded steps (packed, `cu_seqlens` [B+1])
-        exactly as a forward over those tokens would, without its outputs. Spans a verify ran
-        through the fused step run it again from the pre-conv rows (bit for bit the verify's
-        arithmetic); longer ones shift the conv window to the last W-1 rows of [window ; new
-        pre-conv rows] and run kda_chunk on the recorded post-conv rows."""
-        if int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) <= FUSED_MAX_TOKENS:
-            H, V = self.num_heads, self.head_dim
-            self.kernels.kda_decode(steps.qkv, steps.f, steps.beta,
-                                    steps.f.new_zeros(steps.f.shape[0], H, V),
-                                    self.conv_weight, self.A_log, self.dt_bias,
-                                    self.o_norm_weight, self.eps, recurrent_state, conv_state,
-                                    state_slots, cu_seqlens)
-            return
-        conv_state[state_slots] = conv_windows(conv_state[state_slots], steps.qkv,
-                                               cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1])
-        self.kernels.kda_chunk(steps.q, steps.k, steps.v, steps.f, steps.beta, self.A_log,
-                               self.dt_bias, recurrent_state, state_slots, cu_seqlens)
+        """Advances the states of `state_slots` (conv windows restored to before the verify)
+        by recorded steps (packed, `cu_seqlens` [B+1]) through the fused step, token by token,
+        discarding its outputs: for a verify that ran the fused step, its states bit for bit."""
+        H, V = self.num_heads, self.head_dim
+        self.kernels.kda_decode(steps.qkv, steps.f, steps.beta,
+                                steps.f.new_zeros(steps.f.shape[0], H, V), self.conv_weight,
+                                self.A_log, self.dt_bias, self.o_norm_weight, self.eps,
+                                recurrent_state, conv_state, state_slots, cu_seqlens)
 
 
 def conv_windows(old: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,

@@ -45,12 +45,11 @@ def kda_decode_cpu(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: to
                    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                    norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                    conv_state: torch.Tensor, state_slots: torch.Tensor,
-                   cu_seqlens: torch.Tensor | None = None,
-                   post_conv: torch.Tensor | None = None) -> torch.Tensor:
+                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """`kda_decode_ref`'s composition with the batched decode ops above."""
     return compose_kda_decode(short_conv_cpu, kda_recurrent_cpu, qkv, f, beta, z, conv_weight,
                               A_log, dt_bias, norm_weight, eps, state, conv_state, state_slots,
-                              cu_seqlens, post_conv)
+                              cu_seqlens)
 
 
 def short_conv_cpu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

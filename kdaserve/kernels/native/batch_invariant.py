@@ -120,14 +120,11 @@ def kda_decode_bi(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: tor
                   conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                   conv_state: torch.Tensor, state_slots: torch.Tensor,
-                  cu_seqlens: torch.Tensor | None = None,
-                  post_conv: torch.Tensor | None = None) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Exactly the prefill path of `KDAttention.forward` (every row batch-invariant)."""
     T, H, K = f.shape
     cu = torch.arange(T + 1) if cu_seqlens is None else cu_seqlens
     x = short_conv_bi(qkv, conv_weight, conv_state, state_slots, cu)
-    if post_conv is not None:
-        post_conv.copy_(x)
     q, k, v = (t.view(T, H, -1) for t in x.chunk(3, dim=-1))
     o = kda_chunk_bi(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu)
     return gated_rmsnorm_bi(o, z, norm_weight, eps)

@@ -40,7 +40,7 @@ class Library:
 
 LIBRARIES = {
     "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp"), (), {
-        "kda_decode_f32": [_P] * 14 + [_I] * 5 + [_F],
+        "kda_decode_f32": [_P] * 13 + [_I] * 5 + [_F],
         "kda_prefill_f32": [_P] * 10 + [_I] * 5 + [_P],
         "short_conv_f32": [_P] * 6 + [_I] * 3,
         "kda_chunked_f32": [_P] * 12 + [_I] * 4,

@@ -32,18 +32,16 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
                       conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                       conv_state: torch.Tensor, state_slots: torch.Tensor,
-                      cu_seqlens: torch.Tensor | None = None,
-                      post_conv: torch.Tensor | None = None) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `kda_decode_ref`; the state pools are updated in place by the kernel,
     so they must be contiguous (they are: slices of the pool along its first dimension)."""
     T, H, K = f.shape
     V = z.shape[-1]
     if not (_f32(qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight, state, conv_state)
             and state.is_contiguous() and conv_state.is_contiguous()
-            and max(K, V) <= MAX_HEAD_DIM
-            and (post_conv is None or (_f32(post_conv) and post_conv.is_contiguous()))):
+            and max(K, V) <= MAX_HEAD_DIM):
         return kda_decode_cpu(qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight, eps,
-                              state, conv_state, state_slots, cu_seqlens, post_conv)
+                              state, conv_state, state_slots, cu_seqlens)
     # bound to names: a temporary's memory would be freed before the call
     qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight = (
         t.contiguous() for t in (qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight))
@@ -53,8 +51,8 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
     library().kda_decode_f32(
         _ptr(qkv), _ptr(f), _ptr(beta), _ptr(z), _ptr(conv_weight), _ptr(A_log), _ptr(dt_bias),
         _ptr(norm_weight), _ptr(state), _ptr(conv_state), _ptr(slots),
-        None if cu is None else _ptr(cu), None if post_conv is None else _ptr(post_conv),
-        _ptr(out), slots.shape[0], H, K, V, conv_weight.shape[1], eps)
+        None if cu is None else _ptr(cu), _ptr(out), slots.shape[0], H, K, V,
+        conv_weight.shape[1], eps)
     return out
 
 

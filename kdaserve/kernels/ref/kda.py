@@ -183,35 +183,31 @@ def kda_decode_ref(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: to
                    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                    norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                    conv_state: torch.Tensor, state_slots: torch.Tensor,
-                   cu_seqlens: torch.Tensor | None = None,
-                   post_conv: torch.Tensor | None = None) -> torch.Tensor:
+                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """A whole KDA step for B sequences between the projections: short conv of the
     concatenated q|k|v, delta rule, gated RMSNorm.
 
     qkv: [T, 2HK + HV] pre-conv projections; f: [T, H, K] raw gate; beta: [T, H] logits;
     z: [T, H, V] output gate; conv_weight: [2HK + HV, W]; norm_weight: [V]; state and
     conv_state: this layer's pools (updated in place). cu_seqlens [B+1]: a few tokens per
-    sequence, token by token (a verify); None: one token each (T = B). post_conv [T, 2HK + HV]
-    (optional): receives the post-conv rows (a verify's step record). Returns [T, H, V] in
-    qkv.dtype.
+    sequence, token by token (a verify, or its replay); None: one token each (T = B).
+    Returns [T, H, V] in qkv.dtype.
     """
     return compose_kda_decode(short_conv_ref, kda_recurrent_ref, qkv, f, beta, z, conv_weight,
                               A_log, dt_bias, norm_weight, eps, state, conv_state, state_slots,
-                              cu_seqlens, post_conv)
+                              cu_seqlens)
 
 
 def compose_kda_decode(short_conv, kda_recurrent, qkv: torch.Tensor, f: torch.Tensor,
                        beta: torch.Tensor, z: torch.Tensor, conv_weight: torch.Tensor,
                        A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
                        eps: float, state: torch.Tensor, conv_state: torch.Tensor,
-                       state_slots: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                       post_conv: torch.Tensor | None = None) -> torch.Tensor:
+                       state_slots: torch.Tensor,
+                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """`kda_decode` out of a backend's `short_conv` and `kda_recurrent` ops."""
     T, H, K = f.shape
     cu = torch.arange(T + 1, device=qkv.device) if cu_seqlens is None else cu_seqlens
     x = short_conv(qkv, conv_weight, conv_state, state_slots, cu)
-    if post_conv is not None:
-        post_conv.copy_(x)
     q, k, v = x[:, :H * K].view(T, H, K), x[:, H * K:2 * H * K].view(T, H, K), \
         x[:, 2 * H * K:].view(T, H, -1)
     o = kda_recurrent(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu)

@@ -42,8 +42,7 @@ def kda_decode_triton(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
                       conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                       conv_state: torch.Tensor, state_slots: torch.Tensor,
-                      cu_seqlens: torch.Tensor | None = None,
-                      post_conv: torch.Tensor | None = None) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """`kda_decode_ref`'s contract. One token for each of B sequences: the delta rule reads
     and writes the pool rows in place through fla's `ssm_state_indices` (no gather copy); the
     conv stays batched torch, since fla's conv cache is [N, D, W] in batch order, not slots.
@@ -51,10 +50,10 @@ def kda_decode_triton(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    if cu_seqlens is not None or post_conv is not None:
+    if cu_seqlens is not None:
         return compose_kda_decode(short_conv_cpu, kda_chunk_triton, qkv, f, beta, z,
                                   conv_weight, A_log, dt_bias, norm_weight, eps, state,
-                                  conv_state, state_slots, cu_seqlens, post_conv)
+                                  conv_state, state_slots, cu_seqlens)
     B, H, K = f.shape
     x = short_conv_cpu(qkv, conv_weight, conv_state, state_slots,
                        torch.arange(B + 1, device=qkv.device))

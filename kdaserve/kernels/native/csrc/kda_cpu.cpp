@@ -182,11 +182,11 @@ extern "C" {
 // leaves the states a run of n decodes would. qkv [T, 2HK+HV] pre-conv; f [T, H, K] raw
 // gate; beta [T, H] logits; z [T, H, V] output gate; conv_w [2HK+HV, W]; A_log [H];
 // dt_bias [H*K]; norm_w [V]; state [N, H, K, V]; conv_state [N, W-1, 2HK+HV]; slots [B];
-// out [T, H, V]; post (nullable) [T, 2HK+HV]: the post-conv rows, for a step record.
+// out [T, H, V].
 void kda_decode_f32(const float* qkv, const float* f, const float* beta, const float* z,
                     const float* conv_w, const float* A_log, const float* dt_bias,
                     const float* norm_w, float* state, float* conv_state, const int64_t* slots,
-                    const int64_t* cu, float* post, float* out, int64_t B, int64_t H,
+                    const int64_t* cu, float* out, int64_t B, int64_t H,
                     int64_t K, int64_t V, int64_t W, float eps) {
   const int64_t C = 2 * H * K + H * V;
   const float qscale = 1.0f / std::sqrt(static_cast<float>(K));
@@ -202,12 +202,6 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
       conv_silu(x, conv_w, cs, C, W, h * K, K, q);
       conv_silu(x, conv_w, cs, C, W, H * K + h * K, K, k);
       conv_silu(x, conv_w, cs, C, W, 2 * H * K + h * V, V, v);
-      if (post != nullptr) {
-        float* pr = post + t * C;
-        std::memcpy(pr + h * K, q, K * sizeof(float));
-        std::memcpy(pr + H * K + h * K, k, K * sizeof(float));
-        std::memcpy(pr + 2 * H * K + h * V, v, V * sizeof(float));
-      }
       l2norm(q, K, qscale);
       l2norm(k, K, 1.0f);
       decay_gate(f + (t * H + h) * K, dt_bias + h * K, A_log[h], K, decay);
