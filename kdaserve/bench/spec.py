@@ -204,6 +204,9 @@ def main(args: argparse.Namespace) -> None:
                     "acceptance_length": m["spec_mean_acceptance_length"] or 1.0,
                     "speedup": tps / base["tok_s"], "decode_speedup": dec / base["decode_tok_s"],
                     "verifies": m["spec_num_verifies"],
+                    # drafts the schedule kept per proposal (speculative/schedule.py)
+                    "mean_verify_length": sum(n * c for n, c in spec.lengths.items())
+                    / max(spec.lengths.total(), 1),
                     "kept_by_position": [a / d if d else 0.0 for a, d in
                                          zip(spec.accepted_at, spec.drafted_at, strict=True)],
                     "drafted_by_position": list(spec.drafted_at)})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,7 @@ class LLMEngine(Introspection):
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.pd is not None:
             outputs += self._poll_disaggregation()
+        started = time.perf_counter()  # drafting included: the schedule weighs whole steps
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
             trim_drafts(self.scheduler.running)
@@ -277,6 +279,9 @@ class LLMEngine(Introspection):
                 self.counters["prompt_tokens"] += min(n, len(req.prompt_ids)
                                                       - req.num_computed_tokens)
         spec = self.spec
+        # a prefill chunk's step is another regime than the decode/verify steps timed here
+        decode_only = all(n == 1 + len(r.draft_ids) for r, n in
+                          zip(batch.reqs, batch.num_new_tokens, strict=True))
         saved = spec.save(batch) if spec is not None else {}
         try:  # the scratch slots go back to the pool whatever happens
             record = spec.record(batch, saved, self.device) if spec is not None and saved else None
@@ -359,6 +364,8 @@ class LLMEngine(Introspection):
             for req, j, r in accepted:
                 if not req.is_finished:
                     spec.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)
+            if decode_only:
+                spec.observe_step(sum(batch.num_new_tokens), time.perf_counter() - started)
         if isinstance(self.pd, PrefillSide):
             self.pd.after_sample(batch)
         self.scheduler.take_snapshots(batch.reqs)

@@ -1,6 +1,6 @@
 """Block drafter in the spirit of DSpark: one forward of a small network proposes a whole block
-of K tokens from the target's last hidden state, and per-position confidences choose each
-request's verify length (longer when the batch is idle, shorter when busy).
+of K tokens from the target's last hidden state, with per-position confidences from which the
+engine's schedule (`speculative/schedule.py`) picks each request's verify length.
 
 Network (`BlockDraftNet`), for a request whose target hidden state at its last computed
 position is h [D] and whose pending (sampled, not yet run) token is t:
@@ -35,10 +35,6 @@ from kdaserve.request import Request
 from kdaserve.speculative.drafter import Drafter
 
 ARCHITECTURE = "kdaserve-block-drafter"
-# prefix-survival probability a draft position needs, idle batch -> full batch: an extra
-# verified token costs little while the batch is small, and displaces other work when busy
-IDLE_THRESHOLD = 0.1
-BUSY_THRESHOLD = 0.6
 
 
 class BlockDraftNet(nn.Module):
@@ -65,30 +61,14 @@ class BlockDraftNet(nn.Module):
         return self.lm_head(self.norm(z)).float()
 
 
-def choose_verify_length(confidence: list[float], load: float,
-                         idle: float = IDLE_THRESHOLD, busy: float = BUSY_THRESHOLD) -> int:
-    """Drafts to verify: the longest prefix whose cumulative confidence (the predicted chance
-    that every draft up to there is accepted) stays at or above a threshold that rises
-    linearly from `idle` (empty batch) to `busy` (load = running / max_num_seqs >= 1)."""
-    threshold = idle + (busy - idle) * min(max(load, 0.0), 1.0)
-    survive, n = 1.0, 0
-    for c in confidence:
-        survive *= c
-        if survive < threshold:
-            break
-        n += 1
-    return n
-
-
 class BlockDrafter(Drafter):
     wants_hidden = True
 
     def __init__(self, net: BlockDraftNet, k: int, device: torch.device) -> None:
         self.net, self.device = net, device
         self.k = min(k, net.cfg["block_size"])
-        self.idle, self.busy = IDLE_THRESHOLD, BUSY_THRESHOLD
         self.hidden: dict[int, torch.Tensor] = {}  # id(req) -> target hidden state [D]
-        self.lengths: list[int] = []  # verify lengths chosen (for tests and benchmarks)
+        self._survival: dict[int, list[float]] = {}  # id(req) -> of its last proposal
 
     @classmethod
     def load(cls, path: Path, target: ModelConfig, k: int, dtype: torch.dtype,
@@ -108,8 +88,9 @@ class BlockDrafter(Drafter):
         return cls(net.to(device=device, dtype=dtype).eval(), k, device)
 
     @torch.inference_mode()
-    def propose(self, reqs: list[Request], load: float = 0.0) -> None:
+    def propose(self, reqs: list[Request]) -> None:
         ready = [r for r in reqs if id(r) in self.hidden]
+        self._survival.clear()
         for req in reqs:
             req.draft_ids = []
         if not ready:
@@ -117,22 +98,21 @@ class BlockDrafter(Drafter):
         hidden = torch.stack([self.hidden[id(r)] for r in ready])
         tokens = torch.tensor([r.all_ids[-1] for r in ready], device=self.device)
         drafts, conf = self.draft(hidden, tokens)
-        self.choose(ready, drafts.tolist(), conf.tolist(), load)
+        # a block's drafts survive together: the chance of the first i is the product of
+        # their confidences (each the predicted chance of its position given the previous)
+        survival = conf.double().cumprod(-1).tolist()
+        for req, d, s in zip(ready, drafts.tolist(), survival, strict=True):
+            n = self.max_draft_tokens(req)
+            req.draft_ids, self._survival[id(req)] = d[:n], s[:n]
+
+    def survival(self, req: Request) -> list[float] | None:
+        return self._survival.get(id(req))
 
     def draft(self, hidden: torch.Tensor,
               tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [B, *] and pending tokens [B] -> (drafts [B, k], confidences [B, k])."""
         conf, drafts = self.net(hidden, tokens)[:, :self.k].softmax(-1).max(-1)
         return drafts, conf
-
-    def choose(self, reqs: list[Request], drafts: list[list[int]], conf: list[list[float]],
-               load: float) -> None:
-        """Each request verifies the prefix of its block its confidences support at `load`."""
-        for req, d, c in zip(reqs, drafts, conf, strict=True):
-            n = min(choose_verify_length(c, load, self.idle, self.busy),
-                    self.max_draft_tokens(req))
-            self.lengths.append(n)
-            req.draft_ids = d[:n]
 
     def on_accept(self, req: Request, num_accepted: int,
                   hidden: torch.Tensor | None = None) -> None:

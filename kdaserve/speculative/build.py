@@ -18,6 +18,7 @@ from kdaserve.speculative.draft_model import DraftModelDrafter
 from kdaserve.speculative.drafter import Drafter
 from kdaserve.speculative.dspark import DSparkDrafter
 from kdaserve.speculative.ngram import NgramDrafter
+from kdaserve.speculative.schedule import StepCost
 from kdaserve.speculative.verify import Speculator
 
 
@@ -40,5 +41,5 @@ def build_speculator(c: EngineConfig, draft_path: Path | None, target: ModelConf
             drafter = DraftModelDrafter.load(
                 draft_path, target, kernels, dtype, device, k, max_running,
                 blocks.num_blocks * blocks.block_size, c.block_size, c.max_num_batched_tokens)
-    return Speculator(drafter, states, cache, max_running, AdaptiveSpeculation(
-        c.speculative_min_acceptance_rate, c.speculative_disable_by_batch_size))
+    return Speculator(drafter, states, cache, AdaptiveSpeculation(
+        c.speculative_min_acceptance_rate, c.speculative_disable_by_batch_size), StepCost())

@@ -77,7 +77,7 @@ class DraftModelDrafter(Drafter):
         return cls(model, k, max_running, num_blocks, block_size, max_chunk, dtype, device)
 
     # ---- proposing ----
-    def propose(self, reqs: list[Request], load: float = 0.0) -> None:
+    def propose(self, reqs: list[Request]) -> None:
         budget = self.max_chunk
         first: list[tuple[Request, DraftSeq, int]] = []  # (req, seq, tokens run now)
         seqs = []

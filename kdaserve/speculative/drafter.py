@@ -26,10 +26,15 @@ class Drafter:
     # pass instead the residual stream after each of those target layers, concatenated
     taps: tuple[int, ...] = ()
 
-    def propose(self, reqs: list[Request], load: float = 0.0) -> None:
-        """Fills req.draft_ids for each request. load: running requests / max_num_seqs, so a
-        drafter may draft less when the batch is busy."""
+    def propose(self, reqs: list[Request]) -> None:
+        """Fills req.draft_ids for each request (as many as it has: the engine's schedule,
+        `speculative/schedule.py`, picks how many to verify)."""
         raise NotImplementedError
+
+    def survival(self, req: Request) -> list[float] | None:
+        """The drafter's own estimate, per draft of its last proposal for req, of the chance
+        that the draft and all before it are accepted; None: the engine estimates it."""
+        return None
 
     def max_draft_tokens(self, req: Request) -> int:
         """Drafts worth proposing: k, but never past max_tokens (the bonus token counts)."""
@@ -64,7 +69,7 @@ class Drafter:
 class TokenDrafter(Drafter):
     """A drafter that looks only at each request's token ids (`propose_ids`)."""
 
-    def propose(self, reqs: list[Request], load: float = 0.0) -> None:
+    def propose(self, reqs: list[Request]) -> None:
         for req in reqs:
             k = self.max_draft_tokens(req)
             req.draft_ids = self.propose_ids(req.all_ids, k) if k else []

@@ -2,7 +2,8 @@
 Generation"): hidden states tapped from several target layers, a parallel backbone that drafts
 a whole block of K tokens in one forward, a light sequential low-rank Markov head for the
 dependency between drafted tokens, and a confidence head whose per-position acceptance
-predictions choose each request's verify length against the batch's load.
+predictions choose each request's verify length against the cost of a step
+(`speculative/schedule.py`).
 
 Network (`DSparkNet`), for a request whose target residual streams after the tap layers at its
 last computed position are h_1..h_n [D each] and whose pending token is t:

@@ -14,6 +14,8 @@ later tokens overwrite them.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from kdaserve.cache.radix_cache import RadixCache
@@ -23,7 +25,10 @@ from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.request import Request
 from kdaserve.speculative.adaptive import AdaptiveSpeculation
 from kdaserve.speculative.drafter import Drafter
+from kdaserve.speculative.schedule import StepCost, choose_lengths
 from kdaserve.step_record import StepRecord
+
+FIRST_EMA = 0.2  # weight of the newest step in the first drafts' mean survival
 
 
 def trim_drafts(running: list[Request]) -> None:
@@ -75,10 +80,15 @@ class Speculator:
     scheduler's hooks) to the drafter."""
 
     def __init__(self, drafter: Drafter, states: StatePool, cache: RadixCache | None,
-                 max_num_seqs: int = 1, adaptive: AdaptiveSpeculation | None = None) -> None:
+                 adaptive: AdaptiveSpeculation | None = None,
+                 cost: StepCost | None = None) -> None:
         self.drafter, self.states, self.cache = drafter, states, cache
-        self.max_num_seqs = max_num_seqs
         self.adaptive = adaptive or AdaptiveSpeculation()
+        self.cost = cost or StepCost()  # the verify-length schedule's model of a step
+        # how often the schedule kept n drafts of a non-empty proposal (benchmarks, tests)
+        self.lengths: Counter[int] = Counter()
+        self.first_survival: float | None = None  # recent first drafts' mean survival
+        self.num_schedule_skips = 0  # steps not drafted: no draft would have paid
         self.num_verifies = 0
         self.num_drafted = 0
         self.num_accepted = 0
@@ -102,10 +112,50 @@ class Speculator:
                 continue
             if self.drafter.max_draft_tokens(req) > 0 and self.adaptive.allows(req):
                 eligible.append(req)
-        if eligible:
-            self.drafter.propose(eligible, len(running) / self.max_num_seqs)
+        if not eligible:
+            return
+        decoding = sum(not r.is_prefilling for r in running)
+        ratio = self.cost.slope_ratio()
+        # drafting costs too: when a first draft, at the chance first drafts have had lately,
+        # would not be verified, the step does not draft at all (until the batch shrinks)
+        if self.first_survival is not None and \
+                not choose_lengths([[self.first_survival]], ratio, decoding)[0]:
+            self.num_schedule_skips += 1
+            return
+        self.drafter.propose(eligible)
         for req in eligible:  # a drafter's contract, enforced: never past max_tokens
             del req.draft_ids[self.drafter.max_draft_tokens(req):]
+        survival = [self._survival(req) for req in eligible]
+        firsts = [s[0] for s in survival if s]
+        if firsts:
+            mean = sum(firsts) / len(firsts)
+            self.first_survival = mean if self.first_survival is None else \
+                (1 - FIRST_EMA) * self.first_survival + FIRST_EMA * mean
+        for req, n in zip(eligible, choose_lengths(survival, ratio, decoding), strict=True):
+            if req.draft_ids:
+                del req.draft_ids[n:]
+                self.lengths[n] += 1
+
+    def _survival(self, req: Request) -> list[float]:
+        """The chance each of req's drafts survives (it and all before it accepted): the
+        drafter's own estimate where it has one, else this engine's record by position,
+        optimistic (one kept verify assumed: an unseen position is tried before it is
+        judged, else a drafter that starts in a large batch would never get a record)."""
+        k = len(req.draft_ids)
+        own = self.drafter.survival(req)
+        if own is not None:
+            return own[:k]
+        out, p = [], 1.0
+        for i in range(k):
+            seen = self.drafted_at[i] if i < len(self.drafted_at) else 0
+            kept = self.accepted_at[i] if i < len(self.accepted_at) else 0
+            p = min(p, (kept + 1) / (seen + 1))
+            out.append(p)
+        return out
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode/verify step's size and wall time, for the schedule's cost model."""
+        self.cost.observe(tokens, seconds)
 
     # ---- lifecycle: the scheduler's hooks, relayed (tests swap the drafter) ----
     def on_admit(self, req: Request) -> None:
@@ -196,5 +246,6 @@ class Speculator:
                 "spec_num_accepted": self.num_accepted,
                 "spec_num_switched_off": self.adaptive.num_switched_off,
                 "spec_num_batch_skips": self.adaptive.num_batch_skips,
+                "spec_num_schedule_skips": self.num_schedule_skips,
                 "spec_mean_acceptance_length": (self.num_accepted + self.num_verifies)
                 / self.num_verifies if self.num_verifies else 0.0}

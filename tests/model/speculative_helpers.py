@@ -11,30 +11,39 @@ from kdaserve.speculative.drafter import Drafter
 class ScriptedDrafter(Drafter):
     """Wraps a drafter (or none). After the inner drafter proposes, each request's drafts are
     optionally replaced by the target's own greedy tokens (`futures`: prompt -> greedy
-    continuation; same length as the inner drafter chose, or k without one) and then corrupted
-    at the `corrupt` positions, so the number accepted is known: min(first corrupt position,
-    number drafted). Every verification is logged as (drafted, accepted)."""
+    continuation; as many as the inner drafter's confidences put at `min_survival` or more,
+    or k without one) and then corrupted at the `corrupt` positions, so the number accepted
+    is known: min(first corrupt position, number drafted). Every draft is reported certain
+    (survival 1), so the engine's schedule verifies them all. Every verification is logged as
+    (drafted, accepted)."""
 
     def __init__(self, inner: Drafter | None, k: int, vocab: int,
                  futures: dict[tuple[int, ...], list[int]] | None = None,
-                 corrupt: set[int] | frozenset[int] = frozenset()) -> None:
+                 corrupt: set[int] | frozenset[int] = frozenset(),
+                 min_survival: float = 0.05) -> None:
         self.inner, self.k, self.vocab = inner, k, vocab
-        self.futures, self.corrupt = futures, corrupt
+        self.futures, self.corrupt, self.min_survival = futures, corrupt, min_survival
         self.wants_hidden = inner is not None and inner.wants_hidden  # type: ignore[misc]
         self.taps = inner.taps if inner is not None else ()
         self.proposed: dict[int, list[int]] = {}
         self.log: list[tuple[int, int]] = []
 
-    def propose(self, reqs: list[Request], load: float = 0.0) -> None:
+    def propose(self, reqs: list[Request]) -> None:
         if self.inner is not None:
-            self.inner.propose(reqs, load)
+            self.inner.propose(reqs)
         for req in reqs:
+            own = self.inner.survival(req) if self.inner is not None else None
+            if own is not None:  # the lengths the inner drafter's confidences support
+                req.draft_ids = req.draft_ids[:sum(p >= self.min_survival for p in own)]
             if self.futures is not None:
                 n = len(req.draft_ids) if self.inner is not None else self.max_draft_tokens(req)
                 req.draft_ids = self._future(req.all_ids)[:n]
             req.draft_ids = [(t + 1) % self.vocab if i in self.corrupt else t
                              for i, t in enumerate(req.draft_ids)]
             self.proposed[id(req)] = list(req.draft_ids)
+
+    def survival(self, req: Request) -> list[float] | None:
+        return [1.0] * len(self.proposed.get(id(req), []))
 
     def _future(self, ids: list[int]) -> list[int]:
         assert self.futures is not None

@@ -5,6 +5,7 @@ checkpoint is refused with its fault named."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import preset_config
 from kdaserve.request import Request
 from kdaserve.speculative.dspark import DSparkDrafter, DSparkNet, make_dspark_drafter
+from kdaserve.speculative.schedule import StepCost
 
 from .conftest import SPEC_NEW
 
@@ -53,7 +55,8 @@ def test_engine_taps_equal_a_plain_forward(tiny_ckpt: Path, drafter_path: Path,
     spec = llm.engine.spec
     assert spec is not None and isinstance(spec.drafter, DSparkDrafter)
     rec = Recording(spec.drafter)
-    rec.idle = rec.busy = 0.0  # verify every draft: rows after rollbacks get checked too
+    # verify every draft: rows after rollbacks get checked too
+    spec.cost = StepCost(fitted=False, prior_tokens=math.inf)
     spec.drafter = rec
     params = SamplingParams(temperature=0.0, max_tokens=SPEC_NEW, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=spec_prompts[:4], sampling_params=params)

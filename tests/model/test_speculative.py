@@ -4,6 +4,7 @@ chunked prefill and prefix-cache hits; every pool consistent afterwards."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from kdaserve import LLM, SamplingParams
 from kdaserve.speculative.drafter import TokenDrafter
 from kdaserve.speculative.ngram import NgramDrafter
+from kdaserve.speculative.schedule import StepCost
 
 from .conftest import SPEC_NEW as NEW
 from .conftest import greedy_outputs as reference
@@ -124,6 +126,9 @@ def test_sampled_requests_with_drafts_are_reproducible(tiny_ckpt: Path,
             return ids[-7:-4][: self.k if k is None else k]
 
     llm.engine.spec.drafter = Fixed()
+    # every draft verified: with the fitted schedule the verify lengths, hence how many
+    # random draws a step takes, would follow timings and the acceptance seen so far
+    llm.engine.spec.cost = StepCost(fitted=False, prior_tokens=math.inf)
     p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=NEW, seed=11, ignore_eos=True)
     a = llm.generate(prompt_token_ids=[spec_prompts[-1]], sampling_params=p)[0].token_ids
     b = llm.generate(prompt_token_ids=[spec_prompts[-1]], sampling_params=p)[0].token_ids
@@ -147,8 +152,8 @@ def test_partial_acceptance_leaves_the_states_of_plain_decoding(
     vocab = llm.config.vocab_size
 
     class Scripted(ScriptedDrafter):
-        def propose(self, reqs: list, load: float = 0.0) -> None:
-            super().propose(reqs, load)
+        def propose(self, reqs: list) -> None:
+            super().propose(reqs)
             for req in reqs:
                 if req.prompt_ids == prompts[1] and req.draft_ids:
                     req.draft_ids[0] = (req.draft_ids[0] + 1) % vocab
@@ -211,6 +216,38 @@ def test_adaptive_speculation_in_the_engine(tiny_ckpt: Path, spec_plain: LLM,
     assert outs[0].outputs[0].spec_num_verifies == 0  # it only ran in the large batch
     assert outs[3].outputs[0].spec_num_verifies > 0  # alone, it drafted again
     limited.check_integrity()
+
+
+def test_verify_schedule_backs_off_under_load(tiny_ckpt: Path, spec_plain: LLM,
+                                              spec_prompts: list[list[int]]) -> None:
+    """With a step cost where one token costs half a step's fixed part (b/a = 1/2) and
+    drafts each kept at a stated chance of 0.6 (survival 0.6, 0.36, ...): eight decoding
+    requests find no draft worth its cost (the bar is b E / (a + b T) = 0.8) and soon stop
+    drafting at all, while one request alone verifies exactly one draft a step (bars 0.33,
+    then 0.4 > 0.36); outputs equal plain decoding. The engine feeds its decode steps'
+    timings to the fitted model."""
+    k, prompts = 4, spec_prompts[:8]
+    refs = reference(spec_plain, prompts)
+    futures = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
+    llm = LLM(tiny_ckpt, speculative_algorithm="ngram", speculative_num_draft_tokens=k)
+    spec = llm.engine.spec
+    assert spec is not None
+    spec.drafter = ScriptedDrafter(None, k, llm.config.vocab_size, futures)
+    spec.drafter.survival = lambda req: [  # type: ignore[method-assign]
+        0.6 ** (i + 1) for i in range(len(req.draft_ids))]
+    spec.cost = StepCost(fitted=False, prior_tokens=2)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == refs
+    m = llm.get_metrics()
+    assert m["spec_num_verifies"] == 0 and m["spec_num_schedule_skips"] > NEW // 2
+    alone = llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY)[0]
+    assert alone.token_ids == refs[0]
+    assert alone.outputs[0].spec_num_verifies > 0 and max(spec.lengths) == 1
+    llm.check_integrity()
+
+    timed = LLM(tiny_ckpt, speculative_algorithm="ngram", speculative_num_draft_tokens=k)
+    timed.generate(prompt_token_ids=prompts[:2], sampling_params=GREEDY)
+    assert timed.engine.spec is not None and timed.engine.spec.cost.num_observed > 0
 
 
 def test_replay_of_a_fused_verify_is_exact() -> None:

@@ -1,0 +1,79 @@
+"""The verify-length schedule (speculative/schedule.py): the greedy choice equals a brute
+force over every combination of prefix lengths, hand-checked cases, and the step-cost fit."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from kdaserve.speculative.schedule import A_FLOOR, PRIOR_TOKENS, StepCost, choose_lengths
+
+
+def rate(survival: list[list[float]], lengths: list[int] | tuple[int, ...], ratio: float,
+         base: int) -> float:
+    """Expected tokens per second (in units of a step's fixed cost) for these lengths."""
+    emitted = base + sum(sum(s[:n]) for s, n in zip(survival, lengths, strict=True))
+    return emitted / (1 + ratio * (base + sum(lengths)))
+
+
+def test_hand_cases() -> None:
+    s = [0.9, 0.72, 0.36, 0.324]  # confidences 0.9, 0.8, 0.5, 0.9 multiplied up
+    r = 1 / 8
+    # alone: bars 0.111, 0.19, 0.238, 0.248: every draft pays
+    assert choose_lengths([s], r, 1) == [4]
+    # beside 15 other decodes: bars 0.667, 0.676, 0.678: two pay
+    assert choose_lengths([s], r, 16) == [2]
+    assert choose_lengths([s, s], r, 64) == [1, 1]  # bar 0.889 < 0.9
+    assert choose_lengths([s, s], r, 128) == [0, 0]  # bar 0.941
+    assert choose_lengths([s], 0.0, 1) == [4]  # tokens free: all
+    assert choose_lengths([s], math.inf, 1) == [0]  # only tokens cost: none
+    assert choose_lengths([[], s], r, 2) == [0, 4]
+
+
+def test_greedy_is_optimal() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        n, k = rng.randint(1, 3), rng.randint(1, 4)
+        survival = []
+        for _ in range(n):
+            p, s = 1.0, []
+            for _ in range(k):
+                p *= rng.random() ** 0.3
+                s.append(p)
+            survival.append(s)
+        ratio = rng.choice([0.01, 0.1, 0.3, 1.0, 3.0])
+        base = n + rng.randint(0, 6)
+        got = choose_lengths(survival, ratio, base)
+        best = max(rate(survival, c, ratio, base)
+                   for c in itertools.product(range(k + 1), repeat=n))
+        assert rate(survival, got, ratio, base) == pytest.approx(best, rel=1e-12)
+
+
+def test_step_cost_fit() -> None:
+    cost = StepCost()
+    assert cost.slope_ratio() == 1 / PRIOR_TOKENS  # nothing seen
+    for _ in range(50):
+        cost.observe(4, 0.01)
+    assert cost.slope_ratio() == 1 / PRIOR_TOKENS  # one size only: a and b not separable
+    rng = random.Random(1)
+    for _ in range(400):  # t = 2 ms + 0.5 ms a token, 2% noise
+        t = rng.randint(1, 40)
+        cost.observe(t, (2e-3 + 5e-4 * t) * rng.uniform(0.98, 1.02))
+    assert cost.slope_ratio() == pytest.approx(0.25, rel=0.1)
+    flat = StepCost()
+    for t in (1, 8, 1, 8):
+        flat.observe(t, 0.01 - 1e-4 * t)  # larger steps timed faster: noise, not a model
+    assert flat.slope_ratio() == 0.0
+    steep = StepCost()
+    for t in (1, 9, 1, 9):
+        steep.observe(t, 1e-3 * t - 5e-4)  # intercept < 0: a stalled big step, not a model
+    mean_y = 4.5e-3
+    # (the weighted mean leans to the latest steps: within 2%)
+    assert steep.slope_ratio() == pytest.approx(1e-3 / (A_FLOOR * mean_y), rel=0.02)
+    frozen = StepCost(fitted=False, prior_tokens=2)
+    frozen.observe(1, 1.0)
+    frozen.observe(9, 9.0)
+    assert frozen.num_observed == 0 and frozen.slope_ratio() == 0.5
