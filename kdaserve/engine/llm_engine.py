@@ -365,8 +365,7 @@ class LLMEngine(Introspection):
                 if not req.is_finished:
                     spec.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)
             if decode_only:
-                spec.observe_step(sum(batch.num_new_tokens), len(saved),
-                                  time.perf_counter() - started)
+                spec.observe_step(sum(batch.num_new_tokens), time.perf_counter() - started)
         if isinstance(self.pd, PrefillSide):
             self.pd.after_sample(batch)
         self.scheduler.take_snapshots(batch.reqs)

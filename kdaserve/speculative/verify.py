@@ -115,12 +115,11 @@ class Speculator:
         if not eligible:
             return
         decoding = sum(not r.is_prefilling for r in running)
-        token_ratio, verify_ratio = self.cost.ratios()
+        ratio = self.cost.slope_ratio()
         # drafting costs too: when a first draft, at the chance first drafts have had lately,
         # would not be verified, the step does not draft at all (until the batch shrinks)
-        if self.first_survival is not None and not choose_lengths(
-                [[self.first_survival] * self.drafter.k], token_ratio, decoding,
-                verify_ratio)[0]:
+        if self.first_survival is not None and \
+                not choose_lengths([[self.first_survival]], ratio, decoding)[0]:
             self.num_schedule_skips += 1
             return
         self.drafter.propose(eligible)
@@ -132,8 +131,7 @@ class Speculator:
             mean = sum(firsts) / len(firsts)
             self.first_survival = mean if self.first_survival is None else \
                 (1 - FIRST_EMA) * self.first_survival + FIRST_EMA * mean
-        for req, n in zip(eligible, choose_lengths(survival, token_ratio, decoding,
-                                                   verify_ratio), strict=True):
+        for req, n in zip(eligible, choose_lengths(survival, ratio, decoding), strict=True):
             if req.draft_ids:
                 del req.draft_ids[n:]
                 self.lengths[n] += 1
@@ -155,10 +153,9 @@ class Speculator:
             out.append(p)
         return out
 
-    def observe_step(self, tokens: int, verifies: int, seconds: float) -> None:
-        """A decode/verify step's tokens, verifying requests and wall time, for the
-        schedule's cost model."""
-        self.cost.observe(tokens, verifies, seconds)
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """A decode/verify step's size and wall time, for the schedule's cost model."""
+        self.cost.observe(tokens, seconds)
 
     # ---- lifecycle: the scheduler's hooks, relayed (tests swap the drafter) ----
     def on_admit(self, req: Request) -> None:
