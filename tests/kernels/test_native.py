@@ -215,8 +215,7 @@ def test_moe_experts_match_reference(T: int, backend: str, monkeypatch) -> None:
     the native kernel runs above its usual size limit too."""
     import kdaserve.kernels.native.ops as native_ops
 
-    monkeypatch.setattr(native_ops, "MOE_NATIVE_MAX_TOKENS", 10**6)
-    monkeypatch.setattr(native_ops, "MOE_NATIVE_MAX_PER_EXPERT", 10**6)
+    monkeypatch.setattr(native_ops, "moe_native_limits", lambda: (10**6, 10**6))
     E, inter, D, k = 12, 24, 40, 3
     g = gen(T)
     x = torch.randn(T, D, generator=g)
@@ -236,7 +235,7 @@ def test_linear_native_matches_torch(rows: int, K: int, monkeypatch) -> None:
     native kernel at every count: oneDNN would take fp32 above onednn_native_max_rows)."""
     from kdaserve.kernels.native import ops
 
-    monkeypatch.setattr(ops, "onednn_native_max_rows", lambda large: 64)
+    monkeypatch.setattr(ops, "onednn_native_max_rows", lambda elements: 64)
     g = gen(rows * K)
     x, w = torch.randn(2, rows, K, generator=g), torch.randn(70, K, generator=g)
     torch.testing.assert_close(linear_native(x[1], w), torch.nn.functional.linear(x[1], w),
@@ -301,7 +300,7 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
     calls = spy_on_native_calls(monkeypatch)
     g = gen(9)
     w = torch.randn(70, 40, generator=g)
-    cap = ops.onednn_native_max_rows(False)
+    cap = ops.onednn_native_max_rows(w.numel())
     for rows, weight, native in ((cap, w, True), (cap + 1, w, False),
                                  (300, w, False), (9, w.bfloat16(), True),
                                  (ops.QUANTIZED_MAX_ROWS, w.bfloat16(), True),
@@ -316,18 +315,21 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
                                rtol=1e-5)
 
 
-def test_onednn_row_cap_follows_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN's AVX-512 code wins from 5 rows; its AVX2 code only above 32 (16 for a large
-    weight)."""
+    weight, 96 for a small one). The native MoE kernel takes up to 128 tokens and 16 per
+    expert on AVX-512, any batch of up to 96 per expert on AVX2."""
     from kdaserve.kernels.native import ops
 
-    for isa, large, cap in (("AVX512", False, ops.ONEDNN_NATIVE_MAX_ROWS),
-                            ("AVX512", True, ops.ONEDNN_NATIVE_MAX_ROWS),
-                            ("AVX2", False, 32), ("AVX2", True, 16), ("DEFAULT", False, 32)):
+    small, mid, large = ops.SMALL_WEIGHT, ops.SMALL_WEIGHT + 1, ops.LARGE_WEIGHT
+    for isa, elements, cap in (("AVX512", small, 4), ("AVX512", mid, 4), ("AVX512", large, 4),
+                               ("AVX2", small, 96), ("AVX2", mid, 32), ("AVX2", large, 16),
+                               ("DEFAULT", mid, 32)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
-        ops.onednn_native_max_rows.cache_clear()
-        assert ops.onednn_native_max_rows(large) == cap
-    ops.onednn_native_max_rows.cache_clear()
+        ops.avx512.cache_clear()
+        assert ops.onednn_native_max_rows(elements) == cap
+        assert ops.moe_native_limits() == ((128, 16) if isa == "AVX512" else (2**31, 96))
+    ops.avx512.cache_clear()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 33, 64])

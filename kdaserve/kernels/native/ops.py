@@ -202,6 +202,24 @@ _WEIGHT_KERNELS = {torch.float32: ("linear_small_f32", "moe_decode_f32"),
 # per expert: 2.13 ms native against 1.27 ms; 64 experts top-8, 128 tokens = 16 each: equal).
 MOE_NATIVE_MAX_TOKENS = 128
 MOE_NATIVE_MAX_PER_EXPERT = 16
+# oneDNN's AVX2 code pays ~0.2 ms a call, so there the native kernel stays ahead up to ~100
+# tokens per expert whatever the batch (AVX2 AMD EPYC, ms native / per-expert GEMMs: 8 experts
+# top-2 at hidden 256, 128 tokens 1.9 / 5.0, 384 7.6 / 9.3, 512 11.5 / 10.8; 64 experts top-8
+# at hidden 768, 128 tokens 16 / 50, 768 76 / 84, 1,024 96 / 114, 2,048 289 / 213)
+MOE_NATIVE_MAX_TOKENS_AVX2 = 2**31
+MOE_NATIVE_MAX_PER_EXPERT_AVX2 = 96
+
+
+@functools.cache
+def avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def moe_native_limits() -> tuple[int, int]:
+    """(most tokens, most tokens per expert on average) the native MoE kernel takes."""
+    if avx512():
+        return MOE_NATIVE_MAX_TOKENS, MOE_NATIVE_MAX_PER_EXPERT
+    return MOE_NATIVE_MAX_TOKENS_AVX2, MOE_NATIVE_MAX_PER_EXPERT_AVX2
 
 
 def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -210,7 +228,8 @@ def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     """Same contract as `moe_experts_ref`; decode-sized batches in one C++ call."""
     T, k = ids.shape
     kernel = _WEIGHT_KERNELS.get(w13.dtype, ("", ""))[1]
-    if T > MOE_NATIVE_MAX_TOKENS or T * k > MOE_NATIVE_MAX_PER_EXPERT * w13.shape[0] \
+    max_tokens, per_expert = moe_native_limits()
+    if T > max_tokens or T * k > per_expert * w13.shape[0] \
             or not kernel or not _f32(x) or w2.dtype != w13.dtype \
             or not w13.is_contiguous() or not w2.is_contiguous():
         return moe_experts_cpu(x, weights, ids, w13, w2, scale13, scale2)
@@ -244,17 +263,26 @@ LARGE_WEIGHT_MAX_ROWS = 128
 # native up to 32 rows, 16 for an lm_head-sized weight (AVX2 AMD EPYC, us native / oneDNN:
 # 900 x 256 at 8 / 32 rows 70 / 198, 231 / 320; 2816 x 768 at 16 / 32 876 / 1773,
 # 1863 / 2190; 768 x 1024 at 32 871 / 651; the lm_head, ms, at 16 / 32 77 / 78, 137 / 111).
+# A small weight pays that per-call cost on little work, so it stays native up to 96 rows
+# (us native / oneDNN at 64 / 96 rows: 256 x 256 115 / 178, 184 / 196; 256 x 192 112 / 160,
+# 158 / 184; 256 x 80 59 / 129, 84 / 141; 384 x 64 at 96 137 / 139): the verify steps of
+# speculation at batch 16 run 32-128 rows through such weights on small models.
 ONEDNN_NATIVE_MAX_ROWS = 4
 ONEDNN_NATIVE_MAX_ROWS_AVX2 = 32
 ONEDNN_NATIVE_MAX_ROWS_AVX2_LARGE = 16
+ONEDNN_NATIVE_MAX_ROWS_AVX2_SMALL = 96
+SMALL_WEIGHT = 2**16  # elements (256 KB in fp32)
 
 
-@functools.cache
-def onednn_native_max_rows(large: bool) -> int:
-    """Up to how many rows fp32 weights stay on the native GEMM when oneDNN is there."""
-    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+def onednn_native_max_rows(elements: int) -> int:
+    """Up to how many rows an fp32 weight of `elements` stays on the native GEMM when oneDNN
+    is there."""
+    if avx512():
         return ONEDNN_NATIVE_MAX_ROWS
-    return ONEDNN_NATIVE_MAX_ROWS_AVX2_LARGE if large else ONEDNN_NATIVE_MAX_ROWS_AVX2
+    if elements >= LARGE_WEIGHT:
+        return ONEDNN_NATIVE_MAX_ROWS_AVX2_LARGE
+    return ONEDNN_NATIVE_MAX_ROWS_AVX2_SMALL if elements <= SMALL_WEIGHT \
+        else ONEDNN_NATIVE_MAX_ROWS_AVX2
 
 
 # bf16 / int8 weights: above these caps they are widened to fp32 for the GEMM, a pass over the
@@ -272,11 +300,12 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor,
     # called ~50 times per decode step: checks kept to attribute reads (no generators)
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    large = weight.numel() >= LARGE_WEIGHT
+    elements = weight.numel()
+    large = elements >= LARGE_WEIGHT
     if weight.dtype != torch.float32:
         cap = QUANTIZED_LARGE_MAX_ROWS if large else QUANTIZED_MAX_ROWS
     elif onednn_usable():
-        cap = onednn_native_max_rows(large)
+        cap = onednn_native_max_rows(elements)
     else:
         cap = LARGE_WEIGHT_MAX_ROWS if large else LINEAR_NATIVE_MAX_ROWS
     kernel = _WEIGHT_KERNELS.get(weight.dtype, ("", ""))[0]
