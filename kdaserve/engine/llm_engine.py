@@ -265,10 +265,10 @@ class LLMEngine(Introspection):
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.pd is not None:
             outputs += self._poll_disaggregation()
-        started = time.perf_counter()  # drafting included: the schedule weighs whole steps
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
             trim_drafts(self.scheduler.running)
+        started = time.perf_counter()  # drafting is timed apart (Speculator.draft_seconds)
         batch = ScheduledBatch() if self.paused else self.scheduler.schedule()
         if self.ep.size > 1 and not self._lockstep(batch):
             return outputs
@@ -280,8 +280,9 @@ class LLMEngine(Introspection):
                                                       - req.num_computed_tokens)
         spec = self.spec
         # a prefill chunk's step is another regime than the decode/verify steps timed here
-        decode_only = all(n == 1 + len(r.draft_ids) for r, n in
-                          zip(batch.reqs, batch.num_new_tokens, strict=True))
+        decode_only = spec is not None and all(
+            n == 1 + len(r.draft_ids) for r, n in zip(batch.reqs, batch.num_new_tokens,
+                                                      strict=True))
         saved = spec.save(batch) if spec is not None else {}
         try:  # the scratch slots go back to the pool whatever happens
             record = spec.record(batch, saved, self.device) if spec is not None and saved else None
@@ -365,7 +366,8 @@ class LLMEngine(Introspection):
                 if not req.is_finished:
                     spec.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)
             if decode_only:
-                spec.observe_step(sum(batch.num_new_tokens), time.perf_counter() - started)
+                spec.observe_step(sum(batch.num_new_tokens), time.perf_counter() - started,
+                                  bool(saved))
         if isinstance(self.pd, PrefillSide):
             self.pd.after_sample(batch)
         self.scheduler.take_snapshots(batch.reqs)

@@ -27,6 +27,7 @@ ENGINE_GAUGES = {
     "spec_num_switched_off": "Times a request stopped drafting for low acceptance (total)",
     "spec_num_batch_skips": "Steps too large a batch decoded without drafts (total)",
     "spec_num_schedule_skips": "Steps not drafted: no draft would pay at the step's cost (total)",
+    "spec_num_explorations": "Steps drafted at the schedule's prior after many skips (total)",
     "pd_transfers": "Disaggregated requests whose caches were shipped (total)",
     "pd_failed": "Disaggregated requests failed by a transfer (total)",
     "pd_writes": "Batched writes to decode servers, one per prefill chunk with new blocks (total)",

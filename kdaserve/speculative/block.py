@@ -95,9 +95,12 @@ class BlockDrafter(Drafter):
             req.draft_ids = []
         if not ready:
             return
+        k = max(self.max_draft_tokens(r) for r in ready)
+        if k == 0:
+            return
         hidden = torch.stack([self.hidden[id(r)] for r in ready])
         tokens = torch.tensor([r.all_ids[-1] for r in ready], device=self.device)
-        drafts, conf = self.draft(hidden, tokens)
+        drafts, conf = self.draft(hidden, tokens, k)
         # a block's drafts survive together: the chance of the first i is the product of
         # their confidences (each the predicted chance of its position given the previous)
         survival = conf.double().cumprod(-1).tolist()
@@ -108,10 +111,10 @@ class BlockDrafter(Drafter):
     def survival(self, req: Request) -> list[float] | None:
         return self._survival.get(id(req))
 
-    def draft(self, hidden: torch.Tensor,
-              tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, hidden: torch.Tensor, tokens: torch.Tensor,
+              k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [B, *] and pending tokens [B] -> (drafts [B, k], confidences [B, k])."""
-        conf, drafts = self.net(hidden, tokens)[:, :self.k].softmax(-1).max(-1)
+        conf, drafts = self.net(hidden, tokens)[:, :k].softmax(-1).max(-1)
         return drafts, conf
 
     def on_accept(self, req: Request, num_accepted: int,

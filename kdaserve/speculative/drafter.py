@@ -25,6 +25,9 @@ class Drafter:
     # with wants_hidden: () passes the final-normed row (what the LM head sees); layer indices
     # pass instead the residual stream after each of those target layers, concatenated
     taps: tuple[int, ...] = ()
+    # the schedule's cap on this step's drafts per request (None: k); drafts past it would
+    # not be verified, so a drafter whose cost grows with the block drafts no further
+    limit: int | None = None
 
     def propose(self, reqs: list[Request]) -> None:
         """Fills req.draft_ids for each request (as many as it has: the engine's schedule,
@@ -37,8 +40,10 @@ class Drafter:
         return None
 
     def max_draft_tokens(self, req: Request) -> int:
-        """Drafts worth proposing: k, but never past max_tokens (the bonus token counts)."""
-        return max(min(self.k, req.params.max_tokens - len(req.output_ids) - 1), 0)
+        """Drafts worth proposing: k (or the schedule's limit), but never past max_tokens
+        (the bonus token counts)."""
+        k = self.k if self.limit is None else min(self.k, self.limit)
+        return max(min(k, req.params.max_tokens - len(req.output_ids) - 1), 0)
 
     # ---- lifecycle (per-request drafter state) ----
     def on_admit(self, req: Request) -> None:

@@ -221,9 +221,9 @@ class DSparkDrafter(BlockDrafter):
             net.lin = kernel_linear(linear)
         return cls(net.to(device=device, dtype=dtype).eval(), k, device)
 
-    def draft(self, hidden: torch.Tensor,
-              tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.net.draft(hidden, tokens, self.k)  # type: ignore[attr-defined]
+    def draft(self, hidden: torch.Tensor, tokens: torch.Tensor,
+              k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.net.draft(hidden, tokens, k)  # type: ignore[attr-defined]
 
 
 def save_drafter(net: DSparkNet, out: str | Path) -> Path:

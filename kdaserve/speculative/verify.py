@@ -14,6 +14,7 @@ later tokens overwrite them.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -25,10 +26,18 @@ from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.request import Request
 from kdaserve.speculative.adaptive import AdaptiveSpeculation
 from kdaserve.speculative.drafter import Drafter
-from kdaserve.speculative.schedule import StepCost, choose_lengths
+from kdaserve.speculative.schedule import StepCost, choose_lengths, plan_drafting
 from kdaserve.step_record import StepRecord
 
-FIRST_EMA = 0.2  # weight of the newest step in the first drafts' mean survival
+SURVIVAL_EMA = 0.2  # weight of the newest proposal in the typical survival by position
+DRAFT_EMA = 0.2  # weight of the newest drafting pass in its typical wall time
+# After this many steps in a row not drafted, a fitted schedule drafts EXPLORE_STEPS steps at
+# its prior: a fit misled by a few slow verifies would otherwise never see another verify step
+# to correct it. The first drafted step after plain ones is not timed for the fit: it runs
+# cold (the verify path's buffers out of cache, new GEMM shapes), and an exploring step timed
+# alone measured 50-54 ms at 58 tokens where warm verify steps of 64 took ~31 ms.
+EXPLORE_AFTER = 32
+EXPLORE_STEPS = 4
 
 
 def trim_drafts(running: list[Request]) -> None:
@@ -87,8 +96,13 @@ class Speculator:
         self.cost = cost or StepCost()  # the verify-length schedule's model of a step
         # how often the schedule kept n drafts of a non-empty proposal (benchmarks, tests)
         self.lengths: Counter[int] = Counter()
-        self.first_survival: float | None = None  # recent first drafts' mean survival
+        self.typical: list[float] = []  # recent proposals' mean survival by position
+        self.draft_seconds = 0.0  # recent drafting passes' wall time
+        self.skipped_in_row = 0
+        self.exploring = 0  # steps left to draft at the prior
+        self.cold = True  # this step drafts after plain ones: not timed for the fit
         self.num_schedule_skips = 0  # steps not drafted: no draft would have paid
+        self.num_explorations = 0  # steps drafted at the prior after EXPLORE_AFTER skips
         self.num_verifies = 0
         self.num_drafted = 0
         self.num_accepted = 0
@@ -116,25 +130,50 @@ class Speculator:
             return
         decoding = sum(not r.is_prefilling for r in running)
         ratio = self.cost.slope_ratio()
-        # drafting costs too: when a first draft, at the chance first drafts have had lately,
-        # would not be verified, the step does not draft at all (until the batch shrinks)
-        if self.first_survival is not None and \
-                not choose_lengths([[self.first_survival]], ratio, decoding)[0]:
-            self.num_schedule_skips += 1
-            return
+        self.drafter.limit = None
+        if self.typical:  # drafting itself costs: draft only what typically pays for it
+            fit = self.cost.fit()
+            draft_cost = self.draft_seconds / fit[0] if fit is not None and fit[0] > 0 else 0.0
+            planned = plan_drafting(self.typical, len(eligible), ratio, decoding, draft_cost)
+            if self.cost.fitted and self.skipped_in_row >= EXPLORE_AFTER:
+                self.exploring = EXPLORE_STEPS
+            if self.exploring:
+                self.exploring -= 1
+                self.num_explorations += 1
+                ratio = 1.0 / self.cost.prior_tokens
+            elif planned:
+                # one more than typical pays: a request surer than typical may verify it
+                self.drafter.limit = planned + 1
+            else:
+                self.skipped_in_row += 1
+                self.num_schedule_skips += 1
+                self.cold = True
+                return
+        self.skipped_in_row = 0
+        started = time.perf_counter()
         self.drafter.propose(eligible)
+        seconds = time.perf_counter() - started
+        self.draft_seconds = seconds if not self.typical else \
+            (1 - DRAFT_EMA) * self.draft_seconds + DRAFT_EMA * seconds
         for req in eligible:  # a drafter's contract, enforced: never past max_tokens
             del req.draft_ids[self.drafter.max_draft_tokens(req):]
         survival = [self._survival(req) for req in eligible]
-        firsts = [s[0] for s in survival if s]
-        if firsts:
-            mean = sum(firsts) / len(firsts)
-            self.first_survival = mean if self.first_survival is None else \
-                (1 - FIRST_EMA) * self.first_survival + FIRST_EMA * mean
+        self._observe_survival(survival)
         for req, n in zip(eligible, choose_lengths(survival, ratio, decoding), strict=True):
             if req.draft_ids:
                 del req.draft_ids[n:]
                 self.lengths[n] += 1
+
+    def _observe_survival(self, survival: list[list[float]]) -> None:
+        """Folds a proposal's mean survival by position into `typical` (positions this
+        proposal did not reach keep their value)."""
+        for i in range(max(map(len, survival), default=0)):
+            at = [s[i] for s in survival if len(s) > i]
+            mean = sum(at) / len(at)
+            if i < len(self.typical):
+                self.typical[i] = (1 - SURVIVAL_EMA) * self.typical[i] + SURVIVAL_EMA * mean
+            else:
+                self.typical.append(mean)
 
     def _survival(self, req: Request) -> list[float]:
         """The chance each of req's drafts survives (it and all before it accepted): the
@@ -153,8 +192,12 @@ class Speculator:
             out.append(p)
         return out
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """A decode/verify step's size and wall time, for the schedule's cost model."""
+    def observe_step(self, tokens: int, seconds: float, drafted: bool) -> None:
+        """A decode/verify step's size and wall time (drafting not included), for the
+        schedule's cost model; the first drafted step after plain ones is left out (cold)."""
+        if drafted and self.cold:
+            self.cold = False
+            return
         self.cost.observe(tokens, seconds)
 
     # ---- lifecycle: the scheduler's hooks, relayed (tests swap the drafter) ----
@@ -247,5 +290,6 @@ class Speculator:
                 "spec_num_switched_off": self.adaptive.num_switched_off,
                 "spec_num_batch_skips": self.adaptive.num_batch_skips,
                 "spec_num_schedule_skips": self.num_schedule_skips,
+                "spec_num_explorations": self.num_explorations,
                 "spec_mean_acceptance_length": (self.num_accepted + self.num_verifies)
                 / self.num_verifies if self.num_verifies else 0.0}

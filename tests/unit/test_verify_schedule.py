@@ -1,5 +1,6 @@
 """The verify-length schedule (speculative/schedule.py): the greedy choice equals a brute
-force over every combination of prefix lengths, hand-checked cases, and the step-cost fit."""
+force over every combination of prefix lengths, hand-checked cases, the step-cost fit, and
+the decision to draft at all (drafting's own cost included) against a brute force."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ import random
 
 import pytest
 
-from kdaserve.speculative.schedule import A_FLOOR, PRIOR_TOKENS, StepCost, choose_lengths
+from kdaserve.speculative.schedule import (
+    A_FLOOR,
+    PRIOR_TOKENS,
+    StepCost,
+    choose_lengths,
+    plan_drafting,
+)
 
 
 def rate(survival: list[list[float]], lengths: list[int] | tuple[int, ...], ratio: float,
-         base: int) -> float:
+         base: int, fixed: float = 1.0) -> float:
     """Expected tokens per second (in units of a step's fixed cost) for these lengths."""
     emitted = base + sum(sum(s[:n]) for s, n in zip(survival, lengths, strict=True))
-    return emitted / (1 + ratio * (base + sum(lengths)))
+    return emitted / (fixed + ratio * (base + sum(lengths)))
 
 
 def test_hand_cases() -> None:
@@ -77,3 +84,59 @@ def test_step_cost_fit() -> None:
     frozen.observe(1, 1.0)
     frozen.observe(9, 9.0)
     assert frozen.num_observed == 0 and frozen.slope_ratio() == 0.5
+
+
+def test_fit_in_seconds() -> None:
+    """fit() gives a and b in seconds, consistent with slope_ratio; at the prior, a is what
+    the prior makes of the mean step."""
+    cost = StepCost()
+    assert cost.fit() is None
+    for _ in range(10):
+        cost.observe(8, 0.02)
+    a, b = cost.fit()  # type: ignore[misc]
+    assert a == pytest.approx(0.01) and b / a == pytest.approx(1 / PRIOR_TOKENS)
+    for t in (4, 12) * 200:  # t = 6 ms + 1 ms a token
+        cost.observe(t, 6e-3 + 1e-3 * t)
+    a, b = cost.fit()  # type: ignore[misc]
+    assert a == pytest.approx(6e-3, rel=0.01) and b == pytest.approx(1e-3, rel=0.01)
+    assert cost.slope_ratio() == pytest.approx(b / a)
+
+
+def test_plan_drafting_hand_cases() -> None:
+    s = [0.9, 0.72, 0.36, 0.324]
+    r = 1 / 8
+    assert plan_drafting(s, 1, r, 1, 0.0) == 4  # free drafting: choose_lengths' answer
+    assert plan_drafting(s, 1, r, 16, 0.0) == 2
+    assert plan_drafting(s, 2, r, 128, 0.0) == 0
+    # alone, a pass costing 3 fixed parts: plain 1 / 1.125 = 0.89 tokens per a, drafting
+    # all four 3.30 / 4.625 = 0.71: not worth it; at half a fixed part it is (1.57)
+    assert plan_drafting(s, 1, r, 1, 3.0) == 0
+    assert plan_drafting(s, 1, r, 1, 0.5) == 4
+    # 16 requests at b/a = 0.05: two drafts each pay (bars 0.444, then 0.616 > 0.36), for
+    # 41.9 tokens in 3.4 fixed parts (12.3 a part, plain 16 / 1.8 = 8.9); a pass costing
+    # 2 fixed parts brings that to 41.9 / 5.4 = 7.8: drafting stops
+    assert plan_drafting(s, 16, 0.05, 16, 1.0) == 2
+    assert plan_drafting(s, 16, 0.05, 16, 2.0) == 0
+
+
+def test_plan_drafting_equals_brute_force() -> None:
+    """Drafting is planned iff some set of lengths, the drafting pass paid, beats a plain
+    step; and the planned length is the longest of the best such set."""
+    rng = random.Random(2)
+    planned = 0
+    for _ in range(300):
+        k, n = rng.randint(1, 4), rng.randint(1, 3)
+        p, typical = 1.0, []
+        for _ in range(k):
+            p *= rng.random() ** 0.3
+            typical.append(p)
+        ratio = rng.choice([0.01, 0.1, 0.3, 1.0])
+        base, cost = n + rng.randint(0, 6), rng.choice([0.0, 0.1, 0.5, 2.0])
+        got = plan_drafting(typical, n, ratio, base, cost)
+        plain = base / (1 + ratio * base)
+        best = max(itertools.product(range(k + 1), repeat=n),
+                   key=lambda c: rate([typical] * n, c, ratio, base, 1 + cost))
+        pays = any(best) and rate([typical] * n, best, ratio, base, 1 + cost) > plain
+        assert got == (max(best) if pays else 0), (typical, n, ratio, base, cost)
+        planned += got > 0
+    assert 30 < planned < 270  # both outcomes exercised
