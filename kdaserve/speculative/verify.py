@@ -36,7 +36,10 @@ DRAFT_EMA = 0.2  # weight of the newest drafting pass in its typical wall time
 # to correct it. The first drafted step after plain ones is not timed for the fit: it runs
 # cold (the verify path's buffers out of cache, new GEMM shapes), and an exploring step timed
 # alone measured 50-54 ms at 58 tokens where warm verify steps of 64 took ~31 ms.
+# An exploration that does not change the decision doubles the wait before the next (to
+# EXPLORE_AFTER_MAX): exploring costs a drafting pass and a long verify per step.
 EXPLORE_AFTER = 32
+EXPLORE_AFTER_MAX = 1024
 EXPLORE_STEPS = 4
 
 
@@ -100,6 +103,7 @@ class Speculator:
         self.draft_seconds = 0.0  # recent drafting passes' wall time
         self.skipped_in_row = 0
         self.exploring = 0  # steps left to draft at the prior
+        self.explore_after = EXPLORE_AFTER  # skipped steps in a row before exploring
         self.cold = True  # this step drafts after plain ones: not timed for the fit
         self.num_schedule_skips = 0  # steps not drafted: no draft would have paid
         self.num_explorations = 0  # steps drafted at the prior after EXPLORE_AFTER skips
@@ -135,13 +139,15 @@ class Speculator:
             fit = self.cost.fit()
             draft_cost = self.draft_seconds / fit[0] if fit is not None and fit[0] > 0 else 0.0
             planned = plan_drafting(self.typical, len(eligible), ratio, decoding, draft_cost)
-            if self.cost.fitted and self.skipped_in_row >= EXPLORE_AFTER:
+            if self.cost.fitted and self.skipped_in_row >= self.explore_after:
                 self.exploring = EXPLORE_STEPS
+                self.explore_after = min(2 * self.explore_after, EXPLORE_AFTER_MAX)
             if self.exploring:
                 self.exploring -= 1
                 self.num_explorations += 1
                 ratio = 1.0 / self.cost.prior_tokens
             elif planned:
+                self.explore_after = EXPLORE_AFTER
                 # one more than typical pays: a request surer than typical may verify it
                 self.drafter.limit = planned + 1
             else:

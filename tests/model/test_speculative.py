@@ -258,8 +258,8 @@ def test_a_stale_fit_is_explored(tiny_ckpt: Path, spec_plain: LLM,
     of it: alone, a draft's bar is 5 / 6 = 0.83) stops all drafting; after EXPLORE_AFTER
     skipped steps in a row EXPLORE_STEPS steps draft at the prior (bars 0.11, 0.16, 0.18,
     0.18: three of the 0.6-a-draft drafts), steps of 1 + 3 tokens for the fit to see, the
-    first (cold) one excepted. The drafting pass is timed apart. Outputs equal plain
-    decoding."""
+    first (cold) one excepted; the fit still stale, the next exploration waits twice as long.
+    The drafting pass is timed apart. Outputs equal plain decoding."""
     monkeypatch.setattr(verify, "EXPLORE_AFTER", 3)
     k, prompts = 4, spec_prompts[:1]
     refs = reference(spec_plain, prompts)
@@ -281,6 +281,7 @@ def test_a_stale_fit_is_explored(tiny_ckpt: Path, spec_plain: LLM,
     assert m["spec_num_explorations"] >= 1 and m["spec_num_schedule_skips"] >= 3
     assert m["spec_num_verifies"] >= m["spec_num_explorations"]
     assert m["spec_num_explorations"] == verify.EXPLORE_STEPS  # one burst in 20 tokens
+    assert spec.explore_after == 2 * verify.EXPLORE_AFTER  # it changed nothing: waits longer
     assert 3 in spec.lengths and sum(t > 1 for t in seen) == verify.EXPLORE_STEPS - 1
     assert spec.draft_seconds > 0
     llm.check_integrity()
