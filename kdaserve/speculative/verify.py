@@ -119,6 +119,7 @@ class Speculator:
         (their target distribution at draft i would depend on drafts before i), and so does
         every request the adaptive policy switches off, or all of them in a large batch."""
         eligible = []
+        self.drafter.limit = None  # this step's, set below when the schedule plans one
         for req in running:
             req.draft_ids = []
         if not self.adaptive.batch_allows(running):
@@ -134,7 +135,6 @@ class Speculator:
             return
         decoding = sum(not r.is_prefilling for r in running)
         ratio = self.cost.slope_ratio()
-        self.drafter.limit = None
         if self.typical:  # drafting itself costs: draft only what typically pays for it
             fit = self.cost.fit()
             draft_cost = self.draft_seconds / fit[0] if fit is not None and fit[0] > 0 else 0.0

@@ -192,7 +192,10 @@ def test_rendezvous_runs_beside_the_engine_and_failures_leave_no_trace(
     with pytest.raises(ValueError, match="failed"):
         waiting.result(timeout=60)
     assert e.update_groups == {}
-    # a later rendezvous meets its trainer (the failed one left torch's group count as it was)
+    # a later rendezvous meets its trainer (the failed one left torch's group count as it was);
+    # the join waits long enough for a spawned trainer to import torch on a busy machine (at
+    # 2 s a CI-loaded run timed out before the trainer connected)
+    monkeypatch.setattr(rl, "RENDEZVOUS_TIMEOUT_S", 60.0)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
