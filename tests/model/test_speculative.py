@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
+from kdaserve.speculative import verify
 from kdaserve.speculative.drafter import TokenDrafter
 from kdaserve.speculative.ngram import NgramDrafter
-from kdaserve.speculative import verify
 from kdaserve.speculative.schedule import StepCost
 
 from .conftest import SPEC_NEW as NEW
