@@ -110,15 +110,18 @@ class DSparkNet(nn.Module):
         # how projections run: torch's for training, the engine's `linear` op when serving
         self.lin: Linear = torch_linear
 
-    def backbone(self, taps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """taps [B, n*D] (tap layers' rows, concatenated), tokens [B] pending -> z [B, K, H]."""
+    def backbone(self, taps: torch.Tensor, tokens: torch.Tensor,
+                 positions: int | None = None) -> torch.Tensor:
+        """taps [B, n*D] (tap layers' rows, concatenated), tokens [B] pending -> z [B, K, H];
+        with `positions`, z [B, positions, H] from a block cut to its first positions."""
         B, n = taps.shape[0], self.tap_norm.shape[0]
         t = taps.view(B, n, -1).to(self.fc.weight.dtype)
         t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + self.eps) * self.tap_norm
         c = self.lin(t.flatten(1), self.fc)
-        K = self.pos_embed.shape[0] - 1
+        K = self.pos_embed.shape[0] - 1 if positions is None else positions
         s = torch.cat([(c + self.embed(tokens))[:, None],
-                       (c[:, None] + self.mask_embed).expand(B, K, -1)], dim=1) + self.pos_embed
+                       (c[:, None] + self.mask_embed).expand(B, K, -1)], dim=1) \
+            + self.pos_embed[:K + 1]
         for layer in self.layers:
             s = layer(s, self.lin)
         return self.norm(s[:, 1:])
@@ -145,8 +148,15 @@ class DSparkNet(nn.Module):
         """The first k positions of the block: (drafts [B, k], confidences [B, k]). Everything
         that does not depend on the previous draft (base logits, the Markov gates, the
         confidence head's z part) runs once for the block; the sequential part per position
-        is a gather, a [r] x [r, V] product and an argmax."""
-        z = self.backbone(taps, tokens)[:, :k]
+        is a gather, a [r] x [r, V] product and an argmax.
+
+        The backbone runs on the block cut to its first k positions (k + 1 rows a request,
+        not K + 1). Attention in the block is bidirectional, so the drafts could differ from
+        the whole block's, but the positions past k are mask embeddings that carry nothing
+        the first ones lack: measured on the GSM8K target, 32 prompts x 128 tokens, accepted
+        length whole / cut at k = 1, 2, 3, 4: 1.828 / 1.821, 2.500 / 2.491, 3.073 / 3.052,
+        3.478 / 3.479. At batch 16 and k = 2 the pass runs 48 rows instead of 128."""
+        z = self.backbone(taps, tokens, k)
         base = self.lin(z, self.lm_head).float()  # the parallel part: one GEMM for the block
         gate = torch.sigmoid(self.lin(z, self.markov_gate))  # [B, k, r]
         H = z.shape[-1]

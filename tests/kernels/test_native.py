@@ -228,14 +228,16 @@ def test_moe_experts_match_reference(T: int, backend: str, monkeypatch) -> None:
                                moe_experts_ref(x, weights, ids, w13, w2), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 48, 64])
 @pytest.mark.parametrize("K", [16, 40, 768])
 def test_linear_native_matches_torch(rows: int, K: int, monkeypatch) -> None:
-    """Row counts around the 4-row tiles and the size limit; K not a multiple of 16 too (the
-    native kernel at every count: oneDNN would take fp32 above onednn_native_max_rows)."""
+    """Row counts around the dot tiles (1-7 rows), the broadcast tiles' whole and padded
+    vectors of x rows (8 lanes on AVX2, 16 on AVX-512) and the size limit; K not a multiple
+    of 16 too; 70 output columns, not a multiple of the tiles' weight rows (the native kernel
+    at every count: oneDNN would take fp32 above onednn_native_max_rows)."""
     from kdaserve.kernels.native import ops
 
-    monkeypatch.setattr(ops, "onednn_native_max_rows", lambda elements: 64)
+    monkeypatch.setattr(ops, "onednn_native_max_rows", lambda elements, K: 64)
     g = gen(rows * K)
     x, w = torch.randn(2, rows, K, generator=g), torch.randn(70, K, generator=g)
     torch.testing.assert_close(linear_native(x[1], w), torch.nn.functional.linear(x[1], w),
@@ -300,7 +302,7 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
     calls = spy_on_native_calls(monkeypatch)
     g = gen(9)
     w = torch.randn(70, 40, generator=g)
-    cap = ops.onednn_native_max_rows(w.numel())
+    cap = ops.onednn_native_max_rows(w.numel(), w.shape[1])
     for rows, weight, native in ((cap, w, True), (cap + 1, w, False),
                                  (300, w, False), (9, w.bfloat16(), True),
                                  (ops.QUANTIZED_MAX_ROWS, w.bfloat16(), True),
@@ -316,18 +318,19 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
 
 
 def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """oneDNN's AVX-512 code wins from 5 rows; its AVX2 code only above 32 (16 for a large
-    weight, 96 for a small one). The native MoE kernel takes up to 128 tokens and 16 per
+    """oneDNN's AVX-512 code wins from 5 rows; its AVX2 code only above 96 (64 for inputs wider
+    than 512 or a large weight). The native MoE kernel takes up to 128 tokens and 16 per
     expert on AVX-512, any batch of up to 96 per expert on AVX2."""
     from kdaserve.kernels.native import ops
 
-    small, mid, large = ops.SMALL_WEIGHT, ops.SMALL_WEIGHT + 1, ops.LARGE_WEIGHT
-    for isa, elements, cap in (("AVX512", small, 4), ("AVX512", mid, 4), ("AVX512", large, 4),
-                               ("AVX2", small, 96), ("AVX2", mid, 32), ("AVX2", large, 16),
-                               ("DEFAULT", mid, 32)):
+    large, wide = ops.LARGE_WEIGHT, ops.WIDE_INPUT
+    for isa, elements, K, cap in (("AVX512", 2**16, 256, 4), ("AVX512", large, 768, 4),
+                                  ("AVX2", 2**16, 256, 96), ("AVX2", 2**20, wide, 96),
+                                  ("AVX2", 2**20, wide + 1, 64), ("AVX2", large, 256, 64),
+                                  ("DEFAULT", 2**20, 256, 96)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
         ops.avx512.cache_clear()
-        assert ops.onednn_native_max_rows(elements) == cap
+        assert ops.onednn_native_max_rows(elements, K) == cap
         assert ops.moe_native_limits() == ((128, 16) if isa == "AVX512" else (2**31, 96))
     ops.avx512.cache_clear()
 

@@ -91,6 +91,29 @@ def test_draft_is_the_teacher_forced_function(drafter_path: Path) -> None:
     assert not torch.equal(other.argmax(-1), drafts)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_short_draft_runs_a_cut_block(drafter_path: Path, k: int) -> None:
+    """Drafting k < block_size positions runs the backbone on the block's first k + 1 rows
+    (the drafting pass's cost scales with k), and the drafts are the teacher-forced function
+    of that cut block."""
+    cfg = json.loads((drafter_path / "config.json").read_text())
+    net = DSparkNet(cfg)
+    net.load_state_dict(load_file(drafter_path / "model.safetensors"))
+    positions: list[int] = []  # of every projection over [B, positions, H] rows
+    net.lin = lambda x, mod: (positions.extend(x.shape[1:2] if x.dim() == 3 else []),
+                              torch.nn.functional.linear(x, mod.weight))[1]
+    g = torch.Generator().manual_seed(1)
+    taps = torch.randn(4, len(TAPS) * cfg["target_hidden_size"], generator=g)
+    tokens = torch.randint(0, cfg["vocab_size"], (4,), generator=g)
+    drafts, conf = net.draft(taps, tokens, k)
+    assert drafts.shape == conf.shape == (4, k)
+    assert max(positions) == k + 1 < cfg["block_size"] + 1
+    z = net.backbone(taps, tokens, k)
+    prev = torch.cat([tokens[:, None], drafts[:, :-1]], 1)
+    logits = net.lin(z, net.lm_head) + net.lin(net.markov(z, prev), net.markov_out)
+    assert torch.equal(logits.argmax(-1), drafts)
+
+
 def _edit(src: Path, dst: Path, cfg_change: dict | None = None,
           drop: str | None = None) -> Path:
     dst.mkdir()

@@ -258,31 +258,30 @@ LARGE_WEIGHT = 16 * 2**20  # elements (64 MB in fp32)
 LARGE_WEIGHT_MAX_ROWS = 128
 # oneDNN (`gemm`) reads the plain weight without repacking: fp32 weights go to it from 5 rows
 # on AVX-512 (weights streamed from memory, ms per call native / oneDNN: 2566 x 768 at 4
-# rows 0.24 / 0.30, at 8 0.34 / 0.32; the 100k-row lm_head at 4 10.1 / 10.2, at 8 14.2 / 11.3).
-# Its AVX2 code pays ~0.1 ms a call and streams skinny products slowly, so there fp32 stays
-# native up to 32 rows, 16 for an lm_head-sized weight (AVX2 AMD EPYC, us native / oneDNN:
-# 900 x 256 at 8 / 32 rows 70 / 198, 231 / 320; 2816 x 768 at 16 / 32 876 / 1773,
-# 1863 / 2190; 768 x 1024 at 32 871 / 651; the lm_head, ms, at 16 / 32 77 / 78, 137 / 111).
-# A small weight pays that per-call cost on little work, so it stays native up to 96 rows
-# (us native / oneDNN at 64 / 96 rows: 256 x 256 115 / 178, 184 / 196; 256 x 192 112 / 160,
-# 158 / 184; 256 x 80 59 / 129, 84 / 141; 384 x 64 at 96 137 / 139): the verify steps of
-# speculation at batch 16 run 32-128 rows through such weights on small models.
+# rows 0.24 / 0.30, at 8 0.34 / 0.32; the 100k-row lm_head at 4 10.1 / 10.2, at 8 14.2 / 11.3;
+# measured before the broadcast tiles of gemm_cpu.cpp, which take 8+ rows on AVX2 and 16+ on
+# AVX-512). Its AVX2 code pays ~0.1 ms a call and runs skinny products at 20-80 GFLOP/s,
+# where the broadcast tiles reach 80-120: there fp32 stays native up to 96 rows, 64 when the
+# input is wider than 512 (a tile's x^T strip then outgrows L1) or the weight is
+# lm_head-sized (AVX2 AMD EPYC, GFLOP/s native / oneDNN at 32 / 64 / 96 / 128 rows:
+# 900 x 256 91 / 55, 84 / 78, 95 / 86, 103 / 95; 1536 x 256 109 / 69, 106 / 93, 109 / 107,
+# 112 / 100; 256 x 768 74 / 56, 70 / 76, 59 / 90; 2816 x 768 102 / 85, 89 / 85, 80 / 104;
+# 256 x 256 61 / 23, 69 / 40, 79 / 59, 65 / 65; the 100k x 768 lm_head at 16 / 32 / 64 /
+# 128 rows, ms, 38 / 59, 53 / 68, 93 / 159, 331 / 234).
 ONEDNN_NATIVE_MAX_ROWS = 4
-ONEDNN_NATIVE_MAX_ROWS_AVX2 = 32
-ONEDNN_NATIVE_MAX_ROWS_AVX2_LARGE = 16
-ONEDNN_NATIVE_MAX_ROWS_AVX2_SMALL = 96
-SMALL_WEIGHT = 2**16  # elements (256 KB in fp32)
+ONEDNN_NATIVE_MAX_ROWS_AVX2 = 96
+ONEDNN_NATIVE_MAX_ROWS_AVX2_WIDE = 64
+WIDE_INPUT = 512
 
 
-def onednn_native_max_rows(elements: int) -> int:
-    """Up to how many rows an fp32 weight of `elements` stays on the native GEMM when oneDNN
-    is there."""
+def onednn_native_max_rows(elements: int, K: int) -> int:
+    """Up to how many rows an fp32 weight of `elements` with inputs K wide stays on the native
+    GEMM when oneDNN is there."""
     if avx512():
         return ONEDNN_NATIVE_MAX_ROWS
-    if elements >= LARGE_WEIGHT:
-        return ONEDNN_NATIVE_MAX_ROWS_AVX2_LARGE
-    return ONEDNN_NATIVE_MAX_ROWS_AVX2_SMALL if elements <= SMALL_WEIGHT \
-        else ONEDNN_NATIVE_MAX_ROWS_AVX2
+    if elements >= LARGE_WEIGHT or K > WIDE_INPUT:
+        return ONEDNN_NATIVE_MAX_ROWS_AVX2_WIDE
+    return ONEDNN_NATIVE_MAX_ROWS_AVX2
 
 
 # bf16 / int8 weights: above these caps they are widened to fp32 for the GEMM, a pass over the
@@ -305,7 +304,7 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor,
     if weight.dtype != torch.float32:
         cap = QUANTIZED_LARGE_MAX_ROWS if large else QUANTIZED_MAX_ROWS
     elif onednn_usable():
-        cap = onednn_native_max_rows(elements)
+        cap = onednn_native_max_rows(elements, K)
     else:
         cap = LARGE_WEIGHT_MAX_ROWS if large else LINEAR_NATIVE_MAX_ROWS
     kernel = _WEIGHT_KERNELS.get(weight.dtype, ("", ""))[0]
