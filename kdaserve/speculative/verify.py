@@ -41,6 +41,14 @@ DRAFT_EMA = 0.2  # weight of the newest drafting pass in its typical wall time
 EXPLORE_AFTER = 32
 EXPLORE_AFTER_MAX = 1024
 EXPLORE_STEPS = 4
+# A drafter's own survival estimates are calibrated against what verification keeps: by
+# position, (kept + CALIBRATION_PRIOR) / (predicted + CALIBRATION_PRIOR) over recent verified
+# drafts (each past one weighted CALIBRATION_DECAY per new one: ~500 of memory). The trained
+# DSpark's confidences were measured optimistic (GSM8K target, K = 4, batch 16: predicted
+# survival 0.87 0.75 0.64 0.54 by position, kept 0.82 0.65 0.53 0.45), and the schedule then
+# verified drafts that cost more than they returned (0.93-0.98x plain decoding at batch 16).
+CALIBRATION_PRIOR = 8.0
+CALIBRATION_DECAY = 0.998
 
 
 def trim_drafts(running: list[Request]) -> None:
@@ -113,6 +121,10 @@ class Speculator:
         # per draft position i: verifies that drafted it, and that kept it (and all before)
         self.drafted_at: list[int] = []
         self.accepted_at: list[int] = []
+        # per position, decayed sums over verified drafts of the drafter's own survival
+        # estimate and of the outcome (1 if kept): its calibration
+        self.predicted_sum: list[float] = []
+        self.kept_sum: list[float] = []
 
     def propose(self, running: list[Request]) -> None:
         """Drafts for decoding requests. Requests with penalties or logprobs decode normally
@@ -189,7 +201,11 @@ class Speculator:
         k = len(req.draft_ids)
         own = self.drafter.survival(req)
         if own is not None:
-            return own[:k]
+            out, p = [], 1.0
+            for i, x in enumerate(own[:k]):
+                p = min(p, x * self.calibration(i))
+                out.append(p)
+            return out
         out, p = [], 1.0
         for i in range(k):
             seen = self.drafted_at[i] if i < len(self.drafted_at) else 0
@@ -197,6 +213,22 @@ class Speculator:
             p = min(p, (kept + 1) / (seen + 1))
             out.append(p)
         return out
+
+    def calibration(self, i: int) -> float:
+        """What to multiply the drafter's survival estimate at position i by (1 until
+        verifies show otherwise)."""
+        pred = self.predicted_sum[i] if i < len(self.predicted_sum) else 0.0
+        kept = self.kept_sum[i] if i < len(self.kept_sum) else 0.0
+        return (kept + CALIBRATION_PRIOR) / (pred + CALIBRATION_PRIOR)
+
+    def _calibrate(self, own: list[float], accepted: int) -> None:
+        d = CALIBRATION_DECAY
+        for i, x in enumerate(own):
+            if i == len(self.predicted_sum):
+                self.predicted_sum.append(0.0)
+                self.kept_sum.append(0.0)
+            self.predicted_sum[i] = d * self.predicted_sum[i] + x
+            self.kept_sum[i] = d * self.kept_sum[i] + (i < accepted)
 
     def observe_step(self, tokens: int, seconds: float, drafted: bool) -> None:
         """A decode/verify step's size and wall time (drafting not included), for the
@@ -254,6 +286,7 @@ class Speculator:
         """Greedy acceptance: drafts are kept while they equal the target's argmax; the
         target's token at the first mismatch (or after the last draft) is the bonus. Returns
         the new tokens and whether states must be rolled back."""
+        own = self.drafter.survival(req)  # this step's estimate, for the calibration
         drafts, req.draft_ids = req.draft_ids, []
         if req.params.is_greedy:
             targets = rows.argmax(-1).tolist()
@@ -272,6 +305,8 @@ class Speculator:
         self.num_drafted += len(drafts)
         self.num_accepted += j
         self.adaptive.record(req, len(drafts), j)
+        if own is not None:
+            self._calibrate(own[:len(drafts)], j)
         while len(self.drafted_at) < len(drafts):
             self.drafted_at.append(0)
             self.accepted_at.append(0)

@@ -140,3 +140,26 @@ def test_plan_drafting_equals_brute_force() -> None:
         assert got == (max(best) if pays else 0), (typical, n, ratio, base, cost)
         planned += got > 0
     assert 30 < planned < 270  # both outcomes exercised
+
+
+def test_drafter_confidences_are_calibrated_by_what_verification_keeps() -> None:
+    """A drafter that says 0.9 / 0.72 for drafts kept 60% / 30% of the time: the speculator's
+    survival estimates move from the drafter's towards the kept rates (the prior holds them
+    at the drafter's until verifies accumulate) and stay non-increasing by position."""
+    from types import SimpleNamespace
+
+    from kdaserve.speculative import verify
+
+    own = [0.9, 0.72]
+    drafter = SimpleNamespace(survival=lambda req: own)
+    spec = verify.Speculator(drafter, None, None)  # type: ignore[arg-type]
+    req = SimpleNamespace(draft_ids=[5, 6])
+    assert spec._survival(req) == own  # type: ignore[arg-type]
+    outcomes = [2] * 3 + [1] * 3 + [0] * 4  # kept: position 0 in 6 of 10, position 1 in 3
+    for _ in range(300):
+        for j in outcomes:
+            spec._calibrate(own, j)
+    s = spec._survival(req)  # type: ignore[arg-type]
+    assert s[0] == pytest.approx(0.6, abs=0.02) and s[1] == pytest.approx(0.3, abs=0.02)
+    spec._calibrate([0.5, 0.5], 2)
+    assert spec.calibration(0) < 1 and s[1] <= s[0]
