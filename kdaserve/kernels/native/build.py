@@ -39,12 +39,12 @@ class Library:
 
 
 LIBRARIES = {
-    "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp"), (), {
+    "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp", "mla_cpu.cpp"), (), {
         "kda_decode_f32": [_P] * 13 + [_I] * 5 + [_F],
         "kda_prefill_f32": [_P] * 10 + [_I] * 5 + [_P],
         "short_conv_f32": [_P] * 6 + [_I] * 3,
         "kda_chunked_f32": [_P] * 12 + [_I] * 4,
-        "mla_decode_f32": [_P] * 6 + [_I] * 6 + [_F],
+        "mla_decode_f32": [_P] * 7 + [_I] * 6 + [_F],
         "moe_decode_f32": [_P] * 6 + [_I] * 5,
         "linear_small_f32": [_P] * 3 + [_I] * 3,
         "linear_small_bf16w": [_P] * 3 + [_I] * 3,

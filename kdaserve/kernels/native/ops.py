@@ -155,32 +155,27 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
                          scale: float) -> torch.Tensor:
     """Decode attention computed against the compressed latents where they lie in the block
     pool (no gather copy); the W_UK / W_UV absorptions stay batched matmuls in torch.
-    Sequences of up to VERIFY_MAX_TOKENS new tokens each (speculative verifies) run as one
-    decode row per token, each seeing the cache up to its own position: their latents are
-    already in the pool, so causality is just the row's context length."""
+    Sequences of up to VERIFY_MAX_TOKENS new tokens each (speculative verifies) are one task
+    each: every token sees the cache up to its own position (their latents are already in
+    the pool, so causality is just each token's context length)."""
     B, H = q_nope.shape[0], q_nope.shape[1]
     if not _f32(q_nope, q_pe, kv_cache, w_uk, w_uv) or not kv_cache.is_contiguous():
         return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens, context_lens,
                                  w_uk, w_uv, scale)
-    table, lens = block_table.to(torch.int64), context_lens.to(torch.int64)
-    if cu_seqlens.shape[0] - 1 != B:
-        cu = cu_seqlens.to(torch.int64)
-        n = cu[1:] - cu[:-1]
-        if int(n.max()) > VERIFY_MAX_TOKENS:
-            return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
-                                     context_lens, w_uk, w_uv, scale)
-        seq = torch.repeat_interleave(torch.arange(n.shape[0]), n)
-        # row i of a sequence with n new tokens and c cached ones (incl. the new) is at
-        # c - n + i, and sees c - n + i + 1 rows
-        table, lens = table[seq], lens[seq] - n[seq] + torch.arange(B) - cu[seq] + 1
+    S = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    if S != B and int((cu[1:] - cu[:-1]).max()) > VERIFY_MAX_TOKENS:
+        return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
+                                 context_lens, w_uk, w_uv, scale)
     R, Dr = w_uk.shape[-1], q_pe.shape[-1]
     q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk).contiguous()
     q_pe = q_pe.contiguous()
-    table, lens = table.contiguous(), lens.contiguous()
+    table = block_table.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int64).contiguous()
     o_lat = torch.empty(B, H, R, dtype=torch.float32)
     library().mla_decode_f32(
-        _ptr(q_lat), _ptr(q_pe), _ptr(kv_cache), _ptr(table), _ptr(lens), _ptr(o_lat),
-        B, H, R, Dr, kv_cache.shape[1], table.shape[1], scale)
+        _ptr(q_lat), _ptr(q_pe), _ptr(kv_cache), _ptr(table), _ptr(lens), _ptr(cu),
+        _ptr(o_lat), S, H, R, Dr, kv_cache.shape[1], table.shape[1], scale)
     return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
 

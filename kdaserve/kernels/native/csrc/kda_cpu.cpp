@@ -449,44 +449,4 @@ void kda_chunked_f32(const float* q_in, const float* k_in, const float* v_in, co
   }
 }
 
-// Weight-absorbed MLA decode straight from the paged latent cache.  q_lat [B, H, R] (q_nope
-// already multiplied by W_UK); q_pe [B, H, Dr]; kv [NB*BS, R+Dr] rows; block_table [B, M];
-// context_lens [B]; out [B, H, R] attention-weighted latents (W_UV is applied by the caller).
-void mla_decode_f32(const float* q_lat, const float* q_pe, const float* kv,
-                    const int64_t* block_table, const int64_t* context_lens, float* out,
-                    int64_t B, int64_t H, int64_t R, int64_t Dr, int64_t BS, int64_t M,
-                    float scale) {
-  const int64_t D = R + Dr;
-  // (b, h) tasks: a thread takes consecutive heads of one sequence, whose latents then stay
-  // in its cache between heads.
-#pragma omp parallel for schedule(static)
-  for (int64_t task = 0; task < B * H; ++task) {
-    const int64_t b = task / H, L = context_lens[b];
-    const float* __restrict ql = q_lat + task * R;
-    const float* __restrict qp = q_pe + task * Dr;
-    const int64_t* table = block_table + b * M;
-    std::vector<float> p(static_cast<size_t>(L));
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < L; ++t) {
-      const float* __restrict row = kv + (table[t / BS] * BS + t % BS) * D;
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t r = 0; r < R; ++r) s += ql[r] * row[r];
-#pragma omp simd reduction(+ : s)
-      for (int64_t r = 0; r < Dr; ++r) s += qp[r] * row[R + r];
-      p[t] = s * scale;
-      mx = p[t] > mx ? p[t] : mx;
-    }
-    float sum = 0.0f;
-    for (int64_t t = 0; t < L; ++t) sum += (p[t] = std::exp(p[t] - mx));
-    float* __restrict o = out + task * R;
-    for (int64_t r = 0; r < R; ++r) o[r] = 0.0f;
-    for (int64_t t = 0; t < L; ++t) {
-      const float* __restrict row = kv + (table[t / BS] * BS + t % BS) * D;
-      const float w = p[t] / sum;
-      for (int64_t r = 0; r < R; ++r) o[r] += w * row[r];
-    }
-  }
-}
-
 }  // extern "C"
