@@ -52,10 +52,12 @@ class BlockDraftNet(nn.Module):
         self.norm = RMSNorm(H, eps)
         self.lm_head = nn.Linear(H, V, bias=False)
 
-    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """hidden [B, D] (target), tokens [B] pending -> fp32 logits [B, K, V]."""
+    def forward(self, hidden: torch.Tensor, tokens: torch.Tensor,
+                positions: int | None = None) -> torch.Tensor:
+        """hidden [B, D] (target), tokens [B] pending -> fp32 logits [B, K, V], or of the
+        first `positions` positions only (each position is computed on its own)."""
         x = self.embed(tokens) + self.fc_in(hidden.to(self.fc_in.weight.dtype))
-        z = x[:, None, :] + self.pos_embed[None]
+        z = x[:, None, :] + self.pos_embed[None, :positions]
         for layer in self.layers:
             z = z + layer["down"](nn.functional.silu(layer["up"](layer["norm"](z))))
         return self.lm_head(self.norm(z)).float()
@@ -114,7 +116,7 @@ class BlockDrafter(Drafter):
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [B, *] and pending tokens [B] -> (drafts [B, k], confidences [B, k])."""
-        conf, drafts = self.net(hidden, tokens)[:, :k].softmax(-1).max(-1)
+        conf, drafts = self.net(hidden, tokens, k).softmax(-1).max(-1)
         return drafts, conf
 
     def on_accept(self, req: Request, num_accepted: int,

@@ -143,6 +143,25 @@ def test_block_drafter_lengths_vary(tiny_ckpt: Path, spec_prompts: list[list[int
     llm.check_integrity()
 
 
+def test_block_drafter_computes_only_the_positions_drafted(tmp_path: Path) -> None:
+    """The block drafter's positions are independent, so drafting k of them computes k (its
+    LM head runs k rows a request, not block_size) and equals the whole block's first k."""
+    import torch
+
+    path = make_block_drafter(tmp_path / "block", preset_config("tiny"), block_size=4)
+    drafter = BlockDrafter.load(path, preset_config("tiny"), 4, torch.float32,
+                                torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, preset_config("tiny").hidden_size, generator=g)
+    tokens = torch.randint(0, 100, (3,), generator=g)
+    whole = drafter.net(hidden, tokens)
+    cut = drafter.net(hidden, tokens, 2)
+    assert whole.shape[1] == 4 and cut.shape[1] == 2
+    torch.testing.assert_close(cut, whole[:, :2])
+    drafts, conf = drafter.draft(hidden, tokens, 2)
+    assert torch.equal(drafts, whole[:, :2].argmax(-1))
+
+
 def test_drafters_reject_mismatched_checkpoints(tiny_ckpt: Path, small_ckpt: Path,
                                                 tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="vocab"):
