@@ -9,6 +9,7 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -177,25 +178,30 @@ void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp
 
 constexpr int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
+// scale (nullable) [N]: int8 weights' per-row scales, applied to each panel's columns as
+// soon as they are final.
 template <typename W>
-void linear_bcast(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+void linear_bcast(const float* x, const W* w, const float* scale, float* y, int64_t M,
+                  int64_t N, int64_t K) {
   const int64_t Mp = round_up(M, kLanes);
-  std::vector<float> xt(K * Mp);
+  std::unique_ptr<float[]> xt(new float[K * Mp]);  // every element written below
   const int64_t panels = (N + kBN - 1) / kBN;
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
     for (int64_t k = 0; k < K; ++k) {
-      float* row = xt.data() + k * Mp;
+      float* row = xt.get() + k * Mp;
       for (int64_t m = 0; m < M; ++m) row[m] = x[m * K + k];
       for (int64_t m = M; m < Mp; ++m) row[m] = 0.0f;
     }
     std::vector<float> wide(std::is_same_v<W, float> ? 0 : kBN * K);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
-      const int64_t n0 = p * kBN;
-      bcast_rows(w + n0 * K, std::min<int64_t>(kBN, N - n0), K, xt.data(), Mp, y, M, N, n0,
-                 wide.data());
+      const int64_t n0 = p * kBN, rows = std::min<int64_t>(kBN, N - n0);
+      bcast_rows(w + n0 * K, rows, K, xt.get(), Mp, y, M, N, n0, wide.data());
+      if (scale != nullptr)
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = n0; n < n0 + rows; ++n) y[m * N + n] *= scale[n];
     }
   }
 }
@@ -204,14 +210,7 @@ void linear_bcast(const float* x, const W* w, float* y, int64_t M, int64_t N, in
 template <typename W>
 void linear_small(const float* x, const W* w, const float* scale, float* y, int64_t M,
                   int64_t N, int64_t K) {
-  if (M >= kLanes) {
-    linear_bcast(x, w, y, M, N, K);
-    if (scale != nullptr)
-#pragma omp parallel for schedule(static)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= scale[n];
-    return;
-  }
+  if (M >= kLanes) return linear_bcast(x, w, scale, y, M, N, K);
   constexpr int64_t kRows = 64;
 // bf16 and int8 weights widen in registers at every row count: widening each block into an
 // fp32 buffer first (the earlier way) made them 1.5-2x slower from 4 rows on.

@@ -23,29 +23,29 @@ namespace {
 #include "tiles.h"
 #include "vmath.h"
 
-// o[r0, r0 + V lanes) = sum_t p[t * stride] * rows[t][r0, ...), accumulated in registers
+// o[r0, r0 + V lanes) = sum_t p[t] * rows[t][r0, ...), accumulated in registers
 template <int V>
-inline void weighted_chunk(const float* const* rows, const float* p, int64_t stride, int64_t L,
-                           int64_t r0, float* __restrict o) {
+inline void weighted_chunk(const float* const* rows, const float* p, int64_t L, int64_t r0,
+                           float* __restrict o) {
   vtile acc[V] = {};
   for (int64_t t = 0; t < L; ++t) {
-    const vtile w = splat(p[t * stride]);
+    const vtile w = splat(p[t]);
     for (int v = 0; v < V; ++v) acc[v] += w * load_tile(rows[t] + r0 + v * kLanes);
   }
   for (int v = 0; v < V; ++v) __builtin_memcpy(o + r0 + v * kLanes, &acc[v], sizeof(vtile));
 }
 
-// o [R] = sum_t p[t * stride] * rows[t][0:R]: 8 independent accumulators where R allows (one
+// o [R] = sum_t p[t] * rows[t][0:R]: 8 independent accumulators where R allows (one
 // dependent chain per vector stalls on the add latency), then 4, 1, and a scalar tail
-void weighted_rows(const float* const* rows, const float* p, int64_t stride, int64_t L,
-                   int64_t R, float* __restrict o) {
+void weighted_rows(const float* const* rows, const float* p, int64_t L, int64_t R,
+                   float* __restrict o) {
   int64_t r0 = 0;
-  for (; r0 + 8 * kLanes <= R; r0 += 8 * kLanes) weighted_chunk<8>(rows, p, stride, L, r0, o);
-  for (; r0 + 4 * kLanes <= R; r0 += 4 * kLanes) weighted_chunk<4>(rows, p, stride, L, r0, o);
-  for (; r0 + kLanes <= R; r0 += kLanes) weighted_chunk<1>(rows, p, stride, L, r0, o);
+  for (; r0 + 8 * kLanes <= R; r0 += 8 * kLanes) weighted_chunk<8>(rows, p, L, r0, o);
+  for (; r0 + 4 * kLanes <= R; r0 += 4 * kLanes) weighted_chunk<4>(rows, p, L, r0, o);
+  for (; r0 + kLanes <= R; r0 += kLanes) weighted_chunk<1>(rows, p, L, r0, o);
   for (int64_t r = r0; r < R; ++r) {
     float acc = 0.0f;
-    for (int64_t t = 0; t < L; ++t) acc += p[t * stride] * rows[t][r];
+    for (int64_t t = 0; t < L; ++t) acc += p[t] * rows[t][r];
     o[r] = acc;
   }
 }
@@ -114,7 +114,7 @@ void mla_decode_f32(const float* q_lat, const float* q_pe, const float* kv,
         for (int64_t t = 0; t < Li; ++t) sum += pc[t];
         const float inv = 1.0f / sum;
         for (int64_t t = 0; t < Li; ++t) pc[t] *= inv;
-        weighted_rows(rows.data(), pc, 1, Li, R, out + ((t0 + i) * H + h0 + h) * R);
+        weighted_rows(rows.data(), pc, Li, R, out + ((t0 + i) * H + h0 + h) * R);
       }
     }
   }
