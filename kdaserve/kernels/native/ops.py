@@ -179,7 +179,7 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
 
-# new tokens per sequence up to which a non-decode batch's MLA runs as per-token decode rows
+# new tokens per sequence up to which a non-decode batch's MLA runs in the paged decode kernel
 # (speculative verifies); longer chunks take the reference's batched matmuls
 VERIFY_MAX_TOKENS = 16
 
