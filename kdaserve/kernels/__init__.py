@@ -88,7 +88,9 @@ from kdaserve.kernels.native.ops import (  # noqa: E402
     linear_native,
     mla_attention_native,
     moe_experts_native,
+    moe_route_native,
     short_conv_native,
+    silu_mul_native,
 )
 from kdaserve.kernels.triton import supports as _triton  # noqa: E402
 from kdaserve.kernels.triton.kda import kda_chunk_triton, kda_decode_triton  # noqa: E402
@@ -108,6 +110,8 @@ registry.register("mla_attention", "native", mla_attention_native, priority=20,
                   supports=_native)
 registry.register("moe_experts", "cpu", moe_experts_cpu, priority=10, supports=_cpu_only)
 registry.register("moe_experts", "native", moe_experts_native, priority=20, supports=_native)
+registry.register("moe_route", "native", moe_route_native, priority=20, supports=_native)
+registry.register("silu_mul", "native", silu_mul_native, priority=20, supports=_native)
 registry.register("linear", "cpu", linear_cpu, priority=10, supports=_cpu_only)
 registry.register("linear", "native", linear_native, priority=20, supports=_native)
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)
@@ -137,9 +141,14 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     """`rms_norm_ref`'s contract through the batch-invariant library's C++ row norm (one pass,
     no temporaries) for fp32: a decode step's norms are dispatch-bound, 20-27 us a call in
     torch against 6-11 us (1 to 80 rows of 256)."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu:
         return rms_norm_ref(x, weight, eps)
-    return bi.rms_norm_bi(x, weight, eps)
+    xc, w = x.contiguous(), weight.contiguous()  # named: a temporary's memory would be freed
+    y = torch.empty_like(xc)
+    D = x.shape[-1]
+    native_build.library(BATCH_INVARIANT).bi_rms_norm_f32(
+        xc.data_ptr(), w.data_ptr(), y.data_ptr(), xc.numel() // D, D, eps)
+    return y
 
 
 registry.register("rms_norm", "native", rms_norm_native, priority=20,

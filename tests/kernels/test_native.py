@@ -18,11 +18,13 @@ from kdaserve.kernels.native.ops import (
     linear_native,
     mla_attention_native,
     moe_experts_native,
+    moe_route_native,
     short_conv_native,
+    silu_mul_native,
 )
 from kdaserve.kernels.ref.kda import kda_chunk_ref, kda_decode_ref, short_conv_ref
 from kdaserve.kernels.ref.mla import mla_attention_ref
-from kdaserve.kernels.ref.moe import moe_experts_ref
+from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 
 W = 4
 
@@ -38,6 +40,8 @@ def test_native_library_builds_here() -> None:
     assert kernels.kda_decode is kda_decode_native
     assert kernels.mla_attention is mla_attention_native
     assert kernels.moe_experts is moe_experts_native
+    assert kernels.moe_route is moe_route_native
+    assert kernels.silu_mul is silu_mul_native
 
 
 def decode_inputs(B: int, H: int, K: int, N: int, seed: int) -> dict:
@@ -436,3 +440,39 @@ def test_rms_norm_native_matches_reference(shape: tuple[int, ...]) -> None:
                                atol=1e-5, rtol=1e-5)
     xb, wb = x.bfloat16(), w.bfloat16()  # not fp32: the reference runs
     torch.testing.assert_close(rms_norm_native(xb, wb, 1e-5), rms_norm_ref(xb, wb, 1e-5))
+
+
+@pytest.mark.parametrize("T", [1, 7, 100])  # 100: the threaded path
+@pytest.mark.parametrize(("E", "k", "groups", "keep", "renorm", "activation", "bias"), [
+    (8, 2, 1, 1, True, "sigmoid", True),  # the trained target's router
+    (64, 8, 1, 1, True, "sigmoid", True),  # the bench preset's
+    (16, 4, 4, 2, True, "sigmoid", True),  # grouped (DeepSeek-V3's)
+    (16, 3, 8, 3, False, "softmax", False),
+    (12, 12, 1, 1, True, "softmax", True),  # every expert chosen
+])
+def test_moe_route_native_matches_reference(T: int, E: int, k: int, groups: int, keep: int,
+                                            renorm: bool, activation: str, bias: bool) -> None:
+    g = gen(T + E)
+    logits = torch.randn(T, E, generator=g) * 3
+    b = torch.randn(E, generator=g) * 0.5 if bias else None
+    want_w, want_ids = moe_route_ref(logits, b, k, groups, keep, renorm, 2.5, activation)
+    got_w, got_ids = moe_route_native(logits, b, k, groups, keep, renorm, 2.5, activation)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    assert torch.equal(got_ids, want_ids)  # the same experts in the same (descending) order
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_route_native_breaks_ties_to_the_lower_expert() -> None:
+    w, ids = moe_route_native(torch.zeros(2, 6), None, 3, 1, 1, True, 1.0, "sigmoid")
+    assert ids.tolist() == [[0, 1, 2]] * 2
+    torch.testing.assert_close(w, torch.full((2, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 256), (16, 2 * 13), (3, 5, 2 * 40), (200, 2 * 768)])
+def test_silu_mul_native_matches_reference(shape: tuple[int, ...]) -> None:
+    from kdaserve.kernels import silu_mul_ref
+
+    x = torch.randn(*shape, generator=gen(6)) * 4  # a vector tail at 13 and 40, threads at 200
+    x[0, ..., 0] = -100.0  # exp's clamped range: SiLU -> -0
+    torch.testing.assert_close(silu_mul_native(x), silu_mul_ref(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(silu_mul_native(x.bfloat16()), silu_mul_ref(x.bfloat16()))

@@ -39,7 +39,8 @@ class Library:
 
 
 LIBRARIES = {
-    "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp", "mla_cpu.cpp"), (), {
+    "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp", "mla_cpu.cpp", "elementwise_cpu.cpp"),
+                       (), {
         "kda_decode_f32": [_P] * 13 + [_I] * 5 + [_F],
         "kda_prefill_f32": [_P] * 10 + [_I] * 5 + [_P],
         "short_conv_f32": [_P] * 6 + [_I] * 3,
@@ -51,6 +52,8 @@ LIBRARIES = {
         "moe_decode_bf16w": [_P] * 6 + [_I] * 5,
         "linear_small_int8w": [_P] * 4 + [_I] * 3,
         "moe_decode_int8w": [_P] * 8 + [_I] * 5,
+        "moe_route_f32": [_P] * 4 + [_I] * 7 + [_F],
+        "silu_mul_f32": [_P] * 2 + [_I] * 2,
         "read_f32": ([_P, _I], _F),
     }),
     # No fused multiply-add contraction: each value's operations are fixed by the source alone

@@ -11,12 +11,14 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu, short_conv_cpu
 from kdaserve.kernels.cpu.gemm import gemm, onednn_usable
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, library
 from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_ref, kda_gate_ref
+from kdaserve.kernels.ref.moe import moe_route_ref
 from kdaserve.kernels.ref.quant import dequantize
 
 
@@ -25,7 +27,11 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 def _f32(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in ts)
+    # a plain loop: a generator in all() cost ~2 us a call, ~1.5% of a small model's step
+    for t in ts:
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return False
+    return True
 
 
 def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: torch.Tensor,
@@ -168,7 +174,9 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
         return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
                                  context_lens, w_uk, w_uv, scale)
     R, Dr = w_uk.shape[-1], q_pe.shape[-1]
-    q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk).contiguous()
+    # bmm per head rather than einsum: the same products without einsum's Python-level
+    # parsing (two calls per MLA layer were ~5% of a small model's batch-1 step)
+    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
     q_pe = q_pe.contiguous()
     table = block_table.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
@@ -176,7 +184,7 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     library().mla_decode_f32(
         _ptr(q_lat), _ptr(q_pe), _ptr(kv_cache), _ptr(table), _ptr(lens), _ptr(cu),
         _ptr(o_lat), S, H, R, Dr, kv_cache.shape[1], table.shape[1], scale)
-    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 # new tokens per sequence up to which a non-decode batch's MLA runs in the paged decode kernel
@@ -244,6 +252,41 @@ def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     return out
 
 
+def moe_route_native(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                     num_group: int, topk_group: int, renormalize: bool, scaling: float,
+                     activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_route_ref`'s contract in one C++ call (torch's ~12 small ops cost ~45 us a call
+    at any batch; ties between equal scores go to the lower expert index)."""
+    T, E = logits.shape
+    f32 = torch.float32
+    if logits.dtype != f32 or not logits.is_cpu or (bias is not None and bias.dtype != f32) \
+            or activation not in ("sigmoid", "softmax") or not 0 < top_k <= E:
+        return moe_route_ref(logits, bias, top_k, num_group, topk_group, renormalize, scaling,
+                             activation)
+    logits = logits.contiguous()
+    b = None if bias is None else bias.contiguous()
+    weights = torch.empty(T, top_k, dtype=torch.float32)
+    ids = torch.empty(T, top_k, dtype=torch.int64)
+    library().moe_route_f32(_ptr(logits), None if b is None else _ptr(b), _ptr(weights),
+                            _ptr(ids), T, E, top_k, num_group, topk_group, int(renormalize),
+                            int(activation == "sigmoid"), scaling)
+    return weights, ids
+
+
+def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu_mul_ref`'s contract (SiLU(gate) * up of [..., gate | up]) in one C++ pass; torch
+    takes three ops (~20 us a call at a decode step's few rows)."""
+    if gate_up.dtype != torch.float32 or not gate_up.is_cpu:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    x = gate_up.contiguous()
+    inter = x.shape[-1] // 2
+    y = x.new_empty(*x.shape[:-1], inter)
+    library().silu_mul_f32(x.data_ptr(), y.data_ptr(), x.numel() // (2 * inter) if inter else 0,
+                           inter)
+    return y
+
+
 # Up to this many rows the native GEMM streams the weights faster than sgemm, which packs the
 # whole weight on every call (measured crossover between 32 and 48 rows on the bench model's
 # projections). A weight as large as an lm_head costs sgemm so much packing that the native
@@ -291,9 +334,12 @@ QUANTIZED_LARGE_MAX_ROWS = 512
 def linear_native(x: torch.Tensor, weight: torch.Tensor,
                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (`linear_ref`'s contract)."""
-    # called ~50 times per decode step: checks kept to attribute reads (no generators)
+    # called ~50 times per decode step: checks kept to attribute reads (no generators), and a
+    # 2-D contiguous x (every model projection's) neither reshaped nor its result viewed back
+    # (those two cost ~5 of the ~16 us a small call took)
     K = x.shape[-1]
-    rows = x.numel() // K if K else 0
+    flat = x.dim() == 2
+    rows = x.shape[0] if flat else (x.numel() // K if K else 0)
     elements = weight.numel()
     large = elements >= LARGE_WEIGHT
     if weight.dtype != torch.float32:
@@ -308,7 +354,7 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor,
         # weight-only bf16 / int8 with many rows (prefill): widened for the GEMM, a pass
         # over the weight that a compute-bound product hides
         return gemm(x, dequantize(weight, scale, x.dtype))
-    x2 = x.reshape(rows, K).contiguous()
+    x2 = x if flat and x.is_contiguous() else x.reshape(rows, K).contiguous()
     N = weight.shape[0]
     y = torch.empty(rows, N, dtype=torch.float32)
     if weight.dtype == torch.int8:
@@ -318,5 +364,5 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor,
                                      y.data_ptr(), rows, N, K)
     else:
         getattr(library(), kernel)(x2.data_ptr(), weight.data_ptr(), y.data_ptr(), rows, N, K)
-    return y.view(*x.shape[:-1], N)
+    return y if flat else y.view(*x.shape[:-1], N)
 
