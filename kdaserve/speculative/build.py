@@ -36,7 +36,7 @@ def build_speculator(c: EngineConfig, draft_path: Path | None, target: ModelConf
         if c.speculative_algorithm == "block":
             drafter = BlockDrafter.load(draft_path, target, k, dtype, device)
         elif c.speculative_algorithm == "dspark":
-            drafter = DSparkDrafter.load(draft_path, target, k, dtype, device, kernels.linear)
+            drafter = DSparkDrafter.load(draft_path, target, k, dtype, device, kernels)
         else:
             drafter = DraftModelDrafter.load(
                 draft_path, target, kernels, dtype, device, k, max_running,

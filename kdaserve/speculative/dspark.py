@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kdaserve.config import ModelConfig
+from kdaserve.kernels import Kernels, silu_mul_ref
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.speculative.block import BlockDrafter
 
@@ -76,6 +77,7 @@ class DraftLayer(nn.Module):
         self.mlp_norm = RMSNorm(H, eps)
         self.gate_up = nn.Linear(H, 2 * inter, bias=False)
         self.down = nn.Linear(inter, H, bias=False)
+        self.silu_mul: Callable[[torch.Tensor], torch.Tensor] = silu_mul_ref  # or the kernel
 
     def forward(self, s: torch.Tensor, lin: Linear) -> torch.Tensor:
         B, N, H = s.shape
@@ -83,8 +85,7 @@ class DraftLayer(nn.Module):
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2))
         s = s + lin(a.transpose(1, 2).reshape(B, N, H), self.o)
-        gate, up = lin(self.mlp_norm(s), self.gate_up).chunk(2, dim=-1)
-        return s + lin(F.silu(gate) * up, self.down)
+        return s + lin(self.silu_mul(lin(self.mlp_norm(s), self.gate_up)), self.down)
 
 
 class DSparkNet(nn.Module):
@@ -214,8 +215,10 @@ class DSparkDrafter(BlockDrafter):
 
     @classmethod
     def load(cls, path: Path, target: ModelConfig, k: int, dtype: torch.dtype,
-             device: torch.device,
-             linear: Callable[..., torch.Tensor] | None = None) -> DSparkDrafter:
+             device: torch.device, kernels: Kernels | None = None) -> DSparkDrafter:
+        """kernels: the engine's ops for the projections, norms and SwiGLUs (the drafting
+        pass is ~90 small ops a step, so torch's dispatch is a large part of its cost);
+        without them, plain torch."""
         cfg = load_config(path, target)
         with torch.device("meta"):
             net = DSparkNet(cfg)
@@ -227,8 +230,13 @@ class DSparkDrafter(BlockDrafter):
             raise ValueError(f"DSpark drafter {path}: tensors do not match its config.json "
                              f"(first: {bad[0]})")
         net.load_state_dict(tensors, assign=True)
-        if linear is not None:
-            net.lin = kernel_linear(linear)
+        if kernels is not None:
+            net.lin = kernel_linear(kernels.linear)
+            for m in net.modules():
+                if isinstance(m, RMSNorm):
+                    m.op = kernels.rms_norm
+                elif isinstance(m, DraftLayer):
+                    m.silu_mul = kernels.silu_mul
         return cls(net.to(device=device, dtype=dtype).eval(), k, device)
 
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor,
