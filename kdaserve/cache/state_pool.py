@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve.config import ModelConfig
+from kdaserve.kernels.native.ops import copy_slots
 
 
 class StatePool:
@@ -62,6 +63,15 @@ class StatePool:
         self.conv[:, dst].copy_(self.conv[:, src])
         if self.log is not None:
             self.log.append(("copy", src, dst))
+
+    def copy_many(self, pairs: list[tuple[int, int]]) -> None:
+        """`copy(src, dst)` for every pair, no slot both a source and a destination: one
+        native call per pool tensor (a verify saves and restores a slot per request: two
+        strided torch copies each, ~1 ms a step at batch 16)."""
+        if self.log is not None or not (copy_slots(self.recurrent, pairs)
+                                        and copy_slots(self.conv, pairs)):
+            for src, dst in pairs:
+                self.copy(src, dst)
 
     def apply(self, log: list[tuple[int | str, ...]]) -> None:
         """Replays another pool's logged changes on this one (same slots, own heads)."""

@@ -302,6 +302,7 @@ class LLMEngine(Introspection):
             # logits rows: one per sampled request, 1 + k for a request verifying k drafts
             row, plain, plain_rows = 0, [], []
             replay: list[tuple[Request, int]] = []  # (req, accepted steps to replay)
+            restores: list[tuple[Request, int]] = []  # (req, its saved states' slot)
             accepted: list[tuple[Request, int, int]] = []  # (req, drafts kept, its hidden row)
             for req in to_sample:
                 if id(req) not in saved:
@@ -332,10 +333,11 @@ class LLMEngine(Introspection):
                         break
                 touched[self._group_id(req)] = None
                 if rollback and not req.is_finished:
-                    spec.restore(req, scratch)
+                    restores.append((req, scratch))
                     replay.append((req, req.num_computed_tokens - start))
             if replay:
-                assert record is not None
+                assert record is not None and spec is not None
+                spec.restore(restores)
                 self.runner.replay(record, replay)  # the accepted KDA steps only
         finally:
             if spec is not None:

@@ -256,6 +256,7 @@ class Speculator:
     def save(self, batch: ScheduledBatch) -> dict[int, tuple[int, int]]:
         """Scratch copies of the verifying requests' states: id(req) -> (scratch, start)."""
         saved = {}
+        pairs = []
         for i, req in enumerate(batch.reqs):
             if not req.draft_ids:
                 continue
@@ -265,8 +266,9 @@ class Speculator:
                 continue
             scratch = self.states.allocate(zero=False)
             assert req.state_slot is not None
-            self.states.copy(req.state_slot, scratch)
+            pairs.append((req.state_slot, scratch))
             saved[id(req)] = (scratch, req.num_computed_tokens)
+        self.states.copy_many(pairs)
         return saved
 
     def record(self, batch: ScheduledBatch, saved: dict[int, tuple[int, int]],
@@ -315,11 +317,14 @@ class Speculator:
             self.accepted_at[i] += i < j
         return drafts[:j] + [bonus], j < len(drafts)
 
-    def restore(self, req: Request, scratch: int) -> None:
+    def restore(self, restores: list[tuple[Request, int]]) -> None:
         """Back to the KDA states before the verify forward, ready to replay the accepted
-        steps (req.num_computed_tokens already counts them)."""
-        assert req.state_slot is not None
-        self.states.copy(scratch, req.state_slot)
+        steps (req.num_computed_tokens already counts them): (req, its scratch slot)."""
+        pairs = []
+        for req, scratch in restores:
+            assert req.state_slot is not None
+            pairs.append((scratch, req.state_slot))
+        self.states.copy_many(pairs)
 
     def release(self, saved: dict[int, tuple[int, int]]) -> None:
         for scratch, _ in saved.values():

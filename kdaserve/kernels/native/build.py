@@ -54,6 +54,7 @@ LIBRARIES = {
         "moe_decode_int8w": [_P] * 8 + [_I] * 5,
         "moe_route_f32": [_P] * 4 + [_I] * 7 + [_F],
         "silu_mul_f32": [_P] * 2 + [_I] * 2,
+        "copy_blocks": [_P] + [_I] * 3 + [_P] * 2 + [_I],
         "read_f32": ([_P, _I], _F),
     }),
     # No fused multiply-add contraction: each value's operations are fixed by the source alone

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu, short_conv_cpu
 from kdaserve.kernels.cpu.gemm import gemm, onednn_usable
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
-from kdaserve.kernels.native.build import MAX_HEAD_DIM, library
+from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
 from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_ref, kda_gate_ref
 from kdaserve.kernels.ref.moe import moe_route_ref
 from kdaserve.kernels.ref.quant import dequantize
@@ -285,6 +285,20 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     library().silu_mul_f32(x.data_ptr(), y.data_ptr(), x.numel() // (2 * inter) if inter else 0,
                            inter)
     return y
+
+
+def copy_slots(pool: torch.Tensor, pairs: list[tuple[int, int]]) -> bool:
+    """pool [L, N, ...]: slot src's block copied to slot dst in every layer, for each (src,
+    dst) pair (no slot both a source and a destination), in one C++ call. False (nothing
+    done) where the library or the layout does not allow it: the caller copies in torch."""
+    if not pairs or not pool.is_cpu or not pool.is_contiguous() or not available()[0]:
+        return False
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    size = pool.element_size()
+    library().copy_blocks(pool.data_ptr(), pool.shape[0], pool.stride(0) * size,
+                          pool.stride(1) * size, src.data_ptr(), dst.data_ptr(), len(pairs))
+    return True
 
 
 # Up to this many rows the native GEMM streams the weights faster than sgemm, which packs the

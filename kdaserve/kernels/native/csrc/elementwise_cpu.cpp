@@ -1,9 +1,10 @@
-// Row-wise elementwise ops of a decode step, fp32; built into the kda_cpu library (build.py)
-// and tested against the plain-torch references in kdaserve/kernels. A decode step calls each
-// a dozen times on a few rows, where torch's dispatch (three ops for a SwiGLU: chunk, silu,
-// mul) costs more than the arithmetic.
+// Row-wise elementwise ops and block copies of a decode step; built into the kda_cpu library
+// (build.py) and tested against plain torch. A decode step calls each a dozen times on a few
+// rows, where torch's dispatch (three ops for a SwiGLU: chunk, silu, mul; two strided copies
+// per state slot) costs more than the arithmetic.
 
 #include <cstdint>
+#include <cstring>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -34,6 +35,20 @@ void silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I) {
       __builtin_memcpy(out + i, &v, sizeof(v));
     }
     for (; i < I; ++i) out[i] = g[i] * vsigmoid(g[i]) * u[i];
+  }
+}
+
+// For each of n (src, dst) pairs and each of L layers: the block of `bytes` at
+// base + l * layer_stride + src * bytes copied to the same place for dst (a state pool's
+// slots, [L, N, ...]: a speculative verify saves and restores every verifying request's slot
+// around its forward, 2 x L strided torch copies a request otherwise).
+void copy_blocks(char* base, int64_t L, int64_t layer_stride, int64_t bytes,
+                 const int64_t* src, const int64_t* dst, int64_t n) {
+#pragma omp parallel for schedule(static) if (n * L * bytes >= (1 << 18))
+  for (int64_t task = 0; task < n * L; ++task) {
+    const int64_t i = task / L, l = task % L;
+    char* layer = base + l * layer_stride;
+    std::memcpy(layer + dst[i] * bytes, layer + src[i] * bytes, bytes);
   }
 }
 
