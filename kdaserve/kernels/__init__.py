@@ -27,6 +27,7 @@ from kdaserve.kernels.ref.kda import (
     short_conv_ref,
 )
 from kdaserve.kernels.ref.mla import mla_attention_ref
+from kdaserve.kernels.ref.mlp import silu_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.quant import dequantize
 from kdaserve.kernels.registry import use_backend
@@ -47,12 +48,6 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for gate_up = [..., gate | up] (the SwiGLU of a dense MLP)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 OPS = ("linear", "kda_chunk", "kda_recurrent", "kda_decode", "short_conv", "mla_attention",
@@ -143,12 +138,7 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     torch against 6-11 us (1 to 80 rows of 256)."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu:
         return rms_norm_ref(x, weight, eps)
-    xc, w = x.contiguous(), weight.contiguous()  # named: a temporary's memory would be freed
-    y = torch.empty_like(xc)
-    D = x.shape[-1]
-    native_build.library(BATCH_INVARIANT).bi_rms_norm_f32(
-        xc.data_ptr(), w.data_ptr(), y.data_ptr(), xc.numel() // D, D, eps)
-    return y
+    return bi.rms_norm_rows(x, weight, eps)
 
 
 registry.register("rms_norm", "native", rms_norm_native, priority=20,

@@ -52,6 +52,12 @@ def linear_bi(x: torch.Tensor, weight: torch.Tensor,
 
 def rms_norm_bi(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     _check(x, weight)
+    return rms_norm_rows(x, weight, eps)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The row norm without `_check` (fp32 CPU tensors: the caller knows): the `native`
+    backend's `rms_norm`, where a decode step's dozen calls make the check a cost."""
     xc, w = x.contiguous(), weight.contiguous()
     y = torch.empty_like(xc)
     D = x.shape[-1]

@@ -11,13 +11,13 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu, short_conv_cpu
 from kdaserve.kernels.cpu.gemm import gemm, onednn_usable
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
 from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_ref, kda_gate_ref
+from kdaserve.kernels.ref.mlp import silu_mul_ref
 from kdaserve.kernels.ref.moe import moe_route_ref
 from kdaserve.kernels.ref.quant import dequantize
 
@@ -277,8 +277,7 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu_mul_ref`'s contract (SiLU(gate) * up of [..., gate | up]) in one C++ pass; torch
     takes three ops (~20 us a call at a decode step's few rows)."""
     if gate_up.dtype != torch.float32 or not gate_up.is_cpu:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return silu_mul_ref(gate_up)
     x = gate_up.contiguous()
     inter = x.shape[-1] // 2
     y = x.new_empty(*x.shape[:-1], inter)

@@ -24,18 +24,8 @@ extern "C" {
 // gu [rows, 2I] (gate | up) -> y [rows, I] = SiLU(gate) * up
 void silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I) {
 #pragma omp parallel for schedule(static) if (rows * I >= kParallelMin)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gu + r * 2 * I;
-    const float* u = g + I;
-    float* out = y + r * I;
-    int64_t i = 0;
-    for (; i + kLanes <= I; i += kLanes) {
-      const vtile gv = load_tile(g + i), uv = load_tile(u + i);
-      const vtile v = gv * vsigmoid(gv) * uv;
-      __builtin_memcpy(out + i, &v, sizeof(v));
-    }
-    for (; i < I; ++i) out[i] = g[i] * vsigmoid(g[i]) * u[i];
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, y + r * I, I);
 }
 
 // For each of n (src, dst) pairs and each of L layers: the block of `bytes` at

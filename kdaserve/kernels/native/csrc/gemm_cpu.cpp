@@ -307,13 +307,7 @@ void moe_decode(const float* x, const int64_t* ids, const float* weights, const 
             g[I + r] *= s13[e * 2 * I + I + r];
           }
         // vectorised: libm's scalar expf per activation was ~10% of a 16-token MoE layer
-        float* a = act.data() + (s0 + m) * I;
-        int64_t r = r0;
-        for (; r + kLanes <= r1; r += kLanes) {
-          const vtile gv = load_tile(g + r), v = gv * vsigmoid(gv) * load_tile(g + I + r);
-          __builtin_memcpy(a + r, &v, sizeof(v));
-        }
-        for (; r < r1; ++r) a[r] = g[r] * vsigmoid(g[r]) * g[I + r];
+        silu_mul_row(g + r0, g + I + r0, act.data() + (s0 + m) * I + r0, r1 - r0);
       }
     }
 #pragma omp for schedule(static)
@@ -351,7 +345,8 @@ void moe_decode(const float* x, const int64_t* ids, const float* weights, const 
 // a call whatever the batch; here a few us.
 void route_token(const float* logits, const float* bias, int64_t E, int64_t top_k,
                  int64_t groups, int64_t topk_group, bool renormalize, float scaling,
-                 bool sigmoid, float* weights, int64_t* ids, float* scores, float* choice) {
+                 bool sigmoid, float* weights, int64_t* ids, float* scores, float* choice,
+                 float* group_score, char* kept) {
   if (sigmoid) {
     for (int64_t e = 0; e < E; ++e) scores[e] = sigmoidf(logits[e]);
   } else {
@@ -364,7 +359,6 @@ void route_token(const float* logits, const float* bias, int64_t E, int64_t top_
   constexpr float kNone = -INFINITY;
   if (groups > 1) {
     const int64_t size = E / groups;
-    std::vector<float> group_score(groups);
     for (int64_t g = 0; g < groups; ++g) {
       float a = kNone, b = kNone;  // the group's best two
       for (int64_t e = g * size; e < (g + 1) * size; ++e) {
@@ -378,7 +372,7 @@ void route_token(const float* logits, const float* bias, int64_t E, int64_t top_
       }
       group_score[g] = size > 1 ? a + b : a;
     }
-    std::vector<bool> kept(groups, false);
+    std::fill(kept, kept + groups, 0);
     for (int64_t j = 0; j < topk_group; ++j) {
       int64_t best = -1;
       for (int64_t g = 0; g < groups; ++g)
@@ -435,12 +429,13 @@ void moe_route_f32(const float* logits, const float* bias, float* weights, int64
                    int64_t renormalize, int64_t sigmoid, float scaling) {
 #pragma omp parallel if (T >= 64)
   {
-    std::vector<float> scores(E), choice(E);
+    std::vector<float> scores(E), choice(E), group_score(groups);
+    std::vector<char> kept(groups);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < T; ++t)
       route_token(logits + t * E, bias, E, top_k, groups, topk_group, renormalize != 0,
                   scaling, sigmoid != 0, weights + t * top_k, ids + t * top_k, scores.data(),
-                  choice.data());
+                  choice.data(), group_score.data(), kept.data());
   }
 }
 

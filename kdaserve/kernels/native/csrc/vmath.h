@@ -73,3 +73,13 @@ template <typename F> inline void map_lanes(const float* x, float* y, int64_t n,
   }
   for (; i < n; ++i) y[i] = f(x[i]);
 }
+
+// out[i] = SiLU(g[i]) * u[i] for n floats (the SwiGLU of a dense MLP or an expert)
+inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vtile gv = load_tile(g + i), v = gv * vsigmoid(gv) * load_tile(u + i);
+    __builtin_memcpy(out + i, &v, sizeof(v));
+  }
+  for (; i < n; ++i) out[i] = g[i] * vsigmoid(g[i]) * u[i];
+}
