@@ -175,3 +175,14 @@ def default_model_path(preset: str = "bench", seed: int = 0) -> Path:
               "(random weights: output text is meaningless)", flush=True)
         make_checkpoint(path, preset, seed=seed)
     return path
+
+
+def resolve_model_path(model: str | os.PathLike) -> os.PathLike:
+    """A checkpoint folder, or a preset name for the built-in random-weight checkpoints."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    if str(model) in PRESETS:
+        return default_model_path(str(model))
+    raise ValueError(f"model {str(model)!r} is neither a checkpoint folder nor a preset "
+                     f"({', '.join(sorted(PRESETS))})")

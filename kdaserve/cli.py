@@ -40,8 +40,8 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
 
 
 def _make_block_drafter(args: argparse.Namespace) -> None:
+    from kdaserve.checkpoint import resolve_model_path
     from kdaserve.config import ModelConfig
-    from kdaserve.engine.llm_engine import resolve_model_path
     from kdaserve.speculative.block import make_block_drafter
 
     target = ModelConfig.from_pretrained(resolve_model_path(args.target))
@@ -124,9 +124,11 @@ def main(argv: list[str] | None = None) -> None:
     disaggregation.add_parser(bench_sub)
     from kdaserve.training import drafter as train_drafter
     from kdaserve.training import lm as train_lm
+    from kdaserve.training import token_map
 
     train_lm.add_parser(sub)
     train_drafter.add_parser(sub)
+    token_map.add_parser(sub)
     from kdaserve.server import launch
 
     launch.add_parser(sub)

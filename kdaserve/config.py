@@ -360,6 +360,8 @@ class EngineConfig:
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_draft_model: str | None = None  # checkpoint folder (or preset, for "draft")
+    # hot-token map (.pt/.json ids, speculative/token_map.py): block/dspark heads cut to them
+    speculative_token_map: str | None = None
     # n-gram drafter: suffix n-grams tried from the longest (vLLM's prompt_lookup_max/min)
     speculative_ngram_max: int = 4
     speculative_ngram_min: int = 1
@@ -432,6 +434,10 @@ class EngineConfig:
         if self.speculative_algorithm != "ngram" and \
                 changed & {"speculative_ngram_max", "speculative_ngram_min"}:
             raise ValueError("speculative_ngram_max/min apply to speculative_algorithm='ngram'")
+        if self.speculative_algorithm not in ("block", "dspark") and \
+                self.speculative_token_map is not None:
+            raise ValueError("speculative_token_map applies to speculative_algorithm='block' "
+                             "or 'dspark' (the drafters with an output head to cut)")
         if self.speculative_algorithm is None and changed & {
                 "speculative_min_acceptance_rate", "speculative_disable_by_batch_size"}:
             raise ValueError("speculative_min_acceptance_rate and "

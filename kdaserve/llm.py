@@ -9,8 +9,9 @@ import torch
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
+from kdaserve.checkpoint import resolve_model_path
 from kdaserve.config import EngineConfig
-from kdaserve.engine.llm_engine import LLMEngine, resolve_model_path
+from kdaserve.engine.llm_engine import LLMEngine
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.request import RequestOutput, SamplingParams
 

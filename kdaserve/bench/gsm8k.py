@@ -288,8 +288,8 @@ def parse_urls(spec: str) -> list[tuple[str, str]]:
 def main(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
+    from kdaserve.checkpoint import resolve_model_path
     from kdaserve.config import ModelConfig
-    from kdaserve.engine.llm_engine import resolve_model_path
     from kdaserve.tokenizer import Tokenizer
 
     rows = load_data(args.data)

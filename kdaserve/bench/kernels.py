@@ -108,7 +108,7 @@ def host_overhead(model: str, batch: int = 1) -> dict[str, float]:
 
 
 def main(args: argparse.Namespace) -> None:
-    from kdaserve.engine.llm_engine import resolve_model_path
+    from kdaserve.checkpoint import resolve_model_path
 
     config = ModelConfig.from_pretrained(resolve_model_path(args.model))
     batches = [int(b) for b in args.batch_sizes.split(",")]

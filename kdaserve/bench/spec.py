@@ -23,6 +23,7 @@ target as its own draft model (all accepted, paying a real draft model).
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -134,11 +135,11 @@ def best_of(llm: Any, prompts: list[list[int]], params: Any, batch: int,
 
 def best_of_paired(llm: Any, plain: Any, prompts: list[list[int]], params: Any, batch: int,
                    repeats: int) -> tuple[tuple[float, float, list[list[int]]],
-                                          tuple[float, float]]:
+                                          tuple[float, float], list[float]]:
     """`best_of` for llm, with a plain run before each of its runs: (llm's fastest run, the
-    fastest plain (tok/s, decode tok/s) beside it). This host's speed drifts by 10-60%
-    within minutes, so a ratio against one baseline run at the start says more about the
-    drift than about the drafter."""
+    fastest plain (tok/s, decode tok/s) beside it, each pair's decode speed-up). This host's
+    speed drifts by 10-60% within minutes, so a ratio against one baseline run at the start
+    says more about the drift than about the drafter; the pairs' ratios show the spread."""
     runs, base = [], []
     for _ in range(repeats):
         base.append(timed(plain, prompts, params, batch))
@@ -146,7 +147,8 @@ def best_of_paired(llm: Any, plain: Any, prompts: list[list[int]], params: Any, 
     if any(r[2] != runs[0][2] for r in runs + base):
         raise RuntimeError("greedy outputs changed between repeated runs")
     best = max(base, key=lambda r: r[1])
-    return max(runs, key=lambda r: r[1]), (best[0], best[1])
+    pairs = [r[1] / p[1] for r, p in zip(runs, base, strict=True)]
+    return max(runs, key=lambda r: r[1]), (best[0], best[1]), pairs
 
 
 def _drafter_kwargs(name: str, args: argparse.Namespace, target: Path) -> dict[str, Any]:
@@ -166,8 +168,10 @@ def _drafter_kwargs(name: str, args: argparse.Namespace, target: Path) -> dict[s
         how = ("kdaserve train-lm --size draft" if name == "draft" else
                f"kdaserve train-drafter --kind {name} --target {target} --out {path}")
         raise ValueError(f"no {name} drafter at {path}: make it with `{how}` or pass its path")
+    hot = {"speculative_token_map": args.token_map} \
+        if args.token_map and name in ("block", "dspark") else {}
     return {"speculative_algorithm": "draft" if name == "draft" else name,
-            "speculative_draft_model": str(path)}
+            "speculative_draft_model": str(path), **hot}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -213,7 +217,7 @@ def main(args: argparse.Namespace) -> None:
                 if name in ("self", "self-half"):
                     accept = -(-k // 2) if name == "self-half" else None
                     spec.drafter = SelfDrafter(k, futures, accept, plain.config.vocab_size)
-                (tps, dec, outs), (base_tps, base_dec) = best_of_paired(
+                (tps, dec, outs), (base_tps, base_dec), pairs = best_of_paired(
                     llm, plain, wave, params, b, args.repeats)
                 if outs != refs:
                     raise RuntimeError(f"speculation ({name}, K={k}, batch {b}) changed "
@@ -225,6 +229,8 @@ def main(args: argparse.Namespace) -> None:
                     # against the plain runs interleaved with this row's, not the first
                     "speedup": tps / base_tps, "decode_speedup": dec / base_dec,
                     "baseline_tok_s": base_tps, "baseline_decode_tok_s": base_dec,
+                    # each run's decode speed-up against the plain run just before it
+                    "paired_decode_speedups": pairs,
                     "verifies": m["spec_num_verifies"],
                     # drafts the schedule kept per proposal (speculative/schedule.py)
                     "mean_verify_length": sum(n * c for n, c in spec.lengths.items())
@@ -234,6 +240,7 @@ def main(args: argparse.Namespace) -> None:
                     "drafted_by_position": list(spec.drafted_at)})
                 _row(results[-1])
     write_result(args.out, {"model": str(target), "max_tokens": args.max_tokens,
+                            "token_map": args.token_map,
                             "num_shots": args.num_shots, "rows": results,
                             "ngram_offline": ngram_rows})
     print(f"wrote {args.out}")
@@ -243,9 +250,12 @@ def main(args: argparse.Namespace) -> None:
 
 def _row(r: dict[str, Any]) -> None:
     kept = " ".join(f"{x:.2f}" for x in r["kept_by_position"])
+    pairs = sorted(r.get("paired_decode_speedups", []))
+    spread = f"  pairs {pairs[0]:.2f}-{pairs[-1]:.2f}x, median " \
+        f"{statistics.median(pairs):.2f}x" if len(pairs) > 1 else ""
     print(f"{r['batch']:>3} {r['drafter']:>10} {r['k']:>2} {r['tok_s']:>7.1f} "
           f"{r['speedup']:>7.2f}x {r['decode_tok_s']:>13.1f} {r['decode_speedup']:>7.2f}x "
-          f"{r['acceptance_length']:>11.2f}  {kept}", flush=True)
+          f"{r['acceptance_length']:>11.2f}  {kept}{spread}", flush=True)
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -309,6 +319,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--draft-model", default=None)
     p.add_argument("--block-drafter", default=None, help="default: TARGET.block")
     p.add_argument("--dspark-drafter", default=None, help="default: TARGET.dspark")
+    p.add_argument("--token-map", default=None,
+                   help="hot-token map for the block and dspark drafters (kdaserve token-map)")
     p.add_argument("--out", default="bench_results/spec.json")
     p.add_argument("--plot", default=None, help="write the acceptance / load PNG here")
     p.set_defaults(func=main)

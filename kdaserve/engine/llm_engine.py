@@ -7,7 +7,6 @@ checks -> free finished requests. Both the blocking `LLM` and the async server l
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 
 from kdaserve.cache.radix_cache import RadixCache
-from kdaserve.checkpoint import PRESETS, default_model_path
+from kdaserve.checkpoint import resolve_model_path
 from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.disaggregation import DecodeSide, PrefillSide, make_side
@@ -46,16 +45,6 @@ from kdaserve.speculative.verify import trim_drafts
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
-
-def resolve_model_path(model: str | os.PathLike) -> os.PathLike:
-    """A checkpoint folder, or a preset name for the built-in random-weight checkpoints."""
-    path = Path(model)
-    if path.is_dir():
-        return path
-    if str(model) in PRESETS:
-        return default_model_path(str(model))
-    raise ValueError(f"model {str(model)!r} is neither a checkpoint folder nor a preset "
-                     f"({', '.join(sorted(PRESETS))})")
 
 
 class LLMEngine(Introspection):
@@ -304,6 +293,7 @@ class LLMEngine(Introspection):
             replay: list[tuple[Request, int]] = []  # (req, accepted steps to replay)
             restores: list[tuple[Request, int]] = []  # (req, its saved states' slot)
             accepted: list[tuple[Request, int, int]] = []  # (req, drafts kept, its hidden row)
+            argmax: list[int] | None = None  # every row's, taken once for greedy verifies
             for req in to_sample:
                 if id(req) not in saved:
                     plain.append(req)
@@ -315,6 +305,11 @@ class LLMEngine(Introspection):
                 k = len(req.draft_ids)
                 scratch, start = saved[id(req)]
                 rows = logits[row:row + 1 + k]
+                unmasked = None
+                if req.matcher is None and req.params.is_greedy:
+                    if argmax is None:
+                        argmax = logits.argmax(-1).tolist()
+                    unmasked = argmax[row:row + 1 + k]
                 if req.matcher is not None:  # each position masked by the state after its drafts
                     assert self._grammar is not None
                     bitmask = self._grammar.allocate_bitmask(1 + k)
@@ -324,7 +319,7 @@ class LLMEngine(Introspection):
                         apply_bitmask(rows, bitmask)
                     except ValueError:  # a grammar bug: `_append` then ends this request alone
                         logger.exception("request %s: grammar failed on its drafts", req.rid)
-                tokens, rollback = spec.accept(req, rows, start)
+                tokens, rollback = spec.accept(req, rows, start, unmasked)
                 accepted.append((req, len(tokens) - 1, row + len(tokens) - 1))
                 row += 1 + k
                 for t in tokens:

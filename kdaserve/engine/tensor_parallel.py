@@ -161,7 +161,7 @@ def follower_main(c: EngineConfig, rank: int) -> None:
     """A follower rank: its model slice and pools, then every forward rank 0 sends."""
     logging.basicConfig(level=logging.INFO, format=f"[kdaserve tp{rank}] %(message)s")
     _exit_with_parent()
-    from kdaserve.engine.llm_engine import resolve_model_path
+    from kdaserve.checkpoint import resolve_model_path
 
     path = resolve_model_path(c.model)
     mc = ModelConfig.from_pretrained(path)

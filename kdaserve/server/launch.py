@@ -96,7 +96,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
     """Serves until a signal; returns why it gave up, if the engine could not be kept up."""
     import uvicorn
 
-    from kdaserve.engine.llm_engine import resolve_model_path
+    from kdaserve.checkpoint import resolve_model_path
     from kdaserve.server.api import ServerState, create_app
     from kdaserve.server.chat import ChatHandler
     from kdaserve.server.data_parallel import DataParallel

@@ -70,6 +70,8 @@ class BlockDrafter(Drafter):
         self.net, self.device = net, device
         self.k = min(k, net.cfg["block_size"])
         self.hidden: dict[int, torch.Tensor] = {}  # id(req) -> target hidden state [D]
+        # the token map's ids when the head is cut to them (speculative/token_map.py)
+        self.vocab_ids: torch.Tensor | None = None
         self._survival: dict[int, list[float]] = {}  # id(req) -> of its last proposal
 
     @classmethod
@@ -113,11 +115,19 @@ class BlockDrafter(Drafter):
     def survival(self, req: Request) -> list[float] | None:
         return self._survival.get(id(req))
 
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Cuts the output head to the rows of `ids` (a hot-token map): drafts are then
+        always among them, and the head costs len(ids) / V of the whole vocabulary's."""
+        self.vocab_ids = ids.to(self.device)
+        head = self.net.lm_head
+        head.weight = nn.Parameter(head.weight.data[self.vocab_ids], requires_grad=False)
+
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [B, *] and pending tokens [B] -> (drafts [B, k], confidences [B, k])."""
+        """Rows [B, *] and pending tokens [B] -> (drafts [B, k], confidences [B, k]). With
+        a token map the confidence is the max over the hot tokens' softmax."""
         conf, drafts = self.net(hidden, tokens, k).softmax(-1).max(-1)
-        return drafts, conf
+        return (drafts if self.vocab_ids is None else self.vocab_ids[drafts]), conf
 
     def on_accept(self, req: Request, num_accepted: int,
                   hidden: torch.Tensor | None = None) -> None:

@@ -19,6 +19,7 @@ from kdaserve.speculative.drafter import Drafter
 from kdaserve.speculative.dspark import DSparkDrafter
 from kdaserve.speculative.ngram import NgramDrafter
 from kdaserve.speculative.schedule import StepCost
+from kdaserve.speculative.token_map import load_token_map
 from kdaserve.speculative.verify import Speculator
 
 
@@ -33,10 +34,13 @@ def build_speculator(c: EngineConfig, draft_path: Path | None, target: ModelConf
         drafter = NgramDrafter(k, c.speculative_ngram_max, c.speculative_ngram_min)
     else:
         assert draft_path is not None  # EngineConfig checks
-        if c.speculative_algorithm == "block":
-            drafter = BlockDrafter.load(draft_path, target, k, dtype, device)
-        elif c.speculative_algorithm == "dspark":
-            drafter = DSparkDrafter.load(draft_path, target, k, dtype, device, kernels)
+        if c.speculative_algorithm in ("block", "dspark"):
+            drafter = BlockDrafter.load(draft_path, target, k, dtype, device) \
+                if c.speculative_algorithm == "block" else \
+                DSparkDrafter.load(draft_path, target, k, dtype, device, kernels)
+            if c.speculative_token_map is not None:
+                drafter.restrict_vocab(load_token_map(c.speculative_token_map,
+                                                      target.vocab_size))
         else:
             drafter = DraftModelDrafter.load(
                 draft_path, target, kernels, dtype, device, k, max_running,

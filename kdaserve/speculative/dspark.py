@@ -110,6 +110,15 @@ class DSparkNet(nn.Module):
         self.confidence = nn.Linear(H + r, 1)
         # how projections run: torch's for training, the engine's `linear` op when serving
         self.lin: Linear = torch_linear
+        # the token ids of the output heads' rows when they are cut to a hot-token map
+        # (speculative/token_map.py); the Markov embedding keeps the whole vocabulary
+        self.vocab_ids: torch.Tensor | None = None
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Cuts both output heads (the base logits and the Markov head's) to `ids`' rows."""
+        self.vocab_ids = ids
+        for head in (self.lm_head, self.markov_out):
+            head.weight = nn.Parameter(head.weight.data[ids], requires_grad=False)
 
     def backbone(self, taps: torch.Tensor, tokens: torch.Tensor,
                  positions: int | None = None) -> torch.Tensor:
@@ -167,6 +176,8 @@ class DSparkNet(nn.Module):
         for i in range(k):
             m = self.markov_embed(prev) * gate[:, i]
             prev = (base[:, i] + self.lin(m, self.markov_out).float()).argmax(-1)
+            if self.vocab_ids is not None:
+                prev = self.vocab_ids[prev]
             drafts.append(prev)
             ms.append(m)
         conf = torch.stack(ms, 1) @ w[H:] + conf_z  # the m part of the confidence, at once
@@ -238,6 +249,10 @@ class DSparkDrafter(BlockDrafter):
                 elif isinstance(m, DraftLayer):
                     m.silu_mul = kernels.silu_mul
         return cls(net.to(device=device, dtype=dtype).eval(), k, device)
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        self.vocab_ids = ids.to(self.device)
+        self.net.restrict_vocab(self.vocab_ids)  # type: ignore[attr-defined]
 
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -284,14 +284,16 @@ class Speculator:
             row += n
         return StepRecord(rows, starts, device)
 
-    def accept(self, req: Request, rows: torch.Tensor, start: int) -> tuple[list[int], bool]:
+    def accept(self, req: Request, rows: torch.Tensor, start: int,
+               argmax: list[int] | None = None) -> tuple[list[int], bool]:
         """Greedy acceptance: drafts are kept while they equal the target's argmax; the
         target's token at the first mismatch (or after the last draft) is the bonus. Returns
-        the new tokens and whether states must be rolled back."""
+        the new tokens and whether states must be rolled back. argmax: the rows' argmax when
+        the caller took it for the whole batch at once (one op, not one per request)."""
         own = self.drafter.survival(req)  # this step's estimate, for the calibration
         drafts, req.draft_ids = req.draft_ids, []
         if req.params.is_greedy:
-            targets = rows.argmax(-1).tolist()
+            targets = rows.argmax(-1).tolist() if argmax is None else argmax
             j = 0
             while j < len(drafts) and drafts[j] == targets[j]:
                 j += 1
