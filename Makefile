@@ -3,11 +3,14 @@
 # `torch` requirement pulls a multi-GB CUDA build.
 PY := .venv/bin/python
 STAMP := .venv/.installed
+# triton for the interpreter tests of our Triton kernels, kept off the venv's path: importable,
+# it would switch transformers' Kimi Linear (the test oracle) to fla's Triton kernels
+TRITON := .venv/triton/.installed
 MODEL ?= bench
 
 .PHONY: serve test verify lint venv clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(TRITON)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -23,7 +26,11 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	.venv/bin/kdaserve serve --model $(MODEL)
 
-test: $(STAMP)
+$(TRITON): $(STAMP)
+	$(PY) -m pip install -q --no-deps --target .venv/triton triton==3.9.0
+	touch $(TRITON)
+
+test: $(STAMP) $(TRITON)
 	$(PY) -m pytest tests
 
 # The Kimi Vendor Verifier (../shared/kimi/vendor-verifier) against a served random-weight K3

@@ -1,6 +1,6 @@
-"""Throughput smoke on CUDA with the triton KDA kernels: the `bench` preset (random weights),
+"""Throughput smoke on CUDA with the triton kernels: the `bench` preset (random weights),
 64-token random prompts, 32 greedy tokens, batch 1 and 16, bf16 and fp32; and the fp32
-CUDA tokens against the CPU reference backend at batch 1."""
+CUDA tokens against the CPU reference backend at batch 1; then the fused MoE kernel alone."""
 
 from __future__ import annotations
 
@@ -34,3 +34,30 @@ cpu = LLM(path, kernel_backend="ref").generate(prompt_token_ids=prompts[:1],
                                                sampling_params=params)[0].token_ids
 same = sum(a == b for a, b in zip(first["float32"], cpu, strict=True))
 print(f"fp32 cuda vs cpu ref: {same}/32 greedy tokens equal (first {first['float32'][:8]})")
+
+# The fused MoE (kdaserve/kernels/triton/moe.py) alone, on Kimi Linear's expert shapes (256
+# experts top-8, hidden 2304, expert width 1024), bf16: time per call against the reference's
+# expert loop, and the bandwidth of the distinct experts' weights it must read (H200: 4.8 TB/s).
+from kdaserve.kernels.ref.moe import moe_experts_ref  # noqa: E402
+from kdaserve.kernels.triton.moe import moe_experts_triton  # noqa: E402
+
+E, D, inter, k = 256, 2304, 1024, 8
+w13 = torch.randn(E, 2 * inter, D, device="cuda", dtype=torch.bfloat16) / D ** 0.5
+w2 = torch.randn(E, D, inter, device="cuda", dtype=torch.bfloat16) / inter ** 0.5
+for T in (1, 16, 64, 256):
+    x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+    weights = torch.rand(T, k, device="cuda")
+    times = {}
+    for name, fn in (("triton", moe_experts_triton), ("ref", moe_experts_ref)):
+        fn(x, weights, ids, w13, w2)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn(x, weights, ids, w13, w2)
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - t0) / 10
+    touched = ids.unique().numel() * 3 * inter * D * 2  # bytes of the experts read
+    tbps = touched / times["triton"] / 1e12
+    print(f"moe T={T}: triton {times['triton'] * 1e6:.0f} us ({tbps:.2f} TB/s of "
+          f"{touched / 1e6:.0f} MB), ref loop {times['ref'] * 1e6:.0f} us")

@@ -1,7 +1,7 @@
-"""The `triton` backend (fla-core's Triton KDA kernels) against the references on CUDA: ragged
-batches of 1..200 tokens, random state slots and initial states, fp32 and bf16 inputs, several
-decode steps; then a whole model on CUDA against the reference on CPU. Skipped without CUDA
-and triton; the CPU test checks that the backend declines a CPU."""
+"""The `triton` backend (fla-core's Triton KDA kernels, our fused MoE) against the references
+on CUDA: ragged batches of 1..200 tokens, random state slots and initial states, fp32 and bf16
+inputs, several decode steps; then a whole model on CUDA against the reference on CPU. Skipped
+without CUDA and triton; the CPU test checks that the backend declines a CPU."""
 
 from __future__ import annotations
 
@@ -122,6 +122,31 @@ def test_kda_decode_triton_vs_ref(B: int, H: int, K: int, strided: bool,
         assert_rel(o, o_ref, TOL[dtype])
         assert_rel(state, ref_state, TOL[dtype])
         torch.testing.assert_close(conv_state, ref_conv)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@DTYPES
+@pytest.mark.parametrize("T", [1, 16, 200])
+def test_moe_experts_triton_vs_ref(T: int, dtype: torch.dtype) -> None:
+    """The fused MoE (our Triton kernels, also run under the interpreter on CPU by
+    test_triton_interpreted.py) compiled for the GPU: decode and prefill sizes, 16 experts
+    top-4, against the reference's expert loop in fp32."""
+    from kdaserve.kernels.ref.moe import moe_experts_ref
+    from kdaserve.kernels.triton.moe import moe_experts_triton
+
+    g = gen(T)
+    E, D, inter, k = 16, 256, 128, 4
+    x = torch.randn(T, D, generator=g)
+    w13 = torch.randn(E, 2 * inter, D, generator=g) / D ** 0.5
+    w2 = torch.randn(E, D, inter, generator=g) / inter ** 0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    want = moe_experts_ref(x, weights, ids, w13, w2)
+    got = moe_experts_triton(*(t.to(CUDA, dtype if t.is_floating_point() else t.dtype)
+                               for t in (x, weights, ids, w13, w2)))
+    assert got.shape == (T, D) and got.dtype == dtype
+    assert_rel(got.float().cpu(), want, TOL[dtype])
 
 
 @pytest.mark.gpu

@@ -1,0 +1,94 @@
+"""Fused MoE experts in Triton: `moe_experts_ref`'s contract in two grouped GEMMs.
+
+The routed (token, slot) pairs are sorted by expert and each expert's run is padded to a
+multiple of BLOCK_M (`align_by_expert`), so that every block of BLOCK_M sorted rows belongs to
+one expert. Then:
+    1. gate_up: per block, the rows' x against that expert's W1 and W3 at once (two fp32
+       accumulators over the same loads of x), SiLU(W1 x) * W3 x written per sorted row;
+    2. down: per block, the SwiGLU rows against the expert's W2, scaled by the routing weight
+       and written to the pair's own row of a [T * k, D] buffer, summed over k at the end.
+No atomics: the sum over a token's experts is one ordered reduction, so the output does not
+depend on the blocks' scheduling. The padded row count has a fixed bound (T * k + E * (BLOCK_M
+- 1)), unused blocks carry expert -1 and exit: the launch shape depends on T alone, as a CUDA
+graph needs. Weight-only int8 (per-row scales) is widened in the kernel after the load.
+
+Triton is imported on the first call (`_kernels`), never at import: on CPU the suite runs
+these kernels under the interpreter (TRITON_INTERPRET=1) in a process of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+BLOCK_M = 16  # sorted rows per block: tl.dot's least M on tensor cores
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int,
+                    block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (sorted_pairs [P], block_expert [P / block_m]). sorted_pairs holds pair
+    indices t * k + slot grouped by expert, each expert's run padded to a multiple of block_m
+    with T * k (no pair); block_expert is each block's expert, -1 past the used blocks. P is
+    the bound T * k + E * (block_m - 1), rounded up to block_m."""
+    flat = ids.flatten()
+    n = flat.numel()
+    num_blocks = -(-(n + num_experts * (block_m - 1)) // block_m)
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = torch.cumsum(padded, 0) - padded  # each expert's first sorted row
+    order = torch.argsort(flat, stable=True)
+    experts = flat[order]
+    first = torch.cumsum(counts, 0) - counts  # each expert's first pair in `order`
+    dest = starts[experts] + torch.arange(n, device=ids.device) - first[experts]
+    sorted_pairs = torch.full((num_blocks * block_m,), n, dtype=torch.int64, device=ids.device)
+    sorted_pairs[dest] = order
+    block_expert = torch.full((num_blocks,), -1, dtype=torch.int64, device=ids.device)
+    used = torch.repeat_interleave(torch.arange(num_experts, device=ids.device),
+                                   padded // block_m)
+    block_expert[:used.numel()] = used
+    return sorted_pairs, block_expert
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    from kdaserve.kernels.triton import moe_kernels
+
+    return moe_kernels.gate_up_kernel, moe_kernels.down_kernel
+
+
+def _block(n: int, most: int) -> int:
+    """A power-of-two tile edge for a dimension of n, between tl.dot's 16 and `most`."""
+    return max(16, min(most, 1 << (max(n, 1) - 1).bit_length()))
+
+
+def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
+                       scale2: torch.Tensor | None = None) -> torch.Tensor:
+    """`moe_experts_ref`'s contract: x [T, D]; weights, ids [T, k]; w13 [E, 2I, D] (gate rows
+    then up rows); w2 [E, D, I]; int8 weights with per-row scales [E, 2I] / [E, D]. fp32
+    inputs multiply in IEEE fp32 (no TF32), bf16 ones in bf16; both accumulate in fp32."""
+    gate_up_kernel, down_kernel = _kernels()
+    T, D = x.shape
+    E, two_i, _ = w13.shape
+    inter, top_k = two_i // 2, ids.shape[1]
+    if T == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    pairs, block_expert = align_by_expert(ids, E)
+    h = torch.empty(pairs.numel(), inter, dtype=x.dtype, device=x.device)
+    out = torch.zeros(T * top_k, D, dtype=x.dtype, device=x.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    has_scale = scale13 is not None
+    bk_d, bk_i = _block(D, 64), _block(inter, 64)
+    bn_i, bn_d = _block(inter, 64), _block(D, 64)
+    gate_up_kernel[(block_expert.numel(), -(-inter // bn_i))](
+        x, w13, scale13 if has_scale else x, pairs, block_expert, h, T * top_k, top_k, D, inter,
+        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=bn_i, BLOCK_K=bk_d, PRECISION=precision)
+    down_kernel[(block_expert.numel(), -(-D // bn_d))](
+        h, w2, scale2 if has_scale else x, pairs, block_expert,
+        weights.to(torch.float32).contiguous(), out, T * top_k, D, inter,
+        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=bn_d, BLOCK_K=bk_i, PRECISION=precision)
+    return out.view(T, top_k, D).sum(1)

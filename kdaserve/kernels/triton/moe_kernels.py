@@ -1,0 +1,79 @@
+"""The fused MoE's Triton kernels (`kdaserve/kernels/triton/moe.py` launches them). This module
+imports triton at import: only `moe._kernels` imports it, on the first call."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def block_rows(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's block: its expert (-1: unused), sorted rows, pairs, and which
+    rows hold a pair (the rest pad the expert's run)."""
+    b = tl.program_id(0)
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + rows)
+    return tl.load(block_expert_ptr + b), rows, pair, pair < num_pairs
+
+
+@triton.jit
+def gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, h_ptr,
+                   num_pairs, top_k, D, inter,
+                   HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    e, rows, pair, valid = block_rows(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
+    if e < 0:
+        return
+    tok = tl.where(valid, pair // top_k, 0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    ks = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + e * (2 * inter) * D
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_ok = (k0 + ks) < D
+        a = tl.load(x_ptr + tok[:, None] * D + (k0 + ks)[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)
+        wmask = k_ok[:, None] & col_ok[None, :]
+        w1 = tl.load(w_e + cols[None, :] * D + (k0 + ks)[:, None], mask=wmask, other=0.0)
+        w3 = tl.load(w_e + (inter + cols)[None, :] * D + (k0 + ks)[:, None], mask=wmask,
+                     other=0.0)
+        gate = tl.dot(a, w1.to(a.dtype), gate, input_precision=PRECISION)
+        up = tl.dot(a, w3.to(a.dtype), up, input_precision=PRECISION)
+    if HAS_SCALE:
+        s_e = s_ptr + e * (2 * inter)
+        gate = gate * tl.load(s_e + cols, mask=col_ok, other=0.0)[None, :]
+        up = up * tl.load(s_e + inter + cols, mask=col_ok, other=0.0)[None, :]
+    h = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(h_ptr + rows[:, None] * inter + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def down_kernel(h_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, weights_ptr, out_ptr,
+                num_pairs, D, inter,
+                HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    e, rows, pair, valid = block_rows(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
+    if e < 0:
+        return
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < D
+    ks = tl.arange(0, BLOCK_K)
+    w_e = w_ptr + e * D * inter
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k_ok = (k0 + ks) < inter
+        a = tl.load(h_ptr + rows[:, None] * inter + (k0 + ks)[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_e + cols[None, :] * inter + (k0 + ks)[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+    if HAS_SCALE:
+        acc = acc * tl.load(s_ptr + e * D + cols, mask=col_ok, other=0.0)[None, :]
+    weight = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * weight[:, None]
+    tl.store(out_ptr + pair[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & col_ok[None, :])

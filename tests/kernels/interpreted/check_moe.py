@@ -1,0 +1,66 @@
+"""Run by tests/kernels/test_triton_interpreted.py in a process of its own, with triton on the
+path and TRITON_INTERPRET=1: the fused MoE's Triton kernels on CPU against the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdaserve.kernels.ref.moe import moe_experts_ref
+from kdaserve.kernels.ref.quant import quantize_int8
+from kdaserve.kernels.triton.moe import BLOCK_M, align_by_expert, moe_experts_triton
+
+
+def _case(T: int, D: int, inter: int, E: int, k: int, seed: int):  # noqa: ANN202
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g)
+    w13 = torch.randn(E, 2 * inter, D, generator=g) / D ** 0.5
+    w2 = torch.randn(E, D, inter, generator=g) / inter ** 0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else \
+        torch.zeros(0, k, dtype=torch.int64)
+    weights = torch.rand(T, k, generator=g)
+    return x, weights, ids, w13, w2
+
+
+@pytest.mark.parametrize("T,D,inter,E,k", [
+    (1, 32, 16, 4, 2),  # a decode: one token, most experts idle
+    (5, 48, 40, 8, 2),  # dimensions that are not tile multiples
+    (37, 64, 32, 6, 3),  # experts with runs longer than a block
+])
+def test_fused_moe_matches_reference(T: int, D: int, inter: int, E: int, k: int) -> None:
+    x, weights, ids, w13, w2 = _case(T, D, inter, E, k, seed=T)
+    want = moe_experts_ref(x, weights, ids, w13, w2)
+    got = moe_experts_triton(x, weights, ids, w13, w2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_moe_int8_weights() -> None:
+    x, weights, ids, w13, w2 = _case(9, 32, 24, 4, 2, seed=3)
+    q13, s13 = quantize_int8(w13)
+    q2, s2 = quantize_int8(w2)
+    want = moe_experts_ref(x, weights, ids, q13, q2, s13, s2)
+    got = moe_experts_triton(x, weights, ids, q13, q2, s13, s2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_empty_batch() -> None:
+    x, weights, ids, w13, w2 = _case(0, 32, 16, 4, 2, seed=0)
+    assert moe_experts_triton(x, weights, ids, w13, w2).shape == (0, 32)
+
+
+def test_align_by_expert_groups_and_pads() -> None:
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]])
+    pairs, block_expert = align_by_expert(ids, 4, block_m=2)
+    n = ids.numel()
+    assert pairs.numel() == block_expert.numel() * 2 >= n + 4 * 1
+    seen = []
+    for b, e in enumerate(block_expert.tolist()):
+        rows = pairs[b * 2:(b + 1) * 2].tolist()
+        if e < 0:
+            assert rows == [n, n]
+            continue
+        assert all(r == n or ids.flatten()[r] == e for r in rows)
+        seen += [r for r in rows if r < n]
+    assert sorted(seen) == list(range(n))  # every pair once
+    assert block_expert.tolist()[:4] == [0, 1, 2, 2]  # expert 2 has three pairs: two blocks
+    assert BLOCK_M >= 16
