@@ -32,23 +32,25 @@ def align_by_expert(ids: torch.Tensor, num_experts: int,
     indices t * k + slot grouped by expert, each expert's run padded to a multiple of block_m
     with T * k (no pair); block_expert is each block's expert, -1 past the used blocks. P is
     the bound T * k + E * (block_m - 1), rounded up to block_m."""
-    flat = ids.flatten()
-    n = flat.numel()
+    # every shape here depends on T alone and no op reads a value back to the host (no
+    # bincount, no repeat_interleave by counts): the alignment can sit inside a CUDA graph
+    flat = ids.flatten().to(torch.int64)
+    n, dev = flat.numel(), ids.device
     num_blocks = -(-(n + num_experts * (block_m - 1)) // block_m)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    starts = torch.cumsum(padded, 0) - padded  # each expert's first sorted row
+    ends = torch.cumsum(padded, 0)  # one past each expert's last sorted row
     order = torch.argsort(flat, stable=True)
     experts = flat[order]
     first = torch.cumsum(counts, 0) - counts  # each expert's first pair in `order`
-    dest = starts[experts] + torch.arange(n, device=ids.device) - first[experts]
-    sorted_pairs = torch.full((num_blocks * block_m,), n, dtype=torch.int64, device=ids.device)
+    dest = ends[experts] - padded[experts] + torch.arange(n, device=dev) - first[experts]
+    sorted_pairs = torch.full((num_blocks * block_m,), n, dtype=torch.int64, device=dev)
     sorted_pairs[dest] = order
-    block_expert = torch.full((num_blocks,), -1, dtype=torch.int64, device=ids.device)
-    used = torch.repeat_interleave(torch.arange(num_experts, device=ids.device),
-                                   padded // block_m)
-    block_expert[:used.numel()] = used
-    return sorted_pairs, block_expert
+    # a block's expert: the first whose run ends past the block's first row
+    block_expert = torch.searchsorted(
+        ends, torch.arange(num_blocks, device=dev) * block_m, right=True)
+    return sorted_pairs, torch.where(block_expert < num_experts, block_expert, -1)
 
 
 @functools.cache

@@ -64,3 +64,22 @@ def test_align_by_expert_groups_and_pads() -> None:
     assert sorted(seen) == list(range(n))  # every pair once
     assert block_expert.tolist()[:4] == [0, 1, 2, 2]  # expert 2 has three pairs: two blocks
     assert BLOCK_M >= 16
+
+
+@pytest.mark.parametrize("T,k,E,block_m", [(50, 3, 7, 4), (3, 2, 16, 16), (64, 8, 8, 16)])
+def test_align_by_expert_random(T: int, k: int, E: int, block_m: int) -> None:
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    pairs, block_expert = align_by_expert(ids, E, block_m)
+    n, flat = ids.numel(), ids.flatten()
+    blocks = pairs.view(-1, block_m)
+    counts = torch.bincount(flat, minlength=E)
+    used = int(((counts + block_m - 1) // block_m).sum())
+    assert (block_expert[:used] >= 0).all() and (block_expert[used:] == -1).all()
+    assert (block_expert[:used].diff() >= 0).all()  # runs in expert order
+    assert (blocks[used:] == n).all()
+    real = blocks[:used][blocks[:used] < n]
+    assert sorted(real.tolist()) == list(range(n))
+    for b in range(used):
+        row = blocks[b][blocks[b] < n]
+        assert row.numel() > 0 and (flat[row] == block_expert[b]).all()
