@@ -1,6 +1,7 @@
 """Throughput smoke on CUDA with the triton kernels: the `bench` preset (random weights),
 64-token random prompts, 32 greedy tokens, batch 1 and 16, bf16 and fp32; and the fp32
-CUDA tokens against the CPU reference backend at batch 1; then the fused MoE kernel alone."""
+CUDA tokens against the CPU reference backend at batch 1; then the fused MoE and the paged
+MLA kernels alone."""
 
 from __future__ import annotations
 
@@ -61,3 +62,33 @@ for T in (1, 16, 64, 256):
     tbps = touched / times["triton"] / 1e12
     print(f"moe T={T}: triton {times['triton'] * 1e6:.0f} us ({tbps:.2f} TB/s of "
           f"{touched / 1e6:.0f} MB), ref loop {times['ref'] * 1e6:.0f} us")
+
+# The paged MLA kernel (kdaserve/kernels/triton/mla.py) alone, decodes on Kimi's latent shapes
+# (32 heads, kv_lora 512, rope 64, pages of 16), bf16: time per call, and the bandwidth of the
+# latents it must read, against the reference's per-sequence loop.
+from kdaserve.kernels.ref.mla import mla_attention_ref  # noqa: E402
+from kdaserve.kernels.triton.mla import mla_attention_triton  # noqa: E402
+
+H, Dn, Dr, R, page = 32, 128, 64, 512, 16
+for B, ctx in ((1, 4096), (16, 4096), (64, 2048)):
+    pages = -(-ctx // page)
+    kv = torch.randn(B * pages, page, R + Dr, device="cuda", dtype=torch.bfloat16)
+    table = torch.randperm(B * pages, device="cuda").view(B, pages)
+    args = (torch.randn(B, H, Dn, device="cuda", dtype=torch.bfloat16),
+            torch.randn(B, H, Dr, device="cuda", dtype=torch.bfloat16), kv, table,
+            torch.arange(B + 1, device="cuda"), torch.full((B,), ctx, device="cuda"),
+            torch.randn(H, Dn, R, device="cuda", dtype=torch.bfloat16) / Dn ** 0.5,
+            torch.randn(H, 128, R, device="cuda", dtype=torch.bfloat16) / R ** 0.5, 0.07)
+    times = {}
+    for name, fn in (("triton", mla_attention_triton), ("ref", mla_attention_ref)):
+        fn(*args)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn(*args)
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - t0) / 10
+    read = B * ctx * (R + Dr) * 2
+    print(f"mla B={B} ctx={ctx}: triton {times['triton'] * 1e6:.0f} us "
+          f"({read / times['triton'] / 1e12:.2f} TB/s of {read / 1e6:.0f} MB), "
+          f"ref loop {times['ref'] * 1e6:.0f} us")

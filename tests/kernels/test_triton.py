@@ -1,7 +1,8 @@
-"""The `triton` backend (fla-core's Triton KDA kernels, our fused MoE) against the references
-on CUDA: ragged batches of 1..200 tokens, random state slots and initial states, fp32 and bf16
-inputs, several decode steps; then a whole model on CUDA against the reference on CPU. Skipped
-without CUDA and triton; the CPU test checks that the backend declines a CPU."""
+"""The `triton` backend (fla-core's Triton KDA kernels, our fused MoE and paged MLA) against
+the references on CUDA: ragged batches of 1..200 tokens, random state slots and initial
+states, fp32 and bf16 inputs, several decode steps; then a whole model on CUDA against the
+reference on CPU. Skipped without CUDA and triton; the CPU test checks that the backend
+declines a CPU."""
 
 from __future__ import annotations
 
@@ -146,6 +147,39 @@ def test_moe_experts_triton_vs_ref(T: int, dtype: torch.dtype) -> None:
     got = moe_experts_triton(*(t.to(CUDA, dtype if t.is_floating_point() else t.dtype)
                                for t in (x, weights, ids, w13, w2)))
     assert got.shape == (T, D) and got.dtype == dtype
+    assert_rel(got.float().cpu(), want, TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@DTYPES
+@pytest.mark.parametrize("new,ctx", [([1] * 8, [1, 7, 300, 1000, 5, 64, 65, 2049]),
+                                     ([1, 5, 200], [40, 600, 200])])
+def test_mla_attention_triton_vs_ref(new: list[int], ctx: list[int],
+                                     dtype: torch.dtype) -> None:
+    """Paged MLA (our Triton kernel, also interpreted on CPU) on Kimi's latent shapes:
+    decodes over contexts of 1..2049 keys (several splits), a verify and a prefill."""
+    from kdaserve.kernels.ref.mla import mla_attention_ref
+    from kdaserve.kernels.triton.mla import mla_attention_triton
+
+    g = gen(sum(ctx))
+    H, Dn, Dr, R, Dv, page = 32, 128, 64, 512, 128, 16
+    pages = [-(-c // page) for c in ctx]
+    kv = torch.randn(sum(pages) + 3, page, R + Dr, generator=g)
+    perm = torch.randperm(kv.shape[0], generator=g)
+    table = torch.zeros(len(ctx), max(pages), dtype=torch.int64)
+    starts = [0, *torch.tensor(pages).cumsum(0).tolist()]
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[starts[b]:starts[b] + n]
+    T = sum(new)
+    cpu = (torch.randn(T, H, Dn, generator=g), torch.randn(T, H, Dr, generator=g), kv, table,
+           torch.tensor([0, *new]).cumsum(0), torch.tensor(ctx),
+           torch.randn(H, Dn, R, generator=g) / Dn ** 0.5,
+           torch.randn(H, Dv, R, generator=g) / R ** 0.5, 0.07)
+    want = mla_attention_ref(*cpu)
+    got = mla_attention_triton(*(t.to(CUDA, dtype if t.is_floating_point() else t.dtype)
+                                 if isinstance(t, torch.Tensor) else t for t in cpu))
+    assert got.shape == want.shape and got.dtype == dtype
     assert_rel(got.float().cpu(), want, TOL[dtype])
 
 

@@ -1,0 +1,72 @@
+"""MLA attention on the paged latent cache in Triton (`mla_attention_ref`'s contract), the
+weight-absorbed form, split over the context as flash-decoding does.
+
+Per query token: q_lat = W_UK^T q_nope (a batched matmul in torch), then one program per
+(token, block of heads, split of the context) reads the split's latents and rope keys where
+they lie in the block pool (through the block table, no gather copy), scores them against
+q_lat and q_pe, and keeps an online softmax's unnormalised sum of p * latent with its max and
+denominator; the splits are merged by their log-sum-exp in torch, and W_UV maps the merged
+latent to the value heads. Causality is each token's own context length: its latent and every
+earlier one are in the pool before the call, so a verify's or a prefill chunk's tokens each
+see the cache up to their own position. Splits keep the GPU busy when a decode batch is small
+and contexts are long (one program per token and head block would leave most SMs idle).
+
+Triton is imported on the first call (`_kernel`), never at import.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+BLOCK_H = 16  # heads per program: tl.dot's least M
+BLOCK_N = 32  # keys per inner step
+SPLIT_LEN = 256  # keys per split of a context
+
+
+@functools.cache
+def _kernel() -> Any:
+    from kdaserve.kernels.triton import mla_kernels
+
+    return mla_kernels.mla_split_kernel
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, cu_seqlens: torch.Tensor,
+                         context_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """q_nope: [T, H, Dn]; q_pe: [T, H, Dr]; kv_cache: [NB, BS, R + Dr] (new tokens already
+    stored); block_table: [B, M]; cu_seqlens: [B+1]; context_lens: [B] incl. the new tokens;
+    w_uk: [H, Dn, R]; w_uv: [H, Dv, R]. Returns [T, H, Dv] in q's dtype; scores, softmax and
+    sums in fp32 (dots of fp32 inputs in IEEE fp32, of bf16 ones in bf16)."""
+    T, H, _ = q_nope.shape
+    R, DR = w_uk.shape[-1], q_pe.shape[-1]
+    if T == 0:
+        return q_nope.new_empty(0, H, w_uv.shape[1])
+    dev, dt = q_nope.device, kv_cache.dtype
+    kv = kv_cache.contiguous()
+    # each token's sequence and absolute position (its keys are 0..last)
+    tok = torch.arange(T, device=dev)
+    seq = torch.searchsorted(cu_seqlens.to(dev, torch.int64)[1:], tok, right=True)
+    last = context_lens.to(dev, torch.int64)[seq] - (cu_seqlens.to(dev, torch.int64)[seq + 1] - tok)
+    q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk.float()).to(dt).contiguous()
+    qp = q_pe.to(dt).contiguous()
+    num_splits = max(1, -(-int(context_lens.max()) // SPLIT_LEN))
+    o = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=dev)
+    m = torch.empty(T, num_splits, H, dtype=torch.float32, device=dev)
+    l_ = torch.empty(T, num_splits, H, dtype=torch.float32, device=dev)
+    bt = block_table.to(dev, torch.int64).contiguous()
+    _kernel()[(T, -(-H // BLOCK_H), num_splits)](
+        q_lat, qp, kv, bt, seq, last, o, m, l_, H, R, DR, bt.shape[1], kv.shape[1], SPLIT_LEN,
+        num_splits, scale, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=_pow2(R),
+        BLOCK_DR=_pow2(DR), PRECISION="ieee" if dt == torch.float32 else "tf32")
+    # merge the splits (a split past a token's context has max -inf and weight 0)
+    weight = torch.exp(m - m.max(1, keepdim=True).values)  # [T, S, H]
+    o_lat = (o * weight[..., None]).sum(1) / (l_ * weight).sum(1)[..., None]
+    return torch.einsum("thr,hvr->thv", o_lat, w_uv.float()).to(q_nope.dtype)
