@@ -61,6 +61,15 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=6, q_lora_rank=None, kv_lora_rank=256, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128, num_experts=64, num_experts_per_token=8,
         moe_intermediate_size=128, num_expert_group=1, topk_group=1),
+    # Kimi-Linear-48B's layer shapes (docs: ../shared/docs/kda_spec.md) in 4 layers (a dense
+    # KDA layer, two MoE KDA layers, an MoE MLA layer): per-layer GPU numbers that mean
+    # something. 6.1B parameters (12 GB in bf16): for a GPU machine, not for the tests.
+    "kimi-shaped": _preset(
+        100256, 4, hidden_size=2304, intermediate_size=9216, kda_num_heads=32,
+        kda_head_dim=128, num_attention_heads=32, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=256,
+        num_experts_per_token=8, moe_intermediate_size=1024, num_expert_group=1,
+        topk_group=1),
 }
 
 

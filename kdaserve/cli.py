@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     g.set_defaults(func=_generate)
 
+    from kdaserve.checkpoint import PRESETS
+
     m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint")
-    m.add_argument("--preset", default="tiny", choices=["tiny", "small", "bench"])
+    m.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--out", required=True)
     m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])

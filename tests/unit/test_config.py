@@ -387,3 +387,24 @@ def test_hub_dict_round_trip_48b() -> None:
     assert hub["linear_attn_config"]["kda_layers"] == KDA_LAYERS_1
     assert hub["linear_attn_config"]["full_attn_layers"] == FULL_ATTN_LAYERS_1
     assert ModelConfig.from_dict(hub) == c
+
+
+def test_kimi_shaped_preset_has_kimi_linears_tensor_shapes() -> None:
+    """The GPU preset's layers are Kimi-Linear-48B's (../shared/docs/kda_spec.md), in 4
+    layers: a dense KDA layer, MoE KDA layers, an MoE MLA layer."""
+    from kdaserve.checkpoint import checkpoint_shapes
+
+    c = preset_config("kimi-shaped")
+    assert c.layer_types == ("kda", "kda", "kda", "mla")
+    assert c.mlp_types == ("dense", "moe", "moe", "moe")
+    shapes = checkpoint_shapes(c)
+    kda, mla, moe = "model.layers.1.self_attn.", "model.layers.3.self_attn.", \
+        "model.layers.3.block_sparse_moe."
+    want = {kda + "q_proj.weight": (4096, 2304), kda + "f_a_proj.weight": (128, 2304),
+            kda + "b_proj.weight": (32, 2304), kda + "o_proj.weight": (2304, 4096),
+            mla + "q_proj.weight": (6144, 2304), mla + "kv_a_proj_with_mqa.weight": (576, 2304),
+            mla + "o_proj.weight": (2304, 4096), moe + "gate.weight": (256, 2304),
+            moe + "experts.255.w1.weight": (1024, 2304), moe + "experts.0.w2.weight": (2304, 1024),
+            moe + "shared_experts.down_proj.weight": (2304, 1024),
+            "model.layers.0.mlp.gate_proj.weight": (9216, 2304)}
+    assert {k: tuple(shapes[k]) for k in want} == want
