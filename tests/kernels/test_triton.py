@@ -1,4 +1,4 @@
-"""The `triton` backend (fla-core's Triton KDA kernels, our fused MoE and paged MLA) against
+"""The `triton` backend (fla-core's KDA kernels; our router, fused MoE and paged MLA) against
 the references on CUDA: ragged batches of 1..200 tokens, random state slots and initial
 states, fp32 and bf16 inputs, several decode steps; then a whole model on CUDA against the
 reference on CPU. Skipped without CUDA and triton; the CPU test checks that the backend
@@ -148,6 +148,23 @@ def test_moe_experts_triton_vs_ref(T: int, dtype: torch.dtype) -> None:
                                for t in (x, weights, ids, w13, w2)))
     assert got.shape == (T, D) and got.dtype == dtype
     assert_rel(got.float().cpu(), want, TOL[dtype])
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("T", [1, 64, 1000])
+def test_moe_route_triton_vs_ref(T: int) -> None:
+    """Kimi's routing (256 experts, sigmoid scores, bias for selection, top 8 renormalised
+    and scaled) in one kernel against the reference: the same experts in the same order."""
+    from kdaserve.kernels.ref.moe import moe_route_ref
+    from kdaserve.kernels.triton.moe import moe_route_triton
+
+    g = gen(T)
+    logits, bias = torch.randn(T, 256, generator=g) * 2, torch.randn(256, generator=g) * 0.3
+    w_ref, ids_ref = moe_route_ref(logits, bias, 8, 1, 1, True, 2.446, "sigmoid")
+    w, ids = moe_route_triton(logits.to(CUDA), bias.to(CUDA), 8, 1, 1, True, 2.446, "sigmoid")
+    assert torch.equal(ids.cpu(), ids_ref)
+    torch.testing.assert_close(w.cpu(), w_ref, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.gpu

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from kdaserve.kernels.ref.moe import moe_route_ref
+
 BLOCK_M = 16  # sorted rows per block: tl.dot's least M on tensor cores
 
 
@@ -54,10 +56,33 @@ def align_by_expert(ids: torch.Tensor, num_experts: int,
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> Any:
     from kdaserve.kernels.triton import moe_kernels
 
-    return moe_kernels.gate_up_kernel, moe_kernels.down_kernel
+    return moe_kernels
+
+
+def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                     num_group: int, topk_group: int, renormalize: bool, scaling: float,
+                     activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_route_ref`'s contract in one kernel for ungrouped routing (Kimi's num_group 1):
+    logits [T, E] -> (fp32 weights [T, k], int64 ids [T, k]), ids in descending choice.
+    Grouped routing (num_group > 1) stays on the reference."""
+    if num_group > 1:
+        return moe_route_ref(logits, bias, top_k, num_group, topk_group, renormalize, scaling,
+                             activation)
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return weights, ids
+    block_t = 16
+    _kernels().route_kernel[(-(-T // block_t),)](
+        logits.contiguous(), bias.float().contiguous() if bias is not None else logits,
+        weights, ids, T, E, scaling, HAS_BIAS=bias is not None,
+        SIGMOID=activation == "sigmoid", RENORMALIZE=renormalize, TOP_K=top_k,
+        BLOCK_T=block_t, BLOCK_E=_block(E, 1 << 30), BLOCK_K=_block(top_k, 1 << 30))
+    return weights, ids
 
 
 def _block(n: int, most: int) -> int:
@@ -71,7 +96,7 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     """`moe_experts_ref`'s contract: x [T, D]; weights, ids [T, k]; w13 [E, 2I, D] (gate rows
     then up rows); w2 [E, D, I]; int8 weights with per-row scales [E, 2I] / [E, D]. fp32
     inputs multiply in IEEE fp32 (no TF32), bf16 ones in bf16; both accumulate in fp32."""
-    gate_up_kernel, down_kernel = _kernels()
+    kernels = _kernels()
     T, D = x.shape
     E, two_i, _ = w13.shape
     inter, top_k = two_i // 2, ids.shape[1]
@@ -86,10 +111,10 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     has_scale = scale13 is not None
     bk_d, bk_i = _block(D, 64), _block(inter, 64)
     bn_i, bn_d = _block(inter, 64), _block(D, 64)
-    gate_up_kernel[(block_expert.numel(), -(-inter // bn_i))](
+    kernels.gate_up_kernel[(block_expert.numel(), -(-inter // bn_i))](
         x, w13, scale13 if has_scale else x, pairs, block_expert, h, T * top_k, top_k, D, inter,
         HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=bn_i, BLOCK_K=bk_d, PRECISION=precision)
-    down_kernel[(block_expert.numel(), -(-D // bn_d))](
+    kernels.down_kernel[(block_expert.numel(), -(-D // bn_d))](
         h, w2, scale2 if has_scale else x, pairs, block_expert,
         weights.to(torch.float32).contiguous(), out, T * top_k, D, inter,
         HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=bn_d, BLOCK_K=bk_i, PRECISION=precision)

@@ -77,3 +77,43 @@ def down_kernel(h_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, weights_ptr, o
     acc = acc * weight[:, None]
     tl.store(out_ptr + pair[:, None] * D + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, scaling,
+                 HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
+                 TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """BLOCK_T tokens' routing: scores (sigmoid or softmax), the bias added for selection
+    only, the top k by repeated argmax (ties to the lower expert), the unbiased scores of
+    the chosen as weights, renormalised and scaled."""
+    ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    es = tl.arange(0, BLOCK_E)
+    t_ok, e_ok = ts < T, es < E
+    x = tl.load(logits_ptr + ts[:, None] * E + es[None, :],
+                mask=t_ok[:, None] & e_ok[None, :], other=float("-inf")).to(tl.float32)
+    x = tl.where(t_ok[:, None], x, 0.0)  # rows past T: finite, so no NaN in their softmax
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, 1)[:, None])
+        scores = p / tl.sum(p, 1)[:, None]
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + es, mask=e_ok, other=0.0)[None, :]
+    choice = tl.where(e_ok[None, :], choice, float("-inf"))
+    ks = tl.arange(0, BLOCK_K)
+    w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
+    for i in tl.static_range(TOP_K):
+        best = tl.argmax(choice, 1)
+        hit = es[None, :] == best[:, None]
+        w = tl.where(ks[None, :] == i, tl.sum(tl.where(hit, scores, 0.0), 1)[:, None], w)
+        ids = tl.where(ks[None, :] == i, best[:, None].to(tl.int64), ids)
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORMALIZE:
+        w = w / (tl.sum(w, 1)[:, None] + 1e-20)
+    out = ts[:, None] * TOP_K + ks[None, :]
+    k_ok = t_ok[:, None] & (ks < TOP_K)[None, :]
+    tl.store(weights_ptr + out, w * scaling, mask=k_ok)
+    tl.store(ids_ptr + out, ids, mask=k_ok)

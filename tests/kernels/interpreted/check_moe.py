@@ -83,3 +83,34 @@ def test_align_by_expert_random(T: int, k: int, E: int, block_m: int) -> None:
     for b in range(used):
         row = blocks[b][blocks[b] < n]
         assert row.numel() > 0 and (flat[row] == block_expert[b]).all()
+
+
+@pytest.mark.parametrize("T,E,k,activation,bias,renormalize", [
+    (1, 8, 2, "sigmoid", True, True),
+    (37, 64, 8, "sigmoid", True, True),  # Kimi's scoring at a prefill size
+    (5, 256, 8, "sigmoid", False, False),
+    (20, 16, 4, "softmax", False, True),
+])
+def test_route_matches_reference(T: int, E: int, k: int, activation: str, bias: bool,
+                                 renormalize: bool) -> None:
+    from kdaserve.kernels.ref.moe import moe_route_ref
+    from kdaserve.kernels.triton.moe import moe_route_triton
+
+    g = torch.Generator().manual_seed(E + T)
+    logits = torch.randn(T, E, generator=g) * 2
+    b = torch.randn(E, generator=g) * 0.5 if bias else None
+    args = (logits, b, k, 1, 1, renormalize, 2.446, activation)
+    w, ids = moe_route_triton(*args)
+    w_ref, ids_ref = moe_route_ref(*args)
+    assert torch.equal(ids, ids_ref)  # continuous scores: no ties, the same order
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+
+
+def test_grouped_route_is_the_reference() -> None:
+    from kdaserve.kernels.ref.moe import moe_route_ref
+    from kdaserve.kernels.triton.moe import moe_route_triton
+
+    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
+    args = (logits, torch.zeros(16), 4, 4, 2, True, 1.0, "sigmoid")
+    for a, b in zip(moe_route_triton(*args), moe_route_ref(*args), strict=True):
+        assert torch.equal(a, b)
