@@ -6,9 +6,9 @@ decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `m
 `rms_norm`, `gated_rmsnorm` (KDA's output norm) and `silu_mul` (the dense SwiGLU).
 Every op has a `ref` backend (plain torch, the oracle); `cpu` is batched torch for decode
 shapes; `native` is C++ compiled for the host on first use; `triton` runs fla-core's Triton
-KDA kernels and our router, fused MoE and paged MLA on CUDA; `batch_invariant` (C++, never chosen by
-priority) is the whole forward for deterministic inference. Importing this package never
-imports triton or CUDA code.
+KDA kernels and our short conv, router, fused MoE and paged MLA on CUDA; `batch_invariant`
+(C++, never chosen by priority) is the whole forward for deterministic inference. Importing
+this package never imports triton or CUDA code.
 """
 
 from __future__ import annotations
@@ -89,6 +89,7 @@ from kdaserve.kernels.native.ops import (  # noqa: E402
     silu_mul_native,
 )
 from kdaserve.kernels.triton import supports as _triton  # noqa: E402
+from kdaserve.kernels.triton.conv import short_conv_triton  # noqa: E402
 from kdaserve.kernels.triton.kda import kda_chunk_triton, kda_decode_triton  # noqa: E402
 from kdaserve.kernels.triton.mla import mla_attention_triton  # noqa: E402
 from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton  # noqa: E402
@@ -119,6 +120,7 @@ registry.register("kda_chunk", "triton", kda_chunk_triton, priority=30, supports
 registry.register("kda_decode", "triton", kda_decode_triton, priority=30, supports=_triton)
 registry.register("moe_experts", "triton", moe_experts_triton, priority=30, supports=_triton)
 registry.register("moe_route", "triton", moe_route_triton, priority=30, supports=_triton)
+registry.register("short_conv", "triton", short_conv_triton, priority=30, supports=_triton)
 registry.register("mla_attention", "triton", mla_attention_triton, priority=30,
                   supports=_triton)
 

@@ -1,8 +1,8 @@
-"""The `triton` backend (fla-core's KDA kernels; our router, fused MoE and paged MLA) against
-the references on CUDA: ragged batches of 1..200 tokens, random state slots and initial
-states, fp32 and bf16 inputs, several decode steps; then a whole model on CUDA against the
-reference on CPU. Skipped without CUDA and triton; the CPU test checks that the backend
-declines a CPU."""
+"""The `triton` backend (fla-core's KDA kernels; our conv, router, fused MoE and paged MLA)
+against the references on CUDA: ragged batches of 1..200 tokens, random state slots and
+initial states, fp32 and bf16 inputs, several decode steps; then a whole model on CUDA
+against the reference on CPU. Skipped without CUDA and triton; the CPU test checks that the
+backend declines a CPU."""
 
 from __future__ import annotations
 

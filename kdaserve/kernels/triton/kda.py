@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kdaserve.kernels.cpu.decode import short_conv_cpu
 from kdaserve.kernels.ref.kda import Snapshots, compose_kda_decode, kda_chunk_in_segments
+from kdaserve.kernels.triton.conv import short_conv_triton
 
 
 def kda_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -45,18 +45,18 @@ def kda_decode_triton(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """`kda_decode_ref`'s contract. One token for each of B sequences: the delta rule reads
     and writes the pool rows in place through fla's `ssm_state_indices` (no gather copy); the
-    conv stays batched torch, since fla's conv cache is [N, D, W] in batch order, not slots.
+    conv is ours (`conv.py`: fla's conv cache is [N, D, W] in batch order, not our slots).
     A few tokens per sequence (`cu_seqlens`): the short conv, fla's chunk form, the norm."""
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     if cu_seqlens is not None:
-        return compose_kda_decode(short_conv_cpu, kda_chunk_triton, qkv, f, beta, z,
+        return compose_kda_decode(short_conv_triton, kda_chunk_triton, qkv, f, beta, z,
                                   conv_weight, A_log, dt_bias, norm_weight, eps, state,
                                   conv_state, state_slots, cu_seqlens)
     B, H, K = f.shape
-    x = short_conv_cpu(qkv, conv_weight, conv_state, state_slots,
-                       torch.arange(B + 1, device=qkv.device))
+    x = short_conv_triton(qkv, conv_weight, conv_state, state_slots,
+                          torch.arange(B + 1, device=qkv.device))
     q, k, v = (t.reshape(B, 1, H, -1).contiguous() for t in x.split([H * K, H * K,
                                                                        x.shape[1] - 2 * H * K], 1))
     slots = state_slots.to(device=qkv.device, dtype=torch.long)
