@@ -163,8 +163,13 @@ def test_moe_route_triton_vs_ref(T: int) -> None:
     logits, bias = torch.randn(T, 256, generator=g) * 2, torch.randn(256, generator=g) * 0.3
     w_ref, ids_ref = moe_route_ref(logits, bias, 8, 1, 1, True, 2.446, "sigmoid")
     w, ids = moe_route_triton(logits.to(CUDA), bias.to(CUDA), 8, 1, 1, True, 2.446, "sigmoid")
-    assert torch.equal(ids.cpu(), ids_ref)
-    torch.testing.assert_close(w.cpu(), w_ref, atol=1e-5, rtol=1e-4)
+    # the GPU's exp is not torch's: rows whose top 9 choices come within 1e-4 of each other
+    # may order them otherwise, so those are left out (and must be few)
+    top = (torch.sigmoid(logits) + bias).topk(9, dim=-1).values
+    clear = (top[:, :-1] - top[:, 1:]).min(-1).values > 1e-4
+    assert clear.float().mean() > 0.8
+    assert torch.equal(ids.cpu()[clear], ids_ref[clear])
+    torch.testing.assert_close(w.cpu()[clear], w_ref[clear], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.gpu

@@ -22,13 +22,12 @@ def conv_kernel(x_ptr, w_ptr, state_ptr, seq_ptr, pos_ptr, slot_ptr, start_ptr, 
     acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in tl.static_range(W):
         p = pos - (W - 1) + j
-        if p >= 0:
-            v = tl.load(x_ptr + (start + p) * D + ds, mask=d_ok, other=0.0)
+        if p >= 0:  # both branches fp32: the pool may keep another dtype than x
+            v = tl.load(x_ptr + (start + p) * D + ds, mask=d_ok, other=0.0).to(tl.float32)
         else:
             v = tl.load(state_ptr + (slot * (W - 1) + (W - 1) + p) * D + ds, mask=d_ok,
-                        other=0.0)
-        acc += v.to(tl.float32) * tl.load(w_ptr + ds * W + j, mask=d_ok, other=0.0).to(
-            tl.float32)
+                        other=0.0).to(tl.float32)
+        acc += v * tl.load(w_ptr + ds * W + j, mask=d_ok, other=0.0).to(tl.float32)
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + t * D + ds, y.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -51,5 +50,8 @@ def state_kernel(x_ptr, state_ptr, slot_ptr, start_ptr, count_ptr, D,
                   mask=ok & from_state, other=0.0)
     new = tl.load(x_ptr + (start + idx - (W - 1))[:, None] * D + ds[None, :],
                   mask=ok & ~from_state, other=0.0)
+    # row r is written with what row n + r held: threads own different rows, so every read
+    # must land before any write (Triton orders only shared memory by itself)
+    tl.debug_barrier()
     tl.store(state_ptr + (slot * (W - 1) + rows)[:, None] * D + ds[None, :],
              tl.where(from_state, old, new.to(old.dtype)), mask=ok)

@@ -23,7 +23,11 @@ import torch
 
 BLOCK_H = 16  # heads per program: tl.dot's least M
 BLOCK_N = 32  # keys per inner step
-SPLIT_LEN = 256  # keys per split of a context
+SPLIT_LEN = 256  # keys per split of a context, at the most splits
+# programs worth launching (about two per SM of an H200): splits only add work once the
+# tokens and head blocks fill that, so a prefill chunk runs unsplit and its partial sums stay
+# [T, 1, H, R] instead of growing with the longest context
+TARGET_PROGRAMS = 264
 
 
 @functools.cache
@@ -57,15 +61,21 @@ def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     last = context_lens.to(dev, torch.int64)[seq] - (cu_seqlens.to(dev, torch.int64)[seq + 1] - tok)
     q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk.float()).to(dt).contiguous()
     qp = q_pe.to(dt).contiguous()
-    num_splits = max(1, -(-int(context_lens.max()) // SPLIT_LEN))
+    longest = int(context_lens.max())
+    head_blocks = -(-H // BLOCK_H)
+    num_splits = max(1, min(-(-longest // SPLIT_LEN), TARGET_PROGRAMS // (T * head_blocks)))
+    split_len = -(-longest // num_splits)
     o = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=dev)
     m = torch.empty(T, num_splits, H, dtype=torch.float32, device=dev)
     l_ = torch.empty(T, num_splits, H, dtype=torch.float32, device=dev)
     bt = block_table.to(dev, torch.int64).contiguous()
-    _kernel()[(T, -(-H // BLOCK_H), num_splits)](
-        q_lat, qp, kv, bt, seq, last, o, m, l_, H, R, DR, bt.shape[1], kv.shape[1], SPLIT_LEN,
+    fp32 = dt == torch.float32
+    # fp32 latent tiles are twice bf16's: fewer pipeline stages, more warps to hold them
+    _kernel()[(T, head_blocks, num_splits)](
+        q_lat, qp, kv, bt, seq, last, o, m, l_, H, R, DR, bt.shape[1], kv.shape[1], split_len,
         num_splits, scale, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=_pow2(R),
-        BLOCK_DR=_pow2(DR), PRECISION="ieee" if dt == torch.float32 else "tf32")
+        BLOCK_DR=_pow2(DR), PRECISION="ieee" if fp32 else "tf32",
+        num_warps=8 if fp32 else 4, num_stages=1 if fp32 else 2)
     # merge the splits (a split past a token's context has max -inf and weight 0)
     weight = torch.exp(m - m.max(1, keepdim=True).values)  # [T, S, H]
     o_lat = (o * weight[..., None]).sum(1) / (l_ * weight).sum(1)[..., None]

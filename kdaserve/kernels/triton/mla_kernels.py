@@ -50,7 +50,7 @@ def mla_split_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_ptr, last
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(lat.dtype), lat, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    part = (t * num_splits + s) * H + heads
+    part = ((t * num_splits + s) * H + heads).to(tl.int64)  # T * S * H * R may pass 2^31
     tl.store(o_ptr + part[:, None] * R + rs[None, :], acc,
              mask=h_ok[:, None] & (rs < R)[None, :])
     tl.store(m_ptr + part, m_i, mask=h_ok)

@@ -108,7 +108,11 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     h = torch.empty(pairs.numel(), inter, dtype=x.dtype, device=x.device)
     out = torch.zeros(T * top_k, D, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    if (scale13 is None) != (scale2 is None):
+        raise ValueError("int8 experts need both scale13 and scale2")
     has_scale = scale13 is not None
+    if has_scale:
+        scale13, scale2 = scale13.float().contiguous(), scale2.float().contiguous()
     bk_d, bk_i = _block(D, 64), _block(inter, 64)
     bn_i, bn_d = _block(inter, 64), _block(D, 64)
     kernels.gate_up_kernel[(block_expert.numel(), -(-inter // bn_i))](

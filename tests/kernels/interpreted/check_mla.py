@@ -17,10 +17,13 @@ from kdaserve.kernels.triton.mla import mla_attention_triton
     ([1, 4, 7], [5, 18, 40], 2),  # a decode, a verify, a prefill chunk on a cached prefix
     ([3], [3], 20),  # a fresh prompt; more heads than a program's block
 ])
-@pytest.mark.parametrize("split_len", [256, 8], ids=["one-split", "many-splits"])
+@pytest.mark.parametrize("split_len,programs", [(256, 264), (8, 1), (8, 10 ** 6)],
+                         ids=["one-split", "capped", "many-splits"])
 def test_mla_matches_reference(new: list[int], ctx: list[int], H: int, split_len: int,
-                               monkeypatch: pytest.MonkeyPatch) -> None:
+                               programs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """capped: splits of 8 keys asked for, but the tokens already fill the programs wanted."""
     monkeypatch.setattr(mla, "SPLIT_LEN", split_len)
+    monkeypatch.setattr(mla, "TARGET_PROGRAMS", programs)
     g = torch.Generator().manual_seed(sum(ctx) + H)
     Dn, Dr, R, Dv, page = 16, 8, 32, 16, 4
     T, B = sum(new), len(new)
