@@ -69,15 +69,21 @@ def test_bench_spec_smoke(tiny_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> 
         with_tokenizer=False)
     block = make_block_drafter(tmp_path / "block", tiny, seed=1)
     dspark = make_dspark_drafter(tmp_path / "dspark", tiny, taps=[1, 3], seed=1)
+    from kdaserve.speculative.token_map import save_token_map
+
+    hot = save_token_map(list(range(0, tiny.vocab_size, 3)), tmp_path / "hot.json")
     out = tmp_path / "s.json"
     cli_main(["bench", "spec", "--model", str(tiny_ckpt), "--data", str(gsm8k_file),
               "--num-shots", "1", "--num-prompts", "2", "--max-tokens", "6", "--k", "2",
               "--batch-sizes", "1,2", "--repeats", "1", "--drafters",
               "ngram,self,self-half,draft-self,draft,block,dspark", "--draft-model",
               str(draft), "--block-drafter", str(block), "--dspark-drafter", str(dspark),
-              "--out", str(out), "--plot", str(tmp_path / "s.png"), "--tune-ngram"])
+              "--out", str(out), "--plot", str(tmp_path / "s.png"), "--tune-ngram",
+              "--token-map", str(hot)])
     result = json.loads(out.read_text())
     rows = result["rows"]
+    assert result["token_map"] == str(hot)
+    assert all(len(r["paired_decode_speedups"]) == 1 for r in rows if r["drafter"] != "none")
     assert {(r["max_n"], r["min_n"]) for r in result["ngram_offline"]} >= {(4, 1), (2, 2)}
     names = ["none", "ngram", "self", "self-half", "draft-self", "draft", "block", "dspark"]
     assert [(r["batch"], r["drafter"]) for r in rows] == [(b, n) for b in (1, 2)
