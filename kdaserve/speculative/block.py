@@ -33,6 +33,7 @@ from kdaserve.config import ModelConfig
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.request import Request
 from kdaserve.speculative.drafter import Drafter
+from kdaserve.speculative.token_map import cut_rows
 
 ARCHITECTURE = "kdaserve-block-drafter"
 
@@ -51,6 +52,12 @@ class BlockDraftNet(nn.Module):
             "down": nn.Linear(inter, H, bias=False)}) for _ in range(cfg["num_layers"]))
         self.norm = RMSNorm(H, eps)
         self.lm_head = nn.Linear(H, V, bias=False)
+        # the token ids of lm_head's rows once cut to a hot-token map (speculative/token_map.py)
+        self.vocab_ids: torch.Tensor | None = None
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        self.vocab_ids = ids
+        cut_rows(self.lm_head, ids)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor,
                 positions: int | None = None) -> torch.Tensor:
@@ -70,8 +77,6 @@ class BlockDrafter(Drafter):
         self.net, self.device = net, device
         self.k = min(k, net.cfg["block_size"])
         self.hidden: dict[int, torch.Tensor] = {}  # id(req) -> target hidden state [D]
-        # the token map's ids when the head is cut to them (speculative/token_map.py)
-        self.vocab_ids: torch.Tensor | None = None
         self._survival: dict[int, list[float]] = {}  # id(req) -> of its last proposal
 
     @classmethod
@@ -116,18 +121,17 @@ class BlockDrafter(Drafter):
         return self._survival.get(id(req))
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
-        """Cuts the output head to the rows of `ids` (a hot-token map): drafts are then
-        always among them, and the head costs len(ids) / V of the whole vocabulary's."""
-        self.vocab_ids = ids.to(self.device)
-        head = self.net.lm_head
-        head.weight = nn.Parameter(head.weight.data[self.vocab_ids], requires_grad=False)
+        """Cuts the network's output heads to the rows of `ids` (a hot-token map): drafts
+        are then always among them, and a head costs len(ids) / V of the whole vocabulary's."""
+        self.net.restrict_vocab(ids.to(self.device))
 
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [B, *] and pending tokens [B] -> (drafts [B, k], confidences [B, k]). With
         a token map the confidence is the max over the hot tokens' softmax."""
         conf, drafts = self.net(hidden, tokens, k).softmax(-1).max(-1)
-        return (drafts if self.vocab_ids is None else self.vocab_ids[drafts]), conf
+        ids = self.net.vocab_ids
+        return (drafts if ids is None else ids[drafts]), conf
 
     def on_accept(self, req: Request, num_accepted: int,
                   hidden: torch.Tensor | None = None) -> None:

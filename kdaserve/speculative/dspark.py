@@ -47,6 +47,7 @@ from kdaserve.config import ModelConfig
 from kdaserve.kernels import Kernels, silu_mul_ref
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.speculative.block import BlockDrafter
+from kdaserve.speculative.token_map import cut_rows
 
 ARCHITECTURE = "kdaserve-dspark"
 Linear = Callable[[torch.Tensor, nn.Linear], torch.Tensor]
@@ -118,7 +119,7 @@ class DSparkNet(nn.Module):
         """Cuts both output heads (the base logits and the Markov head's) to `ids`' rows."""
         self.vocab_ids = ids
         for head in (self.lm_head, self.markov_out):
-            head.weight = nn.Parameter(head.weight.data[ids], requires_grad=False)
+            cut_rows(head, ids)
 
     def backbone(self, taps: torch.Tensor, tokens: torch.Tensor,
                  positions: int | None = None) -> torch.Tensor:
@@ -249,10 +250,6 @@ class DSparkDrafter(BlockDrafter):
                 elif isinstance(m, DraftLayer):
                     m.silu_mul = kernels.silu_mul
         return cls(net.to(device=device, dtype=dtype).eval(), k, device)
-
-    def restrict_vocab(self, ids: torch.Tensor) -> None:
-        self.vocab_ids = ids.to(self.device)
-        self.net.restrict_vocab(self.vocab_ids)  # type: ignore[attr-defined]
 
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor,
               k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 
 def load_token_map(path: str | Path, vocab_size: int) -> torch.Tensor:
@@ -75,3 +76,8 @@ def save_token_map(ids: list[int], path: str | Path) -> Path:
     else:
         raise ValueError(f"token map {p}: need a .pt or .json file name")
     return p
+
+
+def cut_rows(head: nn.Linear, ids: torch.Tensor) -> None:
+    """An output head keeps only the rows of `ids` (its logits then index into ids)."""
+    head.weight = nn.Parameter(head.weight.data[ids], requires_grad=False)

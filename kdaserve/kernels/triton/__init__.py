@@ -20,3 +20,9 @@ def supports(device: torch.device) -> tuple[bool, str]:
         except Exception as e:  # an ImportError, or a triton driver error at import
             return False, f"{name} is not importable: {e}"
     return True, ""
+
+
+def tile(n: int, least: int = 16, most: int = 1 << 30) -> int:
+    """A power-of-two tile edge covering n (tl.arange needs powers of two), within [least,
+    most]: tl.dot's operands need edges of 16 or more, hence the default least."""
+    return max(least, min(most, 1 << (max(n, 1) - 1).bit_length()))

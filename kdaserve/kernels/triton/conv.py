@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kdaserve.kernels.ref.kda import short_conv_ref
+from kdaserve.kernels.triton import tile
 
 BLOCK_D = 128
 
@@ -45,11 +46,12 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
     slots = state_slots.to(dev, torch.int64).contiguous()
     tok = torch.arange(T, device=dev)
     seq = torch.searchsorted(cu[1:], tok, right=True)
+    starts = cu[:-1].contiguous()
     out = torch.empty_like(x)
     grid_d = -(-D // BLOCK_D)
     k.conv_kernel[(T, grid_d)](x, weight.contiguous(), conv_state, seq, tok - cu[seq], slots,
-                               cu[:-1].contiguous(), out, D, W=W, BLOCK_D=BLOCK_D)
+                               starts, out, D, W=W, BLOCK_D=BLOCK_D)
     k.state_kernel[(slots.numel(), grid_d)](
-        x, conv_state, slots, cu[:-1].contiguous(), (cu[1:] - cu[:-1]).contiguous(), D, W=W,
-        BLOCK_W=max(2, 1 << (W - 2).bit_length()), BLOCK_D=BLOCK_D)
+        x, conv_state, slots, starts, (cu[1:] - starts).contiguous(), D, W=W,
+        BLOCK_W=tile(W - 1, least=2), BLOCK_D=BLOCK_D)
     return out

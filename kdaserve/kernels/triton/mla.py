@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from kdaserve.kernels.triton import tile
+
 BLOCK_H = 16  # heads per program: tl.dot's least M
 BLOCK_N = 32  # keys per inner step
 SPLIT_LEN = 256  # keys per split of a context, at the most splits
@@ -35,10 +37,6 @@ def _kernel() -> Any:
     from kdaserve.kernels.triton import mla_kernels
 
     return mla_kernels.mla_split_kernel
-
-
-def _pow2(n: int) -> int:
-    return max(16, 1 << (max(n, 1) - 1).bit_length())
 
 
 def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -57,8 +55,9 @@ def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     kv = kv_cache.contiguous()
     # each token's sequence and absolute position (its keys are 0..last)
     tok = torch.arange(T, device=dev)
-    seq = torch.searchsorted(cu_seqlens.to(dev, torch.int64)[1:], tok, right=True)
-    last = context_lens.to(dev, torch.int64)[seq] - (cu_seqlens.to(dev, torch.int64)[seq + 1] - tok)
+    cu = cu_seqlens.to(dev, torch.int64)
+    seq = torch.searchsorted(cu[1:], tok, right=True)
+    last = context_lens.to(dev, torch.int64)[seq] - (cu[seq + 1] - tok)
     q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk.float()).to(dt).contiguous()
     qp = q_pe.to(dt).contiguous()
     longest = int(context_lens.max())
@@ -73,8 +72,8 @@ def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     # fp32 latent tiles are twice bf16's: fewer pipeline stages, more warps to hold them
     _kernel()[(T, head_blocks, num_splits)](
         q_lat, qp, kv, bt, seq, last, o, m, l_, H, R, DR, bt.shape[1], kv.shape[1], split_len,
-        num_splits, scale, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=_pow2(R),
-        BLOCK_DR=_pow2(DR), PRECISION="ieee" if fp32 else "tf32",
+        num_splits, scale, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=tile(R),
+        BLOCK_DR=tile(DR), PRECISION="ieee" if fp32 else "tf32",
         num_warps=8 if fp32 else 4, num_stages=1 if fp32 else 2)
     # merge the splits (a split past a token's context has max -inf and weight 0)
     weight = torch.exp(m - m.max(1, keepdim=True).values)  # [T, S, H]

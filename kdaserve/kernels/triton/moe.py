@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kdaserve.kernels.ref.moe import moe_route_ref
+from kdaserve.kernels.triton import tile
 
 BLOCK_M = 16  # sorted rows per block: tl.dot's least M on tensor cores
 
@@ -81,13 +82,8 @@ def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int
         logits.contiguous(), bias.float().contiguous() if bias is not None else logits,
         weights, ids, T, E, scaling, HAS_BIAS=bias is not None,
         SIGMOID=activation == "sigmoid", RENORMALIZE=renormalize, TOP_K=top_k,
-        BLOCK_T=block_t, BLOCK_E=_block(E, 1 << 30), BLOCK_K=_block(top_k, 1 << 30))
+        BLOCK_T=block_t, BLOCK_E=tile(E), BLOCK_K=tile(top_k))
     return weights, ids
-
-
-def _block(n: int, most: int) -> int:
-    """A power-of-two tile edge for a dimension of n, between tl.dot's 16 and `most`."""
-    return max(16, min(most, 1 << (max(n, 1) - 1).bit_length()))
 
 
 def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -113,13 +109,12 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     has_scale = scale13 is not None
     if has_scale:
         scale13, scale2 = scale13.float().contiguous(), scale2.float().contiguous()
-    bk_d, bk_i = _block(D, 64), _block(inter, 64)
-    bn_i, bn_d = _block(inter, 64), _block(D, 64)
-    kernels.gate_up_kernel[(block_expert.numel(), -(-inter // bn_i))](
+    tile_d, tile_i = tile(D, most=64), tile(inter, most=64)
+    kernels.gate_up_kernel[(block_expert.numel(), -(-inter // tile_i))](
         x, w13, scale13 if has_scale else x, pairs, block_expert, h, T * top_k, top_k, D, inter,
-        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=bn_i, BLOCK_K=bk_d, PRECISION=precision)
-    kernels.down_kernel[(block_expert.numel(), -(-D // bn_d))](
+        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=tile_i, BLOCK_K=tile_d, PRECISION=precision)
+    kernels.down_kernel[(block_expert.numel(), -(-D // tile_d))](
         h, w2, scale2 if has_scale else x, pairs, block_expert,
         weights.to(torch.float32).contiguous(), out, T * top_k, D, inter,
-        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=bn_d, BLOCK_K=bk_i, PRECISION=precision)
+        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=tile_d, BLOCK_K=tile_i, PRECISION=precision)
     return out.view(T, top_k, D).sum(1)
