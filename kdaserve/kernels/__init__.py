@@ -30,6 +30,7 @@ from kdaserve.kernels.ref.kda import (
 from kdaserve.kernels.ref.mla import mla_attention_ref
 from kdaserve.kernels.ref.mlp import silu_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
+from kdaserve.kernels.ref.norm import rms_norm_ref
 from kdaserve.kernels.ref.quant import dequantize
 from kdaserve.kernels.registry import use_backend
 
@@ -42,13 +43,6 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor,
     """x @ weight.T without bias: every projection of the model. A weight-only bf16 weight is
     widened to x's dtype; an int8 one comes with its per-row `scale`."""
     return F.linear(x, dequantize(weight, scale, x.dtype))
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """T5-style (KimiRMSNorm): normalise in fp32, cast back, then multiply by the weight."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 OPS = ("linear", "kda_chunk", "kda_recurrent", "kda_decode", "short_conv", "mla_attention",
@@ -85,6 +79,7 @@ from kdaserve.kernels.native.ops import (  # noqa: E402
     mla_attention_native,
     moe_experts_native,
     moe_route_native,
+    rms_norm_native,
     short_conv_native,
     silu_mul_native,
 )
@@ -141,17 +136,7 @@ for _op, _fn in (("linear", bi.linear_bi), ("kda_chunk", bi.kda_chunk_bi),
     registry.register(_op, BATCH_INVARIANT, _fn, priority=-1, supports=_batch_invariant)
 
 
-def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rms_norm_ref`'s contract through the batch-invariant library's C++ row norm (one pass,
-    no temporaries) for fp32: a decode step's norms are dispatch-bound, 20-27 us a call in
-    torch against 6-11 us (1 to 80 rows of 256)."""
-    if x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu:
-        return rms_norm_ref(x, weight, eps)
-    return bi.rms_norm_rows(x, weight, eps)
-
-
-registry.register("rms_norm", "native", rms_norm_native, priority=20,
-                  supports=_batch_invariant)
+registry.register("rms_norm", "native", rms_norm_native, priority=20, supports=_native)
 
 
 class Kernels(NamedTuple):

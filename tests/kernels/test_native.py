@@ -440,6 +440,10 @@ def test_rms_norm_native_matches_reference(shape: tuple[int, ...]) -> None:
                                atol=1e-5, rtol=1e-5)
     xb, wb = x.bfloat16(), w.bfloat16()  # not fp32: the reference runs
     torch.testing.assert_close(rms_norm_native(xb, wb, 1e-5), rms_norm_ref(xb, wb, 1e-5))
+    wide = torch.randn(x.numel() // shape[-1], shape[-1] + 9, generator=g)
+    cols = wide[:, 3:3 + shape[-1]]  # a column slice (MLA's latent part of kv_a's output)
+    torch.testing.assert_close(rms_norm_native(cols, w, 1e-5), rms_norm_ref(cols, w, 1e-5),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 7, 100])  # 100: the threaded path

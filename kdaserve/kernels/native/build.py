@@ -39,13 +39,16 @@ class Library:
 
 
 LIBRARIES = {
-    "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp", "mla_cpu.cpp", "elementwise_cpu.cpp"),
-                       (), {
+    "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp", "mla_cpu.cpp", "elementwise_cpu.cpp",
+                        "decode_step.cpp"), (), {
         "kda_decode_f32": [_P] * 13 + [_I] * 5 + [_F],
         "kda_prefill_f32": [_P] * 10 + [_I] * 5 + [_P],
         "short_conv_f32": [_P] * 6 + [_I] * 3,
         "kda_chunked_f32": [_P] * 12 + [_I] * 4,
         "mla_decode_f32": [_P] * 7 + [_I] * 6 + [_F],
+        "mla_forward_f32": [_P, _I] + [_P] * 6 + [_I] * 9 + [_F],
+        "rms_norm_f32": [_P, _I, _P, _P, _I, _I, _F],
+        "decode_forward_f32": [_P] * 5 + [_I] + [_P] * 4 + [_I],
         "moe_decode_f32": [_P] * 6 + [_I] * 5,
         "linear_small_f32": [_P] * 3 + [_I] * 3,
         "linear_small_bf16w": [_P] * 3 + [_I] * 3,

@@ -19,6 +19,7 @@ from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
 from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_ref, kda_gate_ref
 from kdaserve.kernels.ref.mlp import silu_mul_ref
 from kdaserve.kernels.ref.moe import moe_route_ref
+from kdaserve.kernels.ref.norm import rms_norm_ref
 from kdaserve.kernels.ref.quant import dequantize
 
 
@@ -165,7 +166,8 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     each: every token sees the cache up to its own position (their latents are already in
     the pool, so causality is just each token's context length)."""
     B, H = q_nope.shape[0], q_nope.shape[1]
-    if not _f32(q_nope, q_pe, kv_cache, w_uk, w_uv) or not kv_cache.is_contiguous():
+    if not _f32(q_nope, q_pe, kv_cache, w_uk, w_uv) or not kv_cache.is_contiguous() \
+            or q_nope.stride(-1) != 1 or w_uk.stride(-1) != 1:
         return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens, context_lens,
                                  w_uk, w_uv, scale)
     S = cu_seqlens.shape[0] - 1
@@ -173,18 +175,33 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     if S != B and int((cu[1:] - cu[:-1]).max()) > VERIFY_MAX_TOKENS:
         return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
                                  context_lens, w_uk, w_uv, scale)
-    R, Dr = w_uk.shape[-1], q_pe.shape[-1]
-    # bmm per head rather than einsum: the same products without einsum's Python-level
-    # parsing (two calls per MLA layer were ~5% of a small model's batch-1 step)
-    q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous()
-    q_pe = q_pe.contiguous()
+    T, Dn, Dr, Dv, R = q_nope.shape[0], q_nope.shape[-1], q_pe.shape[-1], w_uv.shape[1], \
+        w_uk.shape[-1]
+    q = _joined(q_nope, q_pe, 2)
+    w_kvb = _joined(w_uk, w_uv, 1)
+    if w_kvb.stride(0) != w_kvb.shape[1] * R:
+        w_kvb = w_kvb.contiguous()
     table = block_table.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int64).contiguous()
-    o_lat = torch.empty(B, H, R, dtype=torch.float32)
-    library().mla_decode_f32(
-        _ptr(q_lat), _ptr(q_pe), _ptr(kv_cache), _ptr(table), _ptr(lens), _ptr(cu),
-        _ptr(o_lat), S, H, R, Dr, kv_cache.shape[1], table.shape[1], scale)
-    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    out = torch.empty(T, H, Dv, dtype=torch.float32)
+    library().mla_forward_f32(
+        _ptr(q), q.stride(0), _ptr(w_kvb), _ptr(kv_cache), _ptr(table), _ptr(lens), _ptr(cu),
+        _ptr(out), S, T, H, Dn, Dr, Dv, R, kv_cache.shape[1], table.shape[1], scale)
+    return out
+
+
+def _joined(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.cat([a, b], dim) of two 3-D tensors, as the view both already are parts of where
+    they are (q's nope and rope columns per head, kv_b_proj's W_UK and W_UV rows per head),
+    else a copy; either way contiguous in its last two dimensions."""
+    shape = list(a.shape)
+    shape[dim] += b.shape[dim]
+    inner = (shape[1] * shape[2], shape[2], 1)
+    if a.stride()[1:] == inner[1:] == b.stride()[1:] and a.stride(0) >= inner[0] \
+            and b.stride(0) == a.stride(0) and b.data_ptr() == a.data_ptr() \
+            + a.shape[dim] * a.stride(dim) * a.element_size():
+        return a.as_strided(shape, (a.stride(0), *inner[1:]))
+    return torch.cat([a, b], dim=dim).contiguous()
 
 
 # new tokens per sequence up to which a non-decode batch's MLA runs in the paged decode kernel
@@ -225,16 +242,21 @@ def moe_native_limits() -> tuple[int, int]:
     return MOE_NATIVE_MAX_TOKENS_AVX2, MOE_NATIVE_MAX_PER_EXPERT_AVX2
 
 
+def moe_native_takes(T: int, k: int, E: int) -> bool:
+    """Whether the native MoE kernel takes T tokens of top-k over E experts (else the per-expert
+    GEMMs run)."""
+    max_tokens, per_expert = moe_native_limits()
+    return T <= max_tokens and T * k <= per_expert * E
+
+
 def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
                        scale2: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `moe_experts_ref`; decode-sized batches in one C++ call."""
     T, k = ids.shape
     kernel = _WEIGHT_KERNELS.get(w13.dtype, ("", ""))[1]
-    max_tokens, per_expert = moe_native_limits()
-    if T > max_tokens or T * k > per_expert * w13.shape[0] \
-            or not kernel or not _f32(x) or w2.dtype != w13.dtype \
-            or not w13.is_contiguous() or not w2.is_contiguous():
+    if not moe_native_takes(T, k, w13.shape[0]) or not kernel or not _f32(x) \
+            or w2.dtype != w13.dtype or not w13.is_contiguous() or not w2.is_contiguous():
         return moe_experts_cpu(x, weights, ids, w13, w2, scale13, scale2)
     x = x.contiguous()
     ids = ids.to(torch.int64).contiguous()
@@ -271,6 +293,21 @@ def moe_route_native(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int
                             _ptr(ids), T, E, top_k, num_group, topk_group, int(renormalize),
                             int(activation == "sigmoid"), scaling)
     return weights, ids
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_ref`'s contract in one C++ pass for fp32 (a decode step's norms are
+    dispatch-bound: 20-27 us a call in torch against 6-11 us, 1 to 80 rows of 256); rows may
+    be a column slice of a wider tensor (MLA's latent part of kv_a's output)."""
+    D = x.shape[-1]
+    if x.dtype != torch.float32 or weight.dtype != torch.float32 or not x.is_cpu or \
+            x.dim() != 2 or x.stride(-1) != 1 or not weight.is_contiguous():
+        if x.dim() != 2 and x.is_contiguous() and x.dtype == torch.float32 and x.is_cpu:
+            return rms_norm_native(x.view(-1, D), weight, eps).view(x.shape)
+        return rms_norm_ref(x, weight, eps)
+    y = torch.empty(x.shape[0], D, dtype=torch.float32)
+    library().rms_norm_f32(_ptr(x), x.stride(0), _ptr(weight), _ptr(y), x.shape[0], D, eps)
+    return y
 
 
 def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
@@ -344,6 +381,17 @@ QUANTIZED_MAX_ROWS = 64
 QUANTIZED_LARGE_MAX_ROWS = 512
 
 
+def linear_native_max_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows `linear_native` runs the native kernel for this weight (more go to
+    oneDNN or sgemm)."""
+    large = weight.numel() >= LARGE_WEIGHT
+    if weight.dtype != torch.float32:
+        return QUANTIZED_LARGE_MAX_ROWS if large else QUANTIZED_MAX_ROWS
+    if onednn_usable():
+        return onednn_native_max_rows(weight.numel(), weight.shape[-1])
+    return LARGE_WEIGHT_MAX_ROWS if large else LINEAR_NATIVE_MAX_ROWS
+
+
 def linear_native(x: torch.Tensor, weight: torch.Tensor,
                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (`linear_ref`'s contract)."""
@@ -353,17 +401,9 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor,
     K = x.shape[-1]
     flat = x.dim() == 2
     rows = x.shape[0] if flat else (x.numel() // K if K else 0)
-    elements = weight.numel()
-    large = elements >= LARGE_WEIGHT
-    if weight.dtype != torch.float32:
-        cap = QUANTIZED_LARGE_MAX_ROWS if large else QUANTIZED_MAX_ROWS
-    elif onednn_usable():
-        cap = onednn_native_max_rows(elements, K)
-    else:
-        cap = LARGE_WEIGHT_MAX_ROWS if large else LINEAR_NATIVE_MAX_ROWS
     kernel = _WEIGHT_KERNELS.get(weight.dtype, ("", ""))[0]
-    if not 0 < rows <= cap or x.dtype != torch.float32 or not kernel or not x.is_cpu \
-            or not weight.is_contiguous():
+    if not 0 < rows <= linear_native_max_rows(weight) or x.dtype != torch.float32 \
+            or not kernel or not x.is_cpu or not weight.is_contiguous():
         # weight-only bf16 / int8 with many rows (prefill): widened for the GEMM, a pass
         # over the weight that a compute-bound product hides
         return gemm(x, dequantize(weight, scale, x.dtype))

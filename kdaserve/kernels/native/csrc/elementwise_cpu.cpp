@@ -3,6 +3,7 @@
 // rows, where torch's dispatch (three ops for a SwiGLU: chunk, silu, mul; two strided copies
 // per state slot) costs more than the arithmetic.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #if defined(__x86_64__)
@@ -26,6 +27,26 @@ void silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I) {
 #pragma omp parallel for schedule(static) if (rows * I >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r)
     silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, y + r * I, I);
+}
+
+// y [rows, D] = w * (x / rms(x)) per row (T5-style, KimiRMSNorm: normalised in fp32, then
+// scaled by the weight); x rows of stride x_stride (a column slice of a wider output).
+void rms_norm_f32(const float* x, int64_t x_stride, const float* w, float* y, int64_t rows,
+                  int64_t D, float eps) {
+#pragma omp parallel for schedule(static) if (rows * D >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    vtile acc = {};
+    int64_t i = 0;
+    for (; i + kLanes <= D; i += kLanes) {
+      const vtile v = load_tile(xr + i);
+      acc += v * v;
+    }
+    float ss = hsum_tree(acc);
+    for (; i < D; ++i) ss += xr[i] * xr[i];
+    const float s = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    for (int64_t j = 0; j < D; ++j) y[r * D + j] = w[j] * (xr[j] * s);
+  }
 }
 
 // For each of n (src, dst) pairs and each of L layers: the block of `bytes` at

@@ -111,13 +111,19 @@ constexpr int64_t kKc = 4096 / (kBV * kLanes);
 
 // y[m, n0 + i] (+)= the TN weight rows at w (stride ldw) over k in [k0, k1), against x^T
 // columns [m0, m0 + TV lanes); padding rows (m >= M) are computed but not stored. The first
-// chunk (k0 == 0) stores, later ones add.
+// chunk (k0 == 0) stores, later ones add. pf (nullable): the next panel's rows, fetched into
+// cache while this one computes. A decode step streams more weights than the L3 holds, so
+// each panel arrives from memory, and the hardware prefetchers follow its TN interleaved
+// row streams only part of the way: the hidden-256 MoE's batch-16 step 7-8% faster (old
+// and new builds alternated step by step in one engine; 2% at batch 64, none at 1).
 template <int TN, int TV>
 inline void bcast_tile(const float* __restrict w, int64_t ldw, const float* __restrict xt,
                        int64_t Mp, float* __restrict y, int64_t M, int64_t N, int64_t k0,
-                       int64_t k1, int64_t m0, int64_t n0) {
+                       int64_t k1, int64_t m0, int64_t n0, const float* pf = nullptr) {
   vtile acc[TN][TV] = {};
   for (int64_t k = k0; k < k1; ++k) {
+    if (pf != nullptr && (k & 15) == 0)  // a cache line of each next-panel row per 16 k
+      for (int i = 0; i < TN; ++i) __builtin_prefetch(pf + i * ldw + k, 0, 3);
     vtile xv[TV];
     for (int v = 0; v < TV; ++v) xv[v] = load_tile(xt + k * Mp + m0 + v * kLanes);
     for (int i = 0; i < TN; ++i) {
@@ -141,7 +147,8 @@ void bcast_panel(const float* w, const float* xt, int64_t Mp, float* y, int64_t 
     const int64_t k1 = std::min(K, k0 + kKc);
     int64_t v = 0;
     for (; v + kBV <= vecs; v += kBV)
-      bcast_tile<TN, kBV>(w, K, xt, Mp, y, M, N, k0, k1, v * kLanes, n0);
+      bcast_tile<TN, kBV>(w, K, xt, Mp, y, M, N, k0, k1, v * kLanes, n0,
+                          v == 0 ? w + TN * K : nullptr);
     for (; v < vecs; ++v) bcast_tile<TN, 1>(w, K, xt, Mp, y, M, N, k0, k1, v * kLanes, n0);
   }
 }

@@ -1,0 +1,242 @@
+// A whole decode forward (one token per sequence, embedding to final norm) in one call, for
+// models small enough that Python between the kernels is a large part of a step (the
+// hidden-256 MoE at batch 16: ~2.5 of ~12 ms; at batch 1 ~1.7 of 5). It runs the same kernels
+// as the per-op path, in the same order and on the same inputs (the entry points below are
+// the ones kernels/native/ops.py binds), so its result equals that path's bit for bit;
+// kdaserve/models/native_decode.py builds the plan and decides when it applies. Built into
+// the kda_cpu library (build.py).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+extern "C" {
+// defined in gemm_cpu.cpp, kda_cpu.cpp, mla_cpu.cpp, elementwise_cpu.cpp
+void linear_small_f32(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K);
+void linear_small_bf16w(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
+                        int64_t K);
+void linear_small_int8w(const float* x, const int8_t* w, const float* scale, float* y,
+                        int64_t M, int64_t N, int64_t K);
+void kda_decode_f32(const float* qkv, const float* f, const float* beta, const float* z,
+                    const float* conv_w, const float* A_log, const float* dt_bias,
+                    const float* norm_w, float* state, float* conv_state, const int64_t* slots,
+                    const int64_t* cu, float* out, int64_t B, int64_t H, int64_t K, int64_t V,
+                    int64_t W, float eps);
+void mla_forward_f32(const float* q, int64_t q_stride, const float* w_kvb, const float* kv,
+                     const int64_t* block_table, const int64_t* context_lens,
+                     const int64_t* cu_seqlens, float* out, int64_t S, int64_t T, int64_t H,
+                     int64_t Dn, int64_t Dr, int64_t Dv, int64_t R, int64_t BS, int64_t M,
+                     float scale);
+void moe_decode_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
+                    const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
+                    int64_t D);
+void moe_decode_bf16w(const float* x, const int64_t* ids, const float* weights,
+                      const uint16_t* w13, const uint16_t* w2, float* out, int64_t T, int64_t k,
+                      int64_t E, int64_t I, int64_t D);
+void moe_decode_int8w(const float* x, const int64_t* ids, const float* weights,
+                      const int8_t* w13, const int8_t* w2, const float* s13, const float* s2,
+                      float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D);
+void moe_route_f32(const float* logits, const float* bias, float* weights, int64_t* ids,
+                   int64_t T, int64_t E, int64_t top_k, int64_t groups, int64_t topk_group,
+                   int64_t renormalize, int64_t sigmoid, float scaling);
+void silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I);
+void rms_norm_f32(const float* x, int64_t x_stride, const float* w, float* y, int64_t rows,
+                  int64_t D, float eps);
+}
+
+namespace {
+
+// A projection: weight [n, k] of `dtype` (0 fp32, 1 bf16, 2 int8 with per-row `scale`).
+struct Linear {
+  int64_t w, dtype, scale, n, k;
+};
+
+// One decoder layer; pointers as integers (the Python side fills them from the parameters
+// every step, so a weight swapped by an update or a resume is never stale). The layout is
+// mirrored field for field by kdaserve/models/native_decode.py's ctypes structure.
+struct Layer {
+  int64_t is_kda, is_moe;
+  int64_t input_norm, post_norm;  // [D] fp32
+  // KDA: in_proj rows q|k|v|f_a|g_a|b, f_b and g_b [H*K, K], o_proj; conv_w [3P, W]
+  Linear in_proj, f_b, g_b, kda_o;
+  int64_t conv_w, A_log, dt_bias, o_norm, state, conv_state, heads, head_dim, conv_size;
+  // MLA (NoPE): q [H*(Dn+Dr)] (or q_a, its norm and q_b below), kv_a [R+Dr], the kv_a norm [R],
+  // kv_b [H*(Dn+Dv), R]
+  Linear q_proj, kv_a, mla_o;
+  int64_t kv_a_norm, kv_b, kv_cache, mla_heads, dn, dr, dv, rank, block_size;
+  // dense MLP, or the MoE's shared expert (gate_up.w == 0: none)
+  Linear gate_up, down;
+  // routed experts: router [E, D] fp32, bias [E] (nullable), w13 [E, 2I, D], w2 [E, D, I]
+  int64_t router, router_bias, w13, w2, expert_dtype, s13, s2, experts, expert_inter, top_k,
+      groups, topk_group, renormalize, sigmoid;
+  Linear q_a, q_b;  // MLA with a q LoRA (q_a.w != 0): q = q_b(norm(q_a(x)))
+  int64_t q_a_norm;
+  double kda_eps, mla_scale, latent_eps, routed_scaling;
+};
+
+struct Model {
+  int64_t num_layers, hidden, embed, final_norm;
+  double eps;
+};
+
+template <typename T>
+const T* ptr(int64_t p) {
+  return reinterpret_cast<const T*>(p);
+}
+
+void linear(const Linear& l, const float* x, float* y, int64_t M) {
+  if (l.dtype == 1)
+    linear_small_bf16w(x, ptr<uint16_t>(l.w), y, M, l.n, l.k);
+  else if (l.dtype == 2)
+    linear_small_int8w(x, ptr<int8_t>(l.w), ptr<float>(l.scale), y, M, l.n, l.k);
+  else
+    linear_small_f32(x, ptr<float>(l.w), y, M, l.n, l.k);
+}
+
+// dst [M, n] = columns [c0, c0 + n) of src [M, ld]: a projection output's split made contiguous
+// (the per-op path's `.contiguous()` of the same view)
+void columns(const float* src, int64_t ld, int64_t c0, int64_t n, float* dst, int64_t M) {
+  for (int64_t m = 0; m < M; ++m) std::memcpy(dst + m * n, src + m * ld + c0, n * sizeof(float));
+}
+
+void add(float* h, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) h[i] = h[i] + x[i];
+}
+
+// One growable scratch buffer per role, reused across layers.
+struct Scratch {
+  std::vector<float> a, b, c, d, e, f;
+  static float* get(std::vector<float>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+    return v.data();
+  }
+};
+
+void kda_layer(const Layer& L, const float* x, float* out, int64_t B, const int64_t* slots,
+               Scratch& s) {
+  const int64_t H = L.heads, K = L.head_dim, P = H * K, width = L.in_proj.n;
+  float* in = Scratch::get(s.a, B * width);
+  linear(L.in_proj, x, in, B);
+  float* qkv = Scratch::get(s.b, B * 3 * P);
+  float* low = Scratch::get(s.c, B * K);  // f_a, then g_a
+  float* f = Scratch::get(s.d, B * P);
+  float* z = Scratch::get(s.e, B * P);
+  float* beta = Scratch::get(s.f, B * H);
+  columns(in, width, 0, 3 * P, qkv, B);
+  columns(in, width, 3 * P, K, low, B);
+  linear(L.f_b, low, f, B);
+  columns(in, width, 3 * P + K, K, low, B);
+  linear(L.g_b, low, z, B);
+  columns(in, width, 3 * P + 2 * K, H, beta, B);
+  float* o = in;  // free again
+  kda_decode_f32(qkv, f, beta, z, ptr<float>(L.conv_w), ptr<float>(L.A_log),
+                 ptr<float>(L.dt_bias), ptr<float>(L.o_norm), reinterpret_cast<float*>(L.state),
+                 reinterpret_cast<float*>(L.conv_state), slots, nullptr, o, B, H, K, K,
+                 L.conv_size, static_cast<float>(L.kda_eps));
+  linear(L.kda_o, o, out, B);
+}
+
+void mla_layer(const Layer& L, const float* x, float* out, int64_t B, const int64_t* table,
+               int64_t table_width, const int64_t* lens, const int64_t* cu,
+               const int64_t* slot_mapping, Scratch& s) {
+  const int64_t H = L.mla_heads, R = L.rank, Dr = L.dr, row = R + Dr;
+  float* q = Scratch::get(s.a, B * H * (L.dn + Dr));
+  if (L.q_a.w) {
+    float* qa = Scratch::get(s.d, B * L.q_a.n);
+    float* qn = Scratch::get(s.e, B * L.q_a.n);
+    linear(L.q_a, x, qa, B);
+    rms_norm_f32(qa, L.q_a.n, ptr<float>(L.q_a_norm), qn, B, L.q_a.n,
+                 static_cast<float>(L.latent_eps));
+    linear(L.q_b, qn, q, B);
+  } else {
+    linear(L.q_proj, x, q, B);
+  }
+  float* ckv = Scratch::get(s.b, B * row);
+  linear(L.kv_a, x, ckv, B);
+  float* cache = reinterpret_cast<float*>(L.kv_cache);
+  for (int64_t b = 0; b < B; ++b) {  // the normalised latent and the rope key, into the pool
+    float* dst = cache + slot_mapping[b] * row;
+    rms_norm_f32(ckv + b * row, row, ptr<float>(L.kv_a_norm), dst, 1, R,
+                 static_cast<float>(L.latent_eps));
+    std::memcpy(dst + R, ckv + b * row + R, Dr * sizeof(float));
+  }
+  float* o = Scratch::get(s.c, B * H * L.dv);
+  mla_forward_f32(q, H * (L.dn + Dr), ptr<float>(L.kv_b), cache, table, lens, cu, o, B, B, H,
+                  L.dn, Dr, L.dv, R, L.block_size, table_width,
+                  static_cast<float>(L.mla_scale));
+  linear(L.mla_o, o, out, B);
+}
+
+void mlp(const Linear& gate_up, const Linear& down, const float* x, float* out, int64_t B,
+         Scratch& s) {
+  float* gu = Scratch::get(s.a, B * gate_up.n);
+  linear(gate_up, x, gu, B);
+  float* act = Scratch::get(s.b, B * gate_up.n / 2);
+  silu_mul_f32(gu, act, B, gate_up.n / 2);
+  linear(down, act, out, B);
+}
+
+void moe_layer(const Layer& L, const float* x, float* out, int64_t B, int64_t D, Scratch& s) {
+  const int64_t E = L.experts, k = L.top_k;
+  std::vector<float> logits(B * E), weights(B * k), shared;
+  std::vector<int64_t> ids(B * k);
+  linear_small_f32(x, ptr<float>(L.router), logits.data(), B, E, D);
+  moe_route_f32(logits.data(), L.router_bias ? ptr<float>(L.router_bias) : nullptr,
+                weights.data(), ids.data(), B, E, k, L.groups, L.topk_group, L.renormalize,
+                L.sigmoid, static_cast<float>(L.routed_scaling));
+  if (L.expert_dtype == 1)
+    moe_decode_bf16w(x, ids.data(), weights.data(), ptr<uint16_t>(L.w13), ptr<uint16_t>(L.w2),
+                     out, B, k, E, L.expert_inter, D);
+  else if (L.expert_dtype == 2)
+    moe_decode_int8w(x, ids.data(), weights.data(), ptr<int8_t>(L.w13), ptr<int8_t>(L.w2),
+                     ptr<float>(L.s13), ptr<float>(L.s2), out, B, k, E, L.expert_inter, D);
+  else
+    moe_decode_f32(x, ids.data(), weights.data(), ptr<float>(L.w13), ptr<float>(L.w2), out, B,
+                   k, E, L.expert_inter, D);
+  if (L.gate_up.w) {
+    shared.resize(B * D);
+    mlp(L.gate_up, L.down, x, shared.data(), B, s);
+    add(out, shared.data(), B * D);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// ids, slots, context_lens, slot_mapping [B]; block_table [B, table_width]; cu [B + 1] (0..B);
+// out [B, D]: the final-normed hidden states of every row (the lm_head runs apart).
+void decode_forward_f32(const Model* model, const Layer* layers, const int64_t* ids,
+                        const int64_t* slots, const int64_t* block_table, int64_t table_width,
+                        const int64_t* context_lens, const int64_t* cu,
+                        const int64_t* slot_mapping, float* out, int64_t B) {
+  const int64_t D = model->hidden;
+  std::vector<float> h(B * D), x(B * D), y(B * D);
+  const float* embed = ptr<float>(model->embed);
+  for (int64_t b = 0; b < B; ++b)
+    std::memcpy(h.data() + b * D, embed + ids[b] * D, D * sizeof(float));
+  Scratch s;
+  for (int64_t i = 0; i < model->num_layers; ++i) {
+    const Layer& L = layers[i];
+    rms_norm_f32(h.data(), D, ptr<float>(L.input_norm), x.data(), B, D,
+                 static_cast<float>(model->eps));
+    if (L.is_kda)
+      kda_layer(L, x.data(), y.data(), B, slots, s);
+    else
+      mla_layer(L, x.data(), y.data(), B, block_table, table_width, context_lens, cu,
+                slot_mapping, s);
+    add(h.data(), y.data(), B * D);
+    rms_norm_f32(h.data(), D, ptr<float>(L.post_norm), x.data(), B, D,
+                 static_cast<float>(model->eps));
+    if (L.is_moe)
+      moe_layer(L, x.data(), y.data(), B, D, s);
+    else
+      mlp(L.gate_up, L.down, x.data(), y.data(), B, s);
+    add(h.data(), y.data(), B * D);
+  }
+  rms_norm_f32(h.data(), D, ptr<float>(model->final_norm), out, B, D,
+               static_cast<float>(model->eps));
+}
+
+}  // extern "C"

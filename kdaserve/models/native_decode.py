@@ -1,0 +1,197 @@
+"""A decode forward in one native call (kernels/native/csrc/decode_step.cpp).
+
+On a CPU with the `native` kernels a small model's decode step spends a large part of its
+time in Python between the kernels (the hidden-256 MoE: ~1.7 of 5 ms at batch 1). Where every
+op of a decode batch would take the native kernel anyway, this runs the whole forward, from
+the embedding to the final norm, as one C++ call that makes the same kernel calls in the same
+order, so the hidden states equal the per-op forward's bit for bit (tested). Anything else
+(prefill chunks, verifies, taps, routing capture, parallel ranks, other backends, dtypes or
+row counts the native kernels do not take) runs the per-op forward.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING
+
+import torch
+
+from kdaserve.kernels.native import ops as native
+from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
+from kdaserve.layers.kda import KDAttention
+from kdaserve.layers.linear import Linear
+from kdaserve.layers.mla import LATENT_NORM_EPS
+from kdaserve.layers.moe import MoE
+
+if TYPE_CHECKING:
+    from kdaserve.cache.block_pool import BlockPool
+    from kdaserve.cache.state_pool import StatePool
+    from kdaserve.forward_batch import ForwardBatch
+    from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+
+# decode_step.cpp's `Layer`: 92 int64 fields, then 4 doubles; `Model`: 4 int64, 1 double
+_LAYER = struct.Struct("<92q4d")
+_MODEL = struct.Struct("<4qd")
+_WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_NONE = (0, 0, 0, 0, 0)  # an absent projection
+
+
+class Unsupported(Exception):
+    """The model as it is now (dtypes, layout) has no native decode forward."""
+
+
+def _f32(t: torch.Tensor) -> int:
+    if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+        raise Unsupported
+    return t.data_ptr()
+
+
+def _linear(lin: Linear, caps: list[int]) -> tuple[int, int, int, int, int]:
+    w = lin.weight
+    code = _WEIGHT_CODES.get(w.dtype)
+    if code is None or not w.is_cpu or not w.is_contiguous() \
+            or (code == 2) != (lin.scale is not None):
+        raise Unsupported
+    caps.append(native.linear_native_max_rows(w))
+    scale = 0 if lin.scale is None else _f32(lin.scale)
+    return (w.data_ptr(), code, scale, w.shape[0], w.shape[1])
+
+
+class NativeDecode:
+    """The one-call decode forward of `model`, or None from `for_model` where its kernels are
+    not all the native ones or its layers have no native path."""
+
+    def __init__(self, model: KimiLinearForCausalLM) -> None:
+        self.model = model
+        self._key: tuple[object, ...] | None = None
+        self._plan: tuple[bytes, bytes, int] | None = None  # model, layers, most rows
+        self._moe = any(layer.is_moe for layer in model.layers)
+        # What the plan points to: every parameter (looked up in its module each time:
+        # moving the model off the meta device replaced the Parameter objects once, and
+        # anything could again) and the int8 scales set after loading.
+        self._params = [(mod._parameters, name) for mod in model.modules()
+                        for name in mod._parameters]
+        self._scales = [(vars(mod), name) for mod in model.modules() for name in
+                        (("scale",) if isinstance(mod, Linear) else ("w13_scale", "w2_scale")
+                         if isinstance(mod, MoE) else ())]
+
+    @classmethod
+    def for_model(cls, model: KimiLinearForCausalLM) -> NativeDecode | None:
+        k = model.kernels
+        ops = (k.linear, k.kda_decode, k.mla_attention, k.moe_route, k.moe_experts,
+               k.rms_norm, k.silu_mul)
+        wanted = (native.linear_native, native.kda_decode_native, native.mla_attention_native,
+                  native.moe_route_native, native.moe_experts_native, native.rms_norm_native,
+                  native.silu_mul_native)
+        if any(a is not b for a, b in zip(ops, wanted, strict=True)) or not available()[0] \
+                or model.tp.size > 1 or model.ep.size > 1:
+            return None
+        for layer in model.layers:
+            attn = layer.self_attn
+            if isinstance(attn, KDAttention) and attn.head_dim > MAX_HEAD_DIM:
+                return None
+        return cls(model)
+
+    def takes(self, batch: ForwardBatch) -> bool:
+        """Whether this batch is one this forward runs (the plan is checked at the call)."""
+        return batch.is_decode and batch.record is None and not batch.taps \
+            and batch.routing is None and batch.snapshots is None \
+            and batch.logits_indices.shape[0] == batch.input_ids.shape[0]
+
+    def __call__(self, batch: ForwardBatch, states: StatePool,
+                 blocks: BlockPool) -> torch.Tensor | None:
+        """Final-normed hidden states [B, D] of a decode batch, or None where the native path
+        does not apply now (the caller runs the per-op forward)."""
+        try:
+            model_bytes, layer_bytes, most_rows = self._current_plan(states, blocks)
+        except Unsupported:
+            return None
+        B = batch.input_ids.shape[0]
+        c = self.model.config
+        if not 0 < B <= most_rows or (self._moe and not native.moe_native_takes(
+                B, c.num_experts_per_token, c.num_experts)):
+            return None
+        i64 = torch.int64
+        ids = batch.input_ids.to(i64).contiguous()
+        slots = batch.state_slots.to(i64).contiguous()
+        table = batch.block_table.to(i64).contiguous()
+        lens = batch.context_lens.to(i64).contiguous()
+        cu = batch.cu_seqlens.to(i64).contiguous()
+        mapping = batch.slot_mapping.to(i64).contiguous()
+        out = torch.empty(B, c.hidden_size, dtype=torch.float32)
+        library().decode_forward_f32(model_bytes, layer_bytes, ids.data_ptr(), slots.data_ptr(),
+                                     table.data_ptr(), table.shape[1], lens.data_ptr(),
+                                     cu.data_ptr(), mapping.data_ptr(), out.data_ptr(), B)
+        return out
+
+    def _current_plan(self, states: StatePool, blocks: BlockPool) -> tuple[bytes, bytes, int]:
+        """The packed plan for the weights and pools as they are now: rebuilt when any
+        tensor it points to was replaced (a release and resume, int8 quantization, a dtype
+        change: each allocates anew, so a data pointer changes)."""
+        key = (states.recurrent.data_ptr(), states.conv.data_ptr(), blocks.kv.data_ptr(),
+               *[params[name].data_ptr() for params, name in self._params],
+               *[0 if attrs[name] is None else attrs[name].data_ptr()
+                 for attrs, name in self._scales])
+        if key != self._key or self._plan is None:
+            self._plan = self._build(states, blocks)
+            self._key = key
+        return self._plan
+
+    def _build(self, states: StatePool, blocks: BlockPool) -> tuple[bytes, bytes, int]:
+        m, c = self.model, self.model.config
+        caps: list[int] = []
+        layers = []
+        for i, layer in enumerate(m.layers):
+            j = m.cache_index[i]
+            attn, mlp = layer.self_attn, layer.mlp
+            f: list[int] = [int(layer.is_kda), int(layer.is_moe),
+                            _f32(layer.input_layernorm.weight),
+                            _f32(layer.post_attention_layernorm.weight)]
+            kda_eps = mla_scale = latent_eps = 0.0
+            q_lora: list[int] = [*_NONE, *_NONE, 0]
+            if isinstance(attn, KDAttention):
+                f += [*_linear(attn.in_proj, caps), *_linear(attn.f_b_proj, caps),
+                      *_linear(attn.g_b_proj, caps), *_linear(attn.o_proj, caps)]
+                f += [_f32(attn.conv_weight), _f32(attn.A_log), _f32(attn.dt_bias),
+                      _f32(attn.o_norm_weight), _f32(states.recurrent[j]), _f32(states.conv[j]),
+                      attn.num_heads, attn.head_dim, attn.conv_weight.shape[1]]
+                f += [*_NONE] * 3 + [0] * 9
+                kda_eps = attn.eps
+            else:
+                f += [*_NONE] * 4 + [0] * 9
+                if attn.use_q_lora:
+                    q_lora = [*_linear(attn.q_a_proj, caps), *_linear(attn.q_b_proj, caps),
+                              _f32(attn.q_a_layernorm.weight)]
+                f += [*(_NONE if attn.use_q_lora else _linear(attn.q_proj, caps)),
+                      *_linear(attn.kv_a_proj_with_mqa, caps), *_linear(attn.o_proj, caps)]
+                kv = blocks.kv[j]
+                f += [_f32(attn.kv_a_layernorm.weight), _f32(attn.kv_b_proj.weight), _f32(kv),
+                      attn.num_heads, attn.dn, attn.dr, attn.dv, attn.rank, kv.shape[1]]
+                mla_scale, latent_eps = attn.scale, LATENT_NORM_EPS
+            if isinstance(mlp, MoE):
+                shared = mlp.shared_experts
+                f += [*_linear(shared.gate_up_proj, caps), *_linear(shared.down_proj, caps)] \
+                    if shared is not None else [*_NONE] * 2
+                w13, w2 = mlp.w13, mlp.w2
+                code = _WEIGHT_CODES.get(w13.dtype)
+                if code is None or w2.dtype != w13.dtype or not w13.is_contiguous() \
+                        or not w2.is_contiguous() or (code == 2) != (mlp.w13_scale is not None):
+                    raise Unsupported
+                s13 = 0 if mlp.w13_scale is None else _f32(mlp.w13_scale)
+                s2 = 0 if mlp.w2_scale is None else _f32(mlp.w2_scale)
+                bias = mlp.e_score_correction_bias
+                if c.router_activation not in ("sigmoid", "softmax"):
+                    raise Unsupported
+                f += [_f32(mlp.gate_weight), 0 if bias is None else _f32(bias), w13.data_ptr(),
+                      w2.data_ptr(), code, s13, s2, c.num_experts, w2.shape[-1],
+                      c.num_experts_per_token, c.num_expert_group, c.topk_group,
+                      int(c.moe_renormalize), int(c.router_activation == "sigmoid")]
+                caps.append(native.linear_native_max_rows(mlp.gate_weight))
+            else:
+                f += [*_linear(mlp.gate_up_proj, caps), *_linear(mlp.down_proj, caps)]
+                f += [0] * 14
+            routed = c.routed_scaling_factor if isinstance(mlp, MoE) else 0.0
+            layers.append(_LAYER.pack(*f, *q_lora, kda_eps, mla_scale, latent_eps, routed))
+        head = _MODEL.pack(len(m.layers), c.hidden_size, _f32(m.embed_tokens.weight),
+                           _f32(m.norm.weight), c.rms_norm_eps)
+        return head, b"".join(layers), min(caps)

@@ -1,0 +1,104 @@
+"""The one-call native decode forward (models/native_decode.py, csrc/decode_step.cpp) equals
+the per-op forward bit for bit (hidden states, KDA states, conv windows, latent cache), is the
+path decode steps take where it applies, and steps aside where it does not."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdaserve import LLM, SamplingParams
+from kdaserve.engine import rl
+from kdaserve.kernels import use_backend
+from kdaserve.models.native_decode import NativeDecode
+
+
+class Checked:
+    """Stands in for the model's NativeDecode: runs the per-op forward on copies of the pools
+    first, then the native one on the real pools, and asserts they agree exactly."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.model, self.native = llm.model, llm.model.native_decode
+        assert self.native is not None
+        self.calls = 0
+
+    def takes(self, batch) -> bool:  # noqa: ANN001
+        return self.native.takes(batch)
+
+    def __call__(self, batch, states, blocks):  # noqa: ANN001, ANN204
+        s2, b2 = copy.copy(states), copy.copy(blocks)
+        s2.recurrent, s2.conv, b2.kv = states.recurrent.clone(), states.conv.clone(), \
+            blocks.kv.clone()
+        self.model.native_decode = None
+        try:
+            want = self.model.forward_hidden(batch, s2, b2)
+        finally:
+            self.model.native_decode = self
+        got = self.native(batch, states, blocks)
+        assert got is not None, "the native forward did not take a plain decode batch"
+        self.calls += 1
+        assert torch.equal(got, want)
+        assert torch.equal(states.recurrent, s2.recurrent)
+        assert torch.equal(states.conv, s2.conv)
+        assert torch.equal(blocks.kv, b2.kv)
+        return got
+
+
+def decode(llm: LLM, batch: int, steps: int = 4, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 3800, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 40, (batch,), generator=g)]
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+@pytest.mark.parametrize("options", [{}, {"dtype": "bfloat16"}, {"quantization": "int8"}],
+                         ids=["fp32", "bf16-weights", "int8-weights"])
+def test_native_decode_equals_per_op_forward(tiny_ckpt: Path, small_ckpt: Path,
+                                             options: dict) -> None:
+    """tiny (bf16 on disk, no q LoRA, one expert group) and small (q LoRA, grouped routing),
+    batches of 1, 3 and 16 sequences, every step compared."""
+    for ckpt in (tiny_ckpt, small_ckpt):
+        llm = LLM(ckpt, **options)
+        checked = Checked(llm)
+        llm.model.native_decode = checked
+        for B in (1, 3, 16):
+            decode(llm, B, seed=B)
+        assert checked.calls == 3 * 3  # (steps - 1) decode steps per batch size
+
+
+def test_native_decode_steps_aside(tiny_ckpt: Path) -> None:
+    """Other backends get no native forward; prefill chunks, taps and routing capture run
+    the per-op forward (the native one is never asked)."""
+    with use_backend("cpu"):
+        assert LLM(tiny_ckpt).model.native_decode is None
+    llm = LLM(tiny_ckpt)
+    native = llm.model.native_decode
+    assert isinstance(native, NativeDecode)
+    asked: list[bool] = []
+    real = native.takes
+    native.takes = lambda batch: asked.append(real(batch)) or asked[-1]  # type: ignore
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                            return_routed_experts=True)
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params)
+    assert asked == [False, False, False]  # the prefill, then two decodes with routing
+    asked.clear()
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params)
+    assert asked == [False, True, True]
+
+
+def test_native_decode_follows_replaced_weights(tiny_ckpt: Path) -> None:
+    """Released and resumed weights come back at new addresses (or the same ones): the plan
+    follows them, and greedy outputs are unchanged."""
+    llm = LLM(tiny_ckpt)
+    want = decode(llm, 3)
+    rl.release_memory_occupation(llm.engine, ["weights", "kv_cache"])
+    rl.resume_memory_occupation(llm.engine, ["weights", "kv_cache"])
+    checked = Checked(llm)
+    llm.model.native_decode = checked
+    assert decode(llm, 3) == want
+    assert checked.calls == 3
