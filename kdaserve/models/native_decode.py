@@ -124,6 +124,10 @@ class NativeDecode:
                                      cu.data_ptr(), mapping.data_ptr(), out.data_ptr(), B)
         return out
 
+    def most_rows(self) -> int:
+        """The largest decode batch the current plan runs (the native kernels' row caps)."""
+        return self._plan[2] if self._plan is not None else 0
+
     def _current_plan(self, states: StatePool, blocks: BlockPool) -> tuple[bytes, bytes, int]:
         """The packed plan for the weights and pools as they are now: rebuilt when any
         tensor it points to was replaced (a release and resume, int8 quantization, a dtype

@@ -52,9 +52,9 @@ struct Linear {
   int64_t w, dtype, scale, n, k;
 };
 
-// One decoder layer; pointers as integers (the Python side fills them from the parameters
-// every step, so a weight swapped by an update or a resume is never stale). The layout is
-// mirrored field for field by kdaserve/models/native_decode.py's ctypes structure.
+// One decoder layer; pointers as integers. The layout is mirrored field for field by
+// kdaserve/models/native_decode.py's `struct` format, which packs it once and again whenever a
+// tensor it points to was replaced (a resume, quantization).
 struct Layer {
   int64_t is_kda, is_moe;
   int64_t input_norm, post_norm;  // [D] fp32

@@ -139,16 +139,18 @@ inline void bcast_tile(const float* __restrict w, int64_t ldw, const float* __re
       }
 }
 
+// prefetch: w is the weight itself (fp32), so the next panel follows it in memory; a bf16 or
+// int8 panel comes widened in a buffer, and the next one is read by the widening anyway.
 template <int TN>
 void bcast_panel(const float* w, const float* xt, int64_t Mp, float* y, int64_t M, int64_t N,
-                 int64_t K, int64_t n0) {
+                 int64_t K, int64_t n0, bool prefetch) {
   const int64_t vecs = Mp / kLanes;
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t k1 = std::min(K, k0 + kKc);
     int64_t v = 0;
     for (; v + kBV <= vecs; v += kBV)
       bcast_tile<TN, kBV>(w, K, xt, Mp, y, M, N, k0, k1, v * kLanes, n0,
-                          v == 0 ? w + TN * K : nullptr);
+                          prefetch && v == 0 ? w + TN * K : nullptr);
     for (; v < vecs; ++v) bcast_tile<TN, 1>(w, K, xt, Mp, y, M, N, k0, k1, v * kLanes, n0);
   }
 }
@@ -176,10 +178,12 @@ void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp
       for (; j < tn * K; ++j) wide[j] = widen(src[j]);
       wp = wide;
     }
+    constexpr bool fp32 = std::is_same_v<W, float>;
     if (tn == kBN) {
-      bcast_panel<kBN>(wp, xt, Mp, y, M, N, K, n0 + p);
+      bcast_panel<kBN>(wp, xt, Mp, y, M, N, K, n0 + p, fp32);
     } else {
-      for (int64_t i = 0; i < tn; ++i) bcast_panel<1>(wp + i * K, xt, Mp, y, M, N, K, n0 + p + i);
+      for (int64_t i = 0; i < tn; ++i)
+        bcast_panel<1>(wp + i * K, xt, Mp, y, M, N, K, n0 + p + i, false);
     }
   }
 }
