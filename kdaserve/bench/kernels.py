@@ -1,7 +1,8 @@
 """`kdaserve bench kernels`: every backend of each hot op on a model's shapes, side by side in
 one run (ms per call and speed-up over the `ref` oracle), plus the engine's per-step host
 overhead at batch 1, 16 and 64 (decode steps of the `tiny` preset, whose compute is small),
-split into the model's forward and the rest of the step."""
+split into the model's forward and the rest of the step, with the one-call native decode
+forward against the per-op one in alternate steps."""
 
 from __future__ import annotations
 
@@ -75,14 +76,16 @@ def _cases(c: ModelConfig, batches: list[int], prompt_len: int) -> list[tuple[st
     return cases
 
 
-def host_overhead(model: str, batch: int = 1) -> dict[str, float]:
+def host_overhead(model: str, batch: int = 1) -> dict[str, float | None]:
     """Median engine step of a `batch`-request decode on the tiny preset (compute is small,
     so this is mostly the per-step host cost), and the part of it inside the model's
-    forward (Python dispatch of ~all ops of the layers, plus their small kernels); the rest
-    is scheduling, batch building and sampling."""
+    forward; the rest is scheduling, batch building and sampling. Where the model has the
+    one-call native decode forward, steps alternate between it and the per-op forward (the
+    per-op step as `per_op_step_ms`)."""
     from kdaserve import LLM, SamplingParams
 
     llm = LLM(model)
+    native = llm.engine.model.native_decode
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for i in range(batch):
         llm.engine.add_request([10 + (i + j) % 50 for j in range(10)], params)
@@ -96,15 +99,28 @@ def host_overhead(model: str, batch: int = 1) -> dict[str, float]:
         return out
 
     llm.engine.model.forward_hidden = timed  # type: ignore[method-assign]
-    steps = []
+    steps: dict[bool, list[float]] = {True: [], False: []}  # one-call forward or not
+    forwards: dict[bool, list[float]] = {True: [], False: []}
+    k = 0
     while llm.engine.has_unfinished():
+        one_call = native is not None and k % 2 == 0
+        llm.engine.model.native_decode = native if one_call else None
         t0 = time.perf_counter()
         llm.engine.step()
-        steps.append(time.perf_counter() - t0)
+        if k >= 2:  # past the prefill and the first decode
+            steps[one_call].append(time.perf_counter() - t0)
+            forwards[one_call].append(model_s[-1])
+        k += 1
     del llm.engine.model.forward_hidden
-    step = sorted(steps[2:])[len(steps[2:]) // 2] * 1e3
-    forward = sorted(model_s[2:])[len(model_s[2:]) // 2] * 1e3
-    return {"batch": batch, "step_ms": step, "forward_ms": forward, "rest_ms": step - forward}
+    llm.engine.model.native_decode = native
+
+    def median_ms(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) // 2] * 1e3
+
+    default = native is not None
+    step, forward = median_ms(steps[default]), median_ms(forwards[default])
+    return {"batch": batch, "step_ms": step, "forward_ms": forward, "rest_ms": step - forward,
+            "per_op_step_ms": median_ms(steps[False]) if default else None}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -147,9 +163,12 @@ def main(args: argparse.Namespace) -> None:
         bw = f"{r['gbps']:6.1f} ({r['read_fraction']:.0%})" if "gbps" in r else ""
         print(f"{r['op']:14} {r['shape']:28} {r['backend']:15} {r['ms']:10.3f} {vs:>8} {bw}")
     for o in overhead:
+        per_op = f" (per-op forward: {o['per_op_step_ms']:.2f} ms)" \
+            if o["per_op_step_ms"] is not None else ""
         print(f"engine decode step at batch {o['batch']:>2} ({args.overhead_model}): "
-              f"{o['step_ms']:.2f} ms, of which the model forward {o['forward_ms']:.2f} ms "
-              f"and scheduling + batch building + sampling {o['rest_ms']:.2f} ms")
+              f"{o['step_ms']:.2f} ms{per_op}, of which the model forward "
+              f"{o['forward_ms']:.2f} ms and scheduling + batch building + sampling "
+              f"{o['rest_ms']:.2f} ms")
     out = Path(args.out)
     write_result(out, {"model": args.model, "threads": torch.get_num_threads(),
                        "read_gbps": read, "rows": rows, "host_overhead": overhead})

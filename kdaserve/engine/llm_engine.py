@@ -35,7 +35,7 @@ from kdaserve.engine.rl import EngineAsleep
 from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
 from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
 from kdaserve.engine.tensor_parallel import Followers, join_expert_parallel, with_init_addr
-from kdaserve.kernels import resolve_kernels
+from kdaserve.kernels import argmax_rows, resolve_kernels
 from kdaserve.kernels.host_memory import keep_freed_memory
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
@@ -308,7 +308,7 @@ class LLMEngine(Introspection):
                 unmasked = None
                 if req.matcher is None and req.params.is_greedy:
                     if argmax is None:
-                        argmax = logits.argmax(-1).tolist()
+                        argmax = argmax_rows(logits).tolist()
                     unmasked = argmax[row:row + 1 + k]
                 if req.matcher is not None:  # each position masked by the state after its drafts
                     assert self._grammar is not None
@@ -338,7 +338,8 @@ class LLMEngine(Introspection):
             if spec is not None:
                 spec.release(saved)
         if plain:
-            plain_logits = logits[plain_rows]
+            # every row in order when nothing verified (a copy of [B, vocab] otherwise)
+            plain_logits = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
             constrained = [i for i, r in enumerate(plain) if needs_mask(r)]
             if constrained:
                 constrain(plain_logits, [plain[i] for i in constrained], constrained)

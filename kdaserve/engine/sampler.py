@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from kdaserve.engine.logprobs import entries
+from kdaserve.kernels import argmax_rows
 from kdaserve.request import Request
 
 logger = logging.getLogger("kdaserve")
@@ -193,7 +194,7 @@ class Sampler:
                or r.params.frequency_penalty for r in reqs):
             logits = apply_penalties(logits, reqs)
         greedy = torch.tensor([r.params.is_greedy for r in reqs], device=logits.device)
-        tokens = logits.argmax(-1)
+        tokens = argmax_rows(logits)
         if not greedy.all():
             probs = apply_filters(logits, reqs)
             noise = torch.empty_like(probs).exponential_()

@@ -72,6 +72,7 @@ from kdaserve.kernels.cpu.moe import moe_experts_cpu  # noqa: E402
 from kdaserve.kernels.native import batch_invariant as bi  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
 from kdaserve.kernels.native.ops import (  # noqa: E402
+    argmax_rows,
     kda_chunk_native,
     kda_chunk_native_wy,
     kda_decode_native,
@@ -163,4 +164,4 @@ def resolve_kernels(device: torch.device, backend: str | None = None,
     return Kernels(*(registry.resolve(op, device, backend) for op in OPS))
 
 
-__all__ = ["Kernels", "resolve_kernels", "use_backend", "OPS", "BATCH_INVARIANT"]
+__all__ = ["Kernels", "resolve_kernels", "use_backend", "OPS", "BATCH_INVARIANT", "argmax_rows"]

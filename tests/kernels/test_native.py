@@ -480,3 +480,28 @@ def test_silu_mul_native_matches_reference(shape: tuple[int, ...]) -> None:
     x[0, ..., 0] = -100.0  # exp's clamped range: SiLU -> -0
     torch.testing.assert_close(silu_mul_native(x), silu_mul_ref(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(silu_mul_native(x.bfloat16()), silu_mul_ref(x.bfloat16()))
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 8), (5, 9), (16, 4096), (4, 100003)])
+def test_argmax_rows_matches_torch(shape: tuple[int, int]) -> None:
+    from kdaserve.kernels import argmax_rows
+
+    g = gen(11)
+    x = torch.randn(*shape, generator=g)
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    ties = torch.randint(0, 3, shape, generator=g).float()  # many equal maxima: the first
+    assert torch.equal(argmax_rows(ties), ties.argmax(-1))
+
+
+def test_argmax_rows_edge_rows() -> None:
+    """All -inf (a fully masked row), NaNs (the first wins, as in torch), strided input."""
+    from kdaserve.kernels import argmax_rows
+
+    x = torch.zeros(4, 40)
+    x[1, 5] = x[1, 30] = 1.0
+    x[2] = float("-inf")
+    x[3, 9] = x[3, 20] = float("nan")
+    assert argmax_rows(x).tolist() == x.argmax(-1).tolist() == [0, 5, 0, 9]
+    wide = torch.randn(6, 50, generator=gen(12))[:, 5:45]  # not contiguous: torch's own
+    assert torch.equal(argmax_rows(wide), wide.argmax(-1))
+    assert torch.equal(argmax_rows(wide.bfloat16()), wide.bfloat16().argmax(-1))

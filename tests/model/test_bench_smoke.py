@@ -108,6 +108,7 @@ def test_bench_kernels_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     assert all(row["vs_ref"] for row in r["rows"])
     assert [o["batch"] for o in r["host_overhead"]] == [1, 16, 64]
     assert all(0 < o["forward_ms"] < o["step_ms"] for o in r["host_overhead"])
+    assert all(o["per_op_step_ms"] > 0 for o in r["host_overhead"])  # tiny has the one call
 
 
 def test_bench_grammar_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ LIBRARIES = {
         "mla_decode_f32": [_P] * 7 + [_I] * 6 + [_F],
         "mla_forward_f32": [_P, _I] + [_P] * 6 + [_I] * 9 + [_F],
         "rms_norm_f32": [_P, _I, _P, _P, _I, _I, _F],
+        "argmax_rows_f32": [_P, _I, _I, _P],
         "decode_forward_f32": [_P] * 5 + [_I] + [_P] * 4 + [_I],
         "moe_decode_f32": [_P] * 6 + [_I] * 5,
         "linear_small_f32": [_P] * 3 + [_I] * 3,

@@ -311,6 +311,18 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return y
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] -> int64 [B], `x.argmax(-1)` (ties to the first, a NaN wins), in one C++
+    pass for fp32 CPU rows (torch's reduction is scalar: 8.4 ms for 64 x 100k, against
+    ~1 ms); anything else goes to torch."""
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or not x.shape[1] \
+            or x.stride(-1) != 1 or x.stride(0) != x.shape[1] or not available()[0]:
+        return x.argmax(-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    library().argmax_rows_f32(_ptr(x), x.shape[0], x.shape[1], _ptr(out))
+    return out
+
+
 def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu_mul_ref`'s contract (SiLU(gate) * up of [..., gate | up]) in one C++ pass; torch
     takes three ops (~20 us a call at a decode step's few rows)."""

@@ -49,6 +49,58 @@ void rms_norm_f32(const float* x, int64_t x_stride, const float* w, float* y, in
   }
 }
 
+// out[r] = the index of row r's largest value, the first one where several are equal, or of
+// its first NaN if it has one (torch.argmax's answer). Per lane the first largest value and
+// its index, then the lanes merged by value and index: torch's reduction is scalar (64 rows
+// of a 100k vocabulary: 8.4 ms a greedy step).
+void argmax_rows_f32(const float* x, int64_t rows, int64_t V, int64_t* out) {
+  typedef int32_t vi32 __attribute__((vector_size(sizeof(vtile))));
+#pragma omp parallel for schedule(static) if (rows * V >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * V;
+    float bv = -INFINITY;
+    int64_t b = 0, i = 0;
+    bool nan = false;
+    if (V >= kLanes) {
+      vi32 lane, bi;
+      for (int l = 0; l < kLanes; ++l) lane[l] = l;
+      vtile best = load_tile(xr);
+      bi = lane;
+      vi32 nans = best != best;
+      for (i = kLanes; i + kLanes <= V; i += kLanes) {
+        const vtile v = load_tile(xr + i);
+        const vi32 gt = v > best;
+        best = gt ? v : best;
+        bi = gt ? lane + static_cast<int32_t>(i) : bi;
+        nans |= v != v;
+      }
+      bv = best[0];
+      b = bi[0];
+      for (int l = 0; l < kLanes; ++l) {
+        nan = nan || nans[l] != 0;
+        if (best[l] > bv || (best[l] == bv && bi[l] < b)) {
+          bv = best[l];
+          b = bi[l];
+        }
+      }
+    }
+    for (; i < V; ++i) {
+      nan = nan || xr[i] != xr[i];
+      if (xr[i] > bv || (b == 0 && i == 0)) {
+        bv = xr[i];
+        b = i;
+      }
+    }
+    if (nan)
+      for (int64_t j = 0; j < V; ++j)
+        if (xr[j] != xr[j]) {
+          b = j;
+          break;
+        }
+    out[r] = b;
+  }
+}
+
 // For each of n (src, dst) pairs and each of L layers: the block of `bytes` at
 // base + l * layer_stride + src * bytes copied to the same place for dst (a state pool's
 // slots, [L, N, ...]: a speculative verify saves and restores every verifying request's slot
