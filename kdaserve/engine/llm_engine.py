@@ -338,9 +338,11 @@ class LLMEngine(Introspection):
             if spec is not None:
                 spec.release(saved)
         if plain:
-            # every row in order when nothing verified (a copy of [B, vocab] otherwise)
-            plain_logits = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
             constrained = [i for i, r in enumerate(plain) if needs_mask(r)]
+            # a copy of [B, vocab] only where rows are picked or masked in place (the
+            # forward's output is an inference tensor)
+            plain_logits = logits if len(plain_rows) == logits.shape[0] and not constrained \
+                else logits[plain_rows]
             if constrained:
                 constrain(plain_logits, [plain[i] for i in constrained], constrained)
             result = self._sample(plain_logits, plain)
