@@ -339,8 +339,7 @@ class LLMEngine(Introspection):
                 spec.release(saved)
         if plain:
             constrained = [i for i, r in enumerate(plain) if needs_mask(r)]
-            # a copy of [B, vocab] only where rows are picked or masked in place (the
-            # forward's output is an inference tensor)
+            # copied where rows are picked or masked in place (an inference-mode tensor)
             plain_logits = logits if len(plain_rows) == logits.shape[0] and not constrained \
                 else logits[plain_rows]
             if constrained:
