@@ -65,7 +65,6 @@ class NativeDecode:
         self.model = model
         self._key: tuple[object, ...] | None = None
         self._plan: tuple[bytes, bytes, int] | None = None  # model, layers, most rows
-        self._moe = any(layer.is_moe for layer in model.layers)
         # What the plan points to: every parameter (looked up in its module each time:
         # moving the model off the meta device replaced the Parameter objects once, and
         # anything could again) and the int8 scales set after loading.
@@ -107,9 +106,7 @@ class NativeDecode:
         except Unsupported:
             return None
         B = batch.input_ids.shape[0]
-        c = self.model.config
-        if not 0 < B <= most_rows or (self._moe and not native.moe_native_takes(
-                B, c.num_experts_per_token, c.num_experts)):
+        if not 0 < B <= most_rows:
             return None
         i64 = torch.int64
         ids = batch.input_ids.to(i64).contiguous()
@@ -118,7 +115,7 @@ class NativeDecode:
         lens = batch.context_lens.to(i64).contiguous()
         cu = batch.cu_seqlens.to(i64).contiguous()
         mapping = batch.slot_mapping.to(i64).contiguous()
-        out = torch.empty(B, c.hidden_size, dtype=torch.float32)
+        out = torch.empty(B, self.model.config.hidden_size, dtype=torch.float32)
         library().decode_forward_f32(model_bytes, layer_bytes, ids.data_ptr(), slots.data_ptr(),
                                      table.data_ptr(), table.shape[1], lens.data_ptr(),
                                      cu.data_ptr(), mapping.data_ptr(), out.data_ptr(), B)

@@ -212,14 +212,15 @@ def test_mla_native_multi_token_matches_reference(new: list[int]) -> None:
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T", [1, 5, 40, 200])
-@pytest.mark.parametrize("backend", ["native", "cpu"])
-def test_moe_experts_match_reference(T: int, backend: str, monkeypatch) -> None:
-    """Each token's k choices hit distinct experts, some experts get no token, and (T=200)
-    the native kernel runs above its usual size limit too."""
+@pytest.mark.parametrize("T", [1, 5, 40, 200, 700])
+@pytest.mark.parametrize("backend", ["native", "native-blocked", "native-split", "cpu"])
+def test_moe_experts_match_reference(T: int, backend: str) -> None:
+    """Each token's k choices hit distinct experts, some experts get no token; the native
+    kernel with its own choice per expert, with every expert in token blocks (700 tokens: ~210
+    an expert, several blocks each, the last ones partial) and with every expert's weight
+    rows split over the threads."""
     import kdaserve.kernels.native.ops as native_ops
 
-    monkeypatch.setattr(native_ops, "moe_native_limits", lambda: (10**6, 10**6))
     E, inter, D, k = 12, 24, 40, 3
     g = gen(T)
     x = torch.randn(T, D, generator=g)
@@ -227,9 +228,14 @@ def test_moe_experts_match_reference(T: int, backend: str, monkeypatch) -> None:
     w2 = torch.randn(E, D, inter, generator=g)
     ids = torch.stack([torch.randperm(E - 2, generator=g)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g)
-    fn = native_ops.moe_experts_native if backend == "native" else moe_experts_cpu
-    torch.testing.assert_close(fn(x, weights, ids, w13, w2),
-                               moe_experts_ref(x, weights, ids, w13, w2), atol=1e-4, rtol=1e-4)
+    blocked_from = {"native": None, "native-blocked": 1, "native-split": 2**40}.get(backend)
+    if backend == "cpu":
+        out = moe_experts_cpu(x, weights, ids, w13, w2)
+    else:
+        out = native_ops.moe_experts_native(x, weights, ids, w13, w2,
+                                            blocked_from=blocked_from)
+    torch.testing.assert_close(out, moe_experts_ref(x, weights, ids, w13, w2), atol=1e-4,
+                               rtol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 48, 64])
@@ -323,8 +329,8 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
 
 def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN's AVX-512 code wins from 5 rows; its AVX2 code only above 96 (64 for inputs wider
-    than 512 or a large weight). The native MoE kernel takes up to 128 tokens and 16 per
-    expert on AVX-512, any batch of up to 96 per expert on AVX2."""
+    than 512 or a large weight). The native MoE kernel runs an expert's tokens as blocks
+    from 16 of them on AVX-512, from 8 elsewhere."""
     from kdaserve.kernels.native import ops
 
     large, wide = ops.LARGE_WEIGHT, ops.WIDE_INPUT
@@ -335,7 +341,7 @@ def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
         ops.avx512.cache_clear()
         assert ops.onednn_native_max_rows(elements, K) == cap
-        assert ops.moe_native_limits() == ((128, 16) if isa == "AVX512" else (2**31, 96))
+        assert ops.moe_blocked_from() == (16 if isa == "AVX512" else 8)
     ops.avx512.cache_clear()
 
 
@@ -353,8 +359,9 @@ def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("blocked_from", [1, 2**40])
 @pytest.mark.parametrize("T", [1, 5, 200])
-def test_moe_native_with_bf16_weights(T: int) -> None:
+def test_moe_native_with_bf16_weights(T: int, blocked_from: int) -> None:
     g = gen(T)
     E, D, inter, k = 6, 40, 24, 2
     x = torch.randn(T, D, generator=g)
@@ -362,7 +369,7 @@ def test_moe_native_with_bf16_weights(T: int) -> None:
     w2 = (torch.randn(E, D, inter, generator=g) * 0.2).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g)
-    out = moe_experts_native(x, weights, ids, w13, w2)
+    out = moe_experts_native(x, weights, ids, w13, w2, blocked_from=blocked_from)
     torch.testing.assert_close(out, moe_experts_ref(x, weights, ids, w13.float(), w2.float()),
                                atol=1e-4, rtol=1e-4)
 
@@ -382,8 +389,9 @@ def test_linear_native_with_int8_weights(rows: int) -> None:
     torch.testing.assert_close(linear_ref(x, q, scale), want, atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("blocked_from", [1, 2**40])
 @pytest.mark.parametrize("T", [1, 5, 200])
-def test_moe_native_with_int8_weights(T: int) -> None:
+def test_moe_native_with_int8_weights(T: int, blocked_from: int) -> None:
     from kdaserve.kernels.ref.quant import dequantize, quantize_int8
 
     g = gen(T + 1)
@@ -395,7 +403,8 @@ def test_moe_native_with_int8_weights(T: int) -> None:
     weights = torch.rand(T, k, generator=g)
     want = moe_experts_ref(x, weights, ids, dequantize(q13, s13, torch.float32),
                            dequantize(q2, s2, torch.float32))
-    torch.testing.assert_close(moe_experts_native(x, weights, ids, q13, q2, s13, s2), want,
+    torch.testing.assert_close(moe_experts_native(x, weights, ids, q13, q2, s13, s2,
+                                                  blocked_from=blocked_from), want,
                                atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(moe_experts_ref(x, weights, ids, q13, q2, s13, s2), want,
                                atol=1e-5, rtol=1e-5)

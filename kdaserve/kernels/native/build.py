@@ -39,8 +39,8 @@ class Library:
 
 
 LIBRARIES = {
-    "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp", "mla_cpu.cpp", "elementwise_cpu.cpp",
-                        "decode_step.cpp"), (), {
+    "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp", "moe_cpu.cpp", "mla_cpu.cpp",
+                        "elementwise_cpu.cpp", "decode_step.cpp"), (), {
         "kda_decode_f32": [_P] * 13 + [_I] * 5 + [_F],
         "kda_prefill_f32": [_P] * 10 + [_I] * 5 + [_P],
         "short_conv_f32": [_P] * 6 + [_I] * 3,
@@ -50,12 +50,12 @@ LIBRARIES = {
         "rms_norm_f32": [_P, _I, _P, _P, _I, _I, _F],
         "argmax_rows_f32": [_P, _I, _I, _P],
         "decode_forward_f32": [_P] * 5 + [_I] + [_P] * 4 + [_I],
-        "moe_decode_f32": [_P] * 6 + [_I] * 5,
+        "moe_experts_f32": [_P] * 6 + [_I] * 6,
         "linear_small_f32": [_P] * 3 + [_I] * 3,
         "linear_small_bf16w": [_P] * 3 + [_I] * 3,
-        "moe_decode_bf16w": [_P] * 6 + [_I] * 5,
+        "moe_experts_bf16w": [_P] * 6 + [_I] * 6,
         "linear_small_int8w": [_P] * 4 + [_I] * 3,
-        "moe_decode_int8w": [_P] * 8 + [_I] * 5,
+        "moe_experts_int8w": [_P] * 8 + [_I] * 6,
         "moe_route_f32": [_P] * 4 + [_I] * 7 + [_F],
         "silu_mul_f32": [_P] * 2 + [_I] * 2,
         "copy_blocks": [_P] + [_I] * 3 + [_P] * 2 + [_I],

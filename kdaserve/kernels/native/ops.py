@@ -212,23 +212,9 @@ VERIFY_MAX_TOKENS = 16
 
 # fp32 activations against weights of this dtype: (linear kernel, MoE kernel). bf16 weights
 # are weight-only bf16 (`--dtype bfloat16` on a CPU): half the bytes, widened in registers.
-_WEIGHT_KERNELS = {torch.float32: ("linear_small_f32", "moe_decode_f32"),
-                   torch.bfloat16: ("linear_small_bf16w", "moe_decode_bf16w"),
-                   torch.int8: ("linear_small_int8w", "moe_decode_int8w")}
-
-
-# Above this many tokens, or this many per expert on average, the per-expert GEMMs of the
-# `cpu` backend (oneDNN/MKL) win: the kernel below reuses each weight row across an expert's
-# tokens but is not a blocked GEMM (measured: 8 experts top-2 at hidden 256, 80 tokens = 20
-# per expert: 2.13 ms native against 1.27 ms; 64 experts top-8, 128 tokens = 16 each: equal).
-MOE_NATIVE_MAX_TOKENS = 128
-MOE_NATIVE_MAX_PER_EXPERT = 16
-# oneDNN's AVX2 code pays ~0.2 ms a call, so there the native kernel stays ahead up to ~100
-# tokens per expert whatever the batch (AVX2 AMD EPYC, ms native / per-expert GEMMs: 8 experts
-# top-2 at hidden 256, 128 tokens 1.9 / 5.0, 384 7.6 / 9.3, 512 11.5 / 10.8; 64 experts top-8
-# at hidden 768, 128 tokens 16 / 50, 768 76 / 84, 1,024 96 / 114, 2,048 289 / 213)
-MOE_NATIVE_MAX_TOKENS_AVX2 = 2**31
-MOE_NATIVE_MAX_PER_EXPERT_AVX2 = 96
+_WEIGHT_KERNELS = {torch.float32: ("linear_small_f32", "moe_experts_f32"),
+                   torch.bfloat16: ("linear_small_bf16w", "moe_experts_bf16w"),
+                   torch.int8: ("linear_small_int8w", "moe_experts_int8w")}
 
 
 @functools.cache
@@ -236,27 +222,30 @@ def avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def moe_native_limits() -> tuple[int, int]:
-    """(most tokens, most tokens per expert on average) the native MoE kernel takes."""
-    if avx512():
-        return MOE_NATIVE_MAX_TOKENS, MOE_NATIVE_MAX_PER_EXPERT
-    return MOE_NATIVE_MAX_TOKENS_AVX2, MOE_NATIVE_MAX_PER_EXPERT_AVX2
+# An expert's tokens from this many on run as whole-expert token blocks in the broadcast tiles
+# (moe_cpu.cpp); fewer split its weight rows over the threads. Measured on a 2-core Xeon with
+# AVX-512 (64 experts top-8 at hidden 768, ms rows split / blocked from 16 / blocked from 8:
+# 64 tokens 8.1 / 7.9 / 10.8; 2,048 tokens 140 / 76-108 / 78-108) and with the same kernels
+# built for AVX2 (8 lanes, 32-token blocks: 64 tokens 9.7 / 9.5 / 7.8; 256: 27.6 / 19.0 / 21.3).
+# The per-expert oneDNN/MKL GEMMs of the `cpu` backend were slower at every size (2,048
+# tokens 124-183 ms; gathering and scattering through torch cost more than the products).
+MOE_BLOCKED_FROM, MOE_BLOCKED_FROM_AVX2 = 16, 8
 
 
-def moe_native_takes(T: int, k: int, E: int) -> bool:
-    """Whether the native MoE kernel takes T tokens of top-k over E experts (else the per-expert
-    GEMMs run)."""
-    max_tokens, per_expert = moe_native_limits()
-    return T <= max_tokens and T * k <= per_expert * E
+def moe_blocked_from() -> int:
+    return MOE_BLOCKED_FROM if avx512() else MOE_BLOCKED_FROM_AVX2
 
 
 def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
-                       scale2: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `moe_experts_ref`; decode-sized batches in one C++ call."""
+                       scale2: torch.Tensor | None = None,
+                       blocked_from: int | None = None) -> torch.Tensor:
+    """Same contract as `moe_experts_ref`, in one C++ call at any batch (blocked_from: see
+    MOE_BLOCKED_FROM; tests force either way)."""
     T, k = ids.shape
     kernel = _WEIGHT_KERNELS.get(w13.dtype, ("", ""))[1]
-    if not moe_native_takes(T, k, w13.shape[0]) or not kernel or not _f32(x) \
+    blocked_from = moe_blocked_from() if blocked_from is None else blocked_from
+    if not kernel or not _f32(x) \
             or w2.dtype != w13.dtype or not w13.is_contiguous() or not w2.is_contiguous():
         return moe_experts_cpu(x, weights, ids, w13, w2, scale13, scale2)
     x = x.contiguous()
@@ -267,11 +256,11 @@ def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     if w13.dtype == torch.int8:
         assert scale13 is not None and scale2 is not None, "int8 experts come with scales"
         s13, s2 = scale13.contiguous(), scale2.contiguous()
-        library().moe_decode_int8w(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2),
-                                   _ptr(s13), _ptr(s2), _ptr(out), T, k, E, inter, D)
+        library().moe_experts_int8w(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2),
+                                   _ptr(s13), _ptr(s2), _ptr(out), T, k, E, inter, D, blocked_from)
     else:
         getattr(library(), kernel)(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2),
-                                   _ptr(out), T, k, E, inter, D)
+                                   _ptr(out), T, k, E, inter, D, blocked_from)
     return out
 
 

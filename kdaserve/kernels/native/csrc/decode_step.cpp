@@ -28,15 +28,16 @@ void mla_forward_f32(const float* q, int64_t q_stride, const float* w_kvb, const
                      const int64_t* cu_seqlens, float* out, int64_t S, int64_t T, int64_t H,
                      int64_t Dn, int64_t Dr, int64_t Dv, int64_t R, int64_t BS, int64_t M,
                      float scale);
-void moe_decode_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
-                    const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
-                    int64_t D);
-void moe_decode_bf16w(const float* x, const int64_t* ids, const float* weights,
-                      const uint16_t* w13, const uint16_t* w2, float* out, int64_t T, int64_t k,
-                      int64_t E, int64_t I, int64_t D);
-void moe_decode_int8w(const float* x, const int64_t* ids, const float* weights,
-                      const int8_t* w13, const int8_t* w2, const float* s13, const float* s2,
-                      float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D);
+void moe_experts_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
+                     const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
+                     int64_t D, int64_t blocked_from);
+void moe_experts_bf16w(const float* x, const int64_t* ids, const float* weights,
+                       const uint16_t* w13, const uint16_t* w2, float* out, int64_t T, int64_t k,
+                       int64_t E, int64_t I, int64_t D, int64_t blocked_from);
+void moe_experts_int8w(const float* x, const int64_t* ids, const float* weights,
+                       const int8_t* w13, const int8_t* w2, const float* s13, const float* s2,
+                       float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D,
+                       int64_t blocked_from);
 void moe_route_f32(const float* logits, const float* bias, float* weights, int64_t* ids,
                    int64_t T, int64_t E, int64_t top_k, int64_t groups, int64_t topk_group,
                    int64_t renormalize, int64_t sigmoid, float scaling);
@@ -185,15 +186,19 @@ void moe_layer(const Layer& L, const float* x, float* out, int64_t B, int64_t D,
   moe_route_f32(logits.data(), L.router_bias ? ptr<float>(L.router_bias) : nullptr,
                 weights.data(), ids.data(), B, E, k, L.groups, L.topk_group, L.renormalize,
                 L.sigmoid, static_cast<float>(L.routed_scaling));
+  // a one-call step has a few rows (native_decode.py), too few for any expert to run as
+  // token blocks: its experts' weight rows are split over the threads
+  constexpr int64_t kNeverBlocked = INT64_MAX;
   if (L.expert_dtype == 1)
-    moe_decode_bf16w(x, ids.data(), weights.data(), ptr<uint16_t>(L.w13), ptr<uint16_t>(L.w2),
-                     out, B, k, E, L.expert_inter, D);
+    moe_experts_bf16w(x, ids.data(), weights.data(), ptr<uint16_t>(L.w13), ptr<uint16_t>(L.w2),
+                      out, B, k, E, L.expert_inter, D, kNeverBlocked);
   else if (L.expert_dtype == 2)
-    moe_decode_int8w(x, ids.data(), weights.data(), ptr<int8_t>(L.w13), ptr<int8_t>(L.w2),
-                     ptr<float>(L.s13), ptr<float>(L.s2), out, B, k, E, L.expert_inter, D);
+    moe_experts_int8w(x, ids.data(), weights.data(), ptr<int8_t>(L.w13), ptr<int8_t>(L.w2),
+                      ptr<float>(L.s13), ptr<float>(L.s2), out, B, k, E, L.expert_inter, D,
+                      kNeverBlocked);
   else
-    moe_decode_f32(x, ids.data(), weights.data(), ptr<float>(L.w13), ptr<float>(L.w2), out, B,
-                   k, E, L.expert_inter, D);
+    moe_experts_f32(x, ids.data(), weights.data(), ptr<float>(L.w13), ptr<float>(L.w2), out, B,
+                    k, E, L.expert_inter, D, kNeverBlocked);
   if (L.gate_up.w) {
     shared.resize(B * D);
     mlp(L.gate_up, L.down, x, shared.data(), B, s);

@@ -1,0 +1,244 @@
+// The GEMM building blocks of the native library's sources (gemm_cpu.cpp, moe_cpu.cpp):
+// weight rows streamed and dotted for a few x rows, and broadcast tiles against x^T for
+// more. Included inside each source's anonymous namespace, after tiles.h.
+
+#pragma once
+
+// y [M, N] = x [M, K] @ w [N, K]^T for a few rows (decode). MKL's sgemm packs w on every
+// call, which on these shapes reaches about a third of the memory bandwidth (measured on the
+// 100k x 768 lm_head: 11.7 GB/s against 30+ here). Here each block of weight rows is streamed
+// once per call and dotted with the x rows in register tiles while it sits in L2.
+//
+// Up to kFewM x rows the product is bandwidth-bound: the weight rows are read one after the
+// other (one sequential stream, which the prefetchers follow best), each dotted with every x
+// row in kUnroll independent partial sums (a single running sum per dot stalls on the add
+// latency: bf16 weights streamed at ~37 GB/s, int8 at ~30, on a host reading 70+). More x
+// rows make it compute-bound: kTileN x kTileM tiles.
+#if defined(__AVX512F__)
+constexpr int kFewM = 3;
+#else
+constexpr int kFewM = 1;  // 16 registers
+#endif
+constexpr int kUnroll = 2;
+
+template <int TM, typename W>
+inline void dot_stream(const W* __restrict w, const float* __restrict x, float* __restrict y,
+                       int64_t N, int64_t K) {
+  vtile acc[kUnroll][TM] = {};
+  int64_t j = 0;
+  for (; j + kUnroll * kLanes <= K; j += kUnroll * kLanes)
+    for (int u = 0; u < kUnroll; ++u) {
+      const vtile wv = load_tile(w + j + u * kLanes);
+      for (int tm = 0; tm < TM; ++tm) acc[u][tm] += wv * load_tile(x + tm * K + j + u * kLanes);
+    }
+  for (; j + kLanes <= K; j += kLanes) {
+    const vtile wv = load_tile(w + j);
+    for (int tm = 0; tm < TM; ++tm) acc[0][tm] += wv * load_tile(x + tm * K + j);
+  }
+  for (int tm = 0; tm < TM; ++tm) {
+    vtile a = acc[0][tm];
+    for (int u = 1; u < kUnroll; ++u) a += acc[u][tm];
+    float sum = hsum_tree(a);
+    for (int64_t l = j; l < K; ++l) sum += widen(w[l]) * x[tm * K + l];
+    y[tm * N] = sum;
+  }
+}
+
+template <int TM, typename W>
+void few_rows(const float* x, const W* wb, float* y, int64_t N, int64_t K, int64_t n0,
+              int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) dot_stream<TM>(wb + (n - n0) * K, x, y + n, N, K);
+}
+
+// Rows [n0, n1) of y = x w^T, the block's weight rows starting at wb (row n0).
+template <typename W>
+void linear_block(const float* x, const W* wb, float* y, int64_t M, int64_t N, int64_t K,
+                  int64_t n0, int64_t n1) {
+  if (M == 2 && kFewM >= 2) return few_rows<2>(x, wb, y, N, K, n0, n1);
+  if (M == 3 && kFewM >= 3) return few_rows<3>(x, wb, y, N, K, n0, n1);
+  if (M < kTileM || M <= 3) {
+    for (int64_t m = 0; m < M; ++m) few_rows<1>(x + m * K, wb, y + m * N, N, K, n0, n1);
+    return;
+  }
+  int64_t n = n0;
+  for (; n + kTileN <= n1; n += kTileN) {
+    const W* wr = wb + (n - n0) * K;
+    int64_t m = 0;
+    for (; m + kTileM <= M; m += kTileM)
+      dot_tile<kTileN, kTileM, false>(wr, x + m * K, y + m * N + n, N, K);
+    for (; m < M; ++m) dot_tile<kTileN, 1, false>(wr, x + m * K, y + m * N + n, N, K);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m)
+      dot_tile<1, 1, false>(wb + (n - n0) * K, x + m * K, y + m * N + n, N, K);
+}
+
+// From a vector's worth of x rows on, the product is compute-bound and the dot tiles above
+// (a horizontal sum per output, one x row per tile on AVX2) reach ~45-90 GFLOP/s. Here x is
+// transposed once per call (x^T [K, Mp], zero-padded to whole vectors) and each output tile
+// holds kBN weight rows x kBV vectors of x rows: a weight element is broadcast and multiplied
+// into kBV vectors of x rows, with no horizontal sums. The kBN weight rows being read (kBN x K)
+// stay in L1 while every vector of x rows passes over them, so each weight is read from memory
+// once per call (AVX2 AMD EPYC, 2 threads, GFLOP/s dot tiles / broadcast, 16 / 48 / 128 rows:
+// 900 x 256 45 / 87, 46 / 76, 45 / 75; 4096 x 256 64 / 137, 60 / 126, 59 / 103; 2816 x 768
+// 59 / 120, 73 / 105, 89 / 125; at 4 rows, half the lanes padding, 40-69 / 31-39).
+#if defined(__AVX512F__)
+constexpr int kBN = 8, kBV = 3;  // 24 accumulators + 3 x vectors + a broadcast of 32 registers
+#else
+constexpr int kBN = 6, kBV = 2;  // 12 + 2 + 1 of 16
+#endif
+
+// The k range is walked in chunks of kKc so that the x^T strip a tile reads (kKc x kBV
+// vectors, 16 KB) stays in L1 beside the panel's weights; without the chunks a 768-wide
+// input fell from ~140 to ~70 GFLOP/s above 32 rows.
+constexpr int64_t kKc = 4096 / (kBV * kLanes);
+
+// y[m, n0 + i] (+)= the TN weight rows at w (stride ldw) over k in [k0, k1), against x^T
+// columns [m0, m0 + TV lanes); padding rows (m >= M) are computed but not stored. kYT: y is
+// given transposed (y^T [N, Mp], like x^T), and the tile goes out as whole vectors, padding
+// lanes too: row-major y takes each lane on its own, which on a 768-wide input (ten k chunks
+// of adds) was as many instructions again as the FMAs (an expert's 96-token block 100 -> ~150
+// GFLOP/s once transposed). The first chunk (k0 == 0) stores, later ones add. pf (nullable):
+// the next panel's rows, fetched into cache while this one computes. A decode step streams
+// more weights than the L3 holds, so each panel arrives from memory, and the hardware
+// prefetchers follow its TN interleaved row streams only part of the way: the hidden-256
+// MoE's batch-16 step 7-8% faster (old and new builds alternated step by step in one engine;
+// 2% at batch 64, none at 1).
+template <int TN, int TV, bool kYT = false>
+inline void bcast_tile(const float* __restrict w, int64_t ldw, const float* __restrict xt,
+                       int64_t Mp, float* __restrict y, int64_t M, int64_t N, int64_t k0,
+                       int64_t k1, int64_t m0, int64_t n0, const float* pf = nullptr) {
+  vtile acc[TN][TV] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    if (pf != nullptr && (k & 15) == 0)  // a cache line of each next-panel row per 16 k
+      for (int i = 0; i < TN; ++i) __builtin_prefetch(pf + i * ldw + k, 0, 3);
+    vtile xv[TV];
+    for (int v = 0; v < TV; ++v) xv[v] = load_tile(xt + k * Mp + m0 + v * kLanes);
+    for (int i = 0; i < TN; ++i) {
+      const vtile b = splat(w[i * ldw + k]);
+      for (int v = 0; v < TV; ++v) acc[i][v] += b * xv[v];
+    }
+  }
+  if constexpr (kYT) {
+    for (int i = 0; i < TN; ++i)
+      for (int v = 0; v < TV; ++v) {
+        float* out = y + (n0 + i) * Mp + m0 + v * kLanes;
+        const vtile sum = k0 == 0 ? acc[i][v] : load_tile(out) + acc[i][v];
+        __builtin_memcpy(out, &sum, sizeof(sum));
+      }
+    return;
+  }
+  for (int v = 0; v < TV; ++v)
+    for (int l = 0; l < kLanes && m0 + v * kLanes + l < M; ++l)
+      for (int i = 0; i < TN; ++i) {
+        float* out = y + (m0 + v * kLanes + l) * N + n0 + i;
+        *out = k0 == 0 ? acc[i][v][l] : *out + acc[i][v][l];
+      }
+}
+
+// prefetch: w is the weight itself (fp32), so the next panel follows it in memory; a bf16 or
+// int8 panel comes widened in a buffer, and the next one is read by the widening anyway.
+template <int TN>
+void bcast_panel(const float* w, const float* xt, int64_t Mp, float* y, int64_t M, int64_t N,
+                 int64_t K, int64_t n0, bool prefetch) {
+  const int64_t vecs = Mp / kLanes;
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t k1 = std::min(K, k0 + kKc);
+    int64_t v = 0;
+    for (; v + kBV <= vecs; v += kBV)
+      bcast_tile<TN, kBV>(w, K, xt, Mp, y, M, N, k0, k1, v * kLanes, n0,
+                          prefetch && v == 0 ? w + TN * K : nullptr);
+    for (; v < vecs; ++v) bcast_tile<TN, 1>(w, K, xt, Mp, y, M, N, k0, k1, v * kLanes, n0);
+  }
+}
+
+// y[m, n0 + i] = x[m] . w[i] for the `rows` weight rows at w (stride K), x given as x^T
+// (stride Mp, zero-padded). bf16 / int8 weights: each panel of weight rows is widened into
+// `wide` (kBN x K floats, it stays in L1) and the fp32 tiles run on it; widening each
+// broadcast element on its own (a scalar load, shift or convert and broadcast per FMA group)
+// ran bf16 at ~50 GFLOP/s where fp32 reached 75-160.
+template <typename W>
+void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp, float* y,
+                int64_t M, int64_t N, int64_t n0, float* wide) {
+  for (int64_t p = 0; p < rows; p += kBN) {
+    const int64_t tn = std::min<int64_t>(kBN, rows - p);
+    const float* wp;
+    if constexpr (std::is_same_v<W, float>) {
+      wp = w + p * K;
+    } else {
+      const W* src = w + p * K;
+      int64_t j = 0;
+      for (; j + kLanes <= tn * K; j += kLanes) {
+        const vtile v = load_tile(src + j);
+        __builtin_memcpy(wide + j, &v, sizeof(v));
+      }
+      for (; j < tn * K; ++j) wide[j] = widen(src[j]);
+      wp = wide;
+    }
+    constexpr bool fp32 = std::is_same_v<W, float>;
+    if (tn == kBN) {
+      bcast_panel<kBN>(wp, xt, Mp, y, M, N, K, n0 + p, fp32);
+    } else {
+      for (int64_t i = 0; i < tn; ++i)
+        bcast_panel<1>(wp + i * K, xt, Mp, y, M, N, K, n0 + p + i, false);
+    }
+  }
+}
+
+constexpr int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// y^T [N, Mp] = w [N, K] against x^T [K, Mp] (zero-padded), for blocks of many rows (an
+// expert's tokens in a prefill): k chunks outermost, so a chunk of x^T (kKc x Mp) stays in
+// L1 while every panel of weight rows passes over it, and y^T is updated in whole vectors.
+// bf16 / int8 weights: each panel's chunk is widened into `wide` (kBN x K floats) first.
+template <typename W>
+void bcast_t(const W* w, int64_t N, int64_t K, const float* xt, int64_t Mp, float* yt,
+             float* wide) {
+  const int64_t vecs = Mp / kLanes;
+  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+    const int64_t k1 = std::min(K, k0 + kKc);
+    for (int64_t p = 0; p < N; p += kBN) {
+      const int64_t tn = std::min<int64_t>(kBN, N - p);
+      const float* wp;
+      const float* pf = nullptr;
+      if constexpr (std::is_same_v<W, float>) {
+        wp = w + p * K;
+        if (p + 2 * kBN <= N) pf = wp + kBN * K;
+      } else {
+        for (int64_t i = 0; i < tn; ++i)
+          for (int64_t k = k0; k < k1; ++k) wide[i * K + k] = widen(w[(p + i) * K + k]);
+        wp = wide;
+      }
+      for (int64_t v = 0; v < vecs;) {
+        const int64_t m0 = v * kLanes;
+        if (tn == kBN && v + kBV <= vecs) {
+          bcast_tile<kBN, kBV, true>(wp, K, xt, Mp, yt, Mp, N, k0, k1, m0, p, pf);
+          v += kBV;
+          continue;
+        }
+        if (tn == kBN)
+          bcast_tile<kBN, 1, true>(wp, K, xt, Mp, yt, Mp, N, k0, k1, m0, p);
+        else
+          for (int64_t i = 0; i < tn; ++i)
+            bcast_tile<1, 1, true>(wp + i * K, K, xt, Mp, yt, Mp, N, k0, k1, m0, p + i);
+        ++v;
+      }
+    }
+  }
+}
+
+// Up to this many tokens an expert's weight rows are streamed one at a time, each dotted with
+// every token (dot_stream: one sequential read, which the prefetchers follow): the 8-row dot
+// tiles read from memory ran a 16-token layer (8 experts top-2, ~4 tokens each, weights cold)
+// at 430 us against 351 this way, the same when the weights sit in cache.
+constexpr int64_t kStreamM = 4;
+template <typename W>
+void stream_rows(const float* x, const W* wb, float* y, int64_t M, int64_t N, int64_t K,
+                 int64_t n0, int64_t n1) {
+  switch (M) {
+    case 1: return few_rows<1>(x, wb, y, N, K, n0, n1);
+    case 2: return few_rows<2>(x, wb, y, N, K, n0, n1);
+    case 3: return few_rows<3>(x, wb, y, N, K, n0, n1);
+    default: return few_rows<4>(x, wb, y, N, K, n0, n1);
+  }
+}

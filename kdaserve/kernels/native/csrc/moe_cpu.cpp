@@ -1,0 +1,335 @@
+// Routed experts on the CPU: the router's top-k (DeepSeek-V3 noaux_tc) and the experts'
+// gated products for decode-sized and prefill-sized batches; fp32 activations against
+// fp32, bf16 or int8 weights. Built into the same library as kda_cpu.cpp (build.py) and
+// tested against the plain-torch references in kdaserve/kernels/ref.
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+#include "tiles.h"
+#include "vmath.h"
+#include "gemm_blocks.h"
+
+// An expert's tokens from this many on run as blocks of up to kBlockRows tokens, each block
+// one task that computes its tokens' whole expert (gather, gate/up, SiLU, down) against x^T
+// and activations^T in the broadcast tiles, the expert's weights (1.2 MB on the bench model)
+// read from L2/L3 once per block. Fewer tokens split the expert's weight rows over tasks
+// instead (moe_experts below), which keeps both cores busy on a decode step's few tokens.
+constexpr int64_t kBlockRows = 2 * kBV * kLanes;
+
+// Scratch of one thread for blocked experts, all transposed and zero-padded to whole vectors
+// of tokens (stride Mp): a block's x^T, its gate/up rows (h^T), activations (a^T, the down
+// projection's x^T) and outputs (y^T); and a panel of widened weights.
+struct BlockScratch {
+  std::unique_ptr<float[]> xt, ht, at, yt, wide;
+  BlockScratch(int64_t I, int64_t D)
+      : xt(new float[D * kBlockRows]), ht(new float[2 * I * kBlockRows]),
+        at(new float[I * kBlockRows]), yt(new float[D * kBlockRows]),
+        wide(new float[kBN * std::max(I, D)]) {}
+};
+
+// x^T of a block of rows: xt[d * Mp + m] = x[row[m] + d] for m < M, zero up to Mp. The
+// scalar transpose (a load and a store an element) was half of a block's time outside the
+// products; AVX-512 gathers a vector of rows at each d instead.
+inline void gather_t(const float* x, const int32_t* row, int64_t M, int64_t Mp, int64_t D,
+                     float* xt) {
+#if defined(__AVX512F__)
+  for (int64_t m0 = 0; m0 < Mp; m0 += kLanes) {
+    const __mmask16 live = M - m0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (M - m0)) - 1);
+    const __m512i idx = _mm512_maskz_loadu_epi32(live, row + m0);
+    for (int64_t d = 0; d < D; ++d)
+      _mm512_storeu_ps(xt + d * Mp + m0,
+                       _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, x + d, 4));
+  }
+#else
+  for (int64_t d = 0; d < D; ++d) {
+    for (int64_t m = 0; m < M; ++m) xt[d * Mp + m] = x[row[m] + d];
+    for (int64_t m = M; m < Mp; ++m) xt[d * Mp + m] = 0.0f;
+  }
+#endif
+}
+
+// One output row from y^T (column yt[d * Mp]): y[d] = yt[d * Mp] * scale[d] * wt (scale
+// nullable), gathered a vector at a time on AVX-512.
+inline void scatter_t(const float* yt, int64_t Mp, int64_t D, const float* scale, float wt,
+                      float* y) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                          5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(static_cast<int32_t>(Mp)));
+  const __m512 w = _mm512_set1_ps(wt);
+  for (; d + 16 <= D; d += 16) {
+    __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(idx, yt + d * Mp, 4), w);
+    if (scale != nullptr) v = _mm512_mul_ps(v, _mm512_loadu_ps(scale + d));
+    _mm512_storeu_ps(y + d, v);
+  }
+#endif
+  for (; d < D; ++d) y[d] = yt[d * Mp] * wt * (scale != nullptr ? scale[d] : 1.0f);
+}
+
+// Tokens [s0, s1) of expert e (sorted order; order[s] / k is the token) into ys rows s0..s1,
+// weighted by their routing weights. Transposed all the way through: the broadcast tiles
+// store whole vectors of tokens, and the SiLU gate runs on rows of h^T into a^T directly.
+template <typename W>
+void expert_block(const float* x, const int64_t* order, const float* weights, const W* w13,
+                  const W* w2, const float* s13, const float* s2, float* ys, int64_t e,
+                  int64_t s0, int64_t s1, int64_t k, int64_t I, int64_t D, BlockScratch& b) {
+  const int64_t M = s1 - s0, Mp = round_up(M, kLanes);
+  float *xt = b.xt.get(), *ht = b.ht.get(), *at = b.at.get(), *yt = b.yt.get();
+  int32_t row[kBlockRows];  // the block's tokens' x rows, as offsets from x (int32: see below)
+  for (int64_t m = 0; m < M; ++m) row[m] = static_cast<int32_t>((order[s0 + m] / k) * D);
+  gather_t(x, row, M, Mp, D, xt);
+  bcast_t(w13 + e * 2 * I * D, 2 * I, D, xt, Mp, ht, b.wide.get());
+  if (s13 != nullptr)
+    for (int64_t r = 0; r < 2 * I; ++r)
+      for (int64_t m = 0; m < Mp; ++m) ht[r * Mp + m] *= s13[e * 2 * I + r];
+  silu_mul_row(ht, ht + I * Mp, at, I * Mp);  // zero padding stays zero: SiLU(0) * 0
+  bcast_t(w2 + e * D * I, D, I, at, Mp, yt, b.wide.get());
+  for (int64_t m = 0; m < M; ++m)
+    scatter_t(yt + m, Mp, D, s2 != nullptr ? s2 + e * D : nullptr, weights[order[s0 + m]],
+              ys + (s0 + m) * D);
+}
+
+// Routed experts: E_e(x) = W2 (SiLU(W1 x) * W3 x), weighted and summed over each token's k
+// choices.  x [T, D]; ids, weights [T, k]; w13 [E, 2I, D] (gate rows then up rows); w2
+// [E, D, I]; out [T, D].  Choices are grouped by expert (a counting sort). An expert with
+// `blocked_from` tokens or more runs as token blocks (expert_block); one with fewer has its
+// tokens' x rows gathered and is one small product per projection (the tiles of
+// gemm_blocks.h: each weight row read once for all its tokens), work split over (expert,
+// block of weight rows). The broadcast tiles were tried that way, split over weight rows,
+// for experts with 8+ tokens and did not pay: 8 experts top-2 at hidden 256, 48 tokens 0.74
+// ms against 0.79 (1.03 with a dynamic schedule), 64 experts top-8 at hidden 768 equal
+// within 5%; whole-expert token blocks are what pays for prefill.
+// s13 [E, 2I] and s2 [E, D] (nullable): int8 weights' per-row scales.
+template <typename W>
+void moe_experts(const float* x, const int64_t* ids, const float* weights, const W* w13,
+                 const W* w2, const float* s13, const float* s2, float* out, int64_t T,
+                 int64_t k, int64_t E, int64_t I, int64_t D, int64_t blocked_from) {
+  const int64_t n = T * k;
+  if (T * D > INT32_MAX) blocked_from = INT64_MAX;  // gather_t's int32 row offsets
+  std::vector<int64_t> offset(E + 1, 0), order(n), slot(n);
+  for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
+  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
+  {
+    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+    for (int64_t c = 0; c < n; ++c) {
+      slot[c] = fill[ids[c]]++;
+      order[slot[c]] = c;  // sorted position -> choice
+    }
+  }
+  std::vector<int64_t> small;                 // experts split over weight rows
+  std::vector<std::array<int64_t, 3>> blocks;  // (expert, s0, s1) token blocks
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t cnt = offset[e + 1] - offset[e];
+    if (cnt == 0) continue;
+    if (cnt < blocked_from) {
+      small.push_back(e);
+      continue;
+    }
+    // equal blocks, so an expert of 100 tokens is not 96 + 4
+    const int64_t parts = (cnt + kBlockRows - 1) / kBlockRows;
+    for (int64_t p = 0; p < parts; ++p)
+      blocks.push_back({e, offset[e] + cnt * p / parts, offset[e] + cnt * (p + 1) / parts});
+  }
+  const int64_t A = static_cast<int64_t>(small.size());
+  const int64_t B = static_cast<int64_t>(blocks.size());
+  // rows in sorted order (an expert's tokens are consecutive); xs, h and act are only read
+  // for the small experts' rows. Left uninitialised: a prefill's 50 MB would be zeroed.
+  std::unique_ptr<float[]> ys(new float[n * D]);
+  const int64_t small_rows = A > 0 ? n : 0;
+  std::unique_ptr<float[]> xs(new float[small_rows * D]), h(new float[small_rows * 2 * I]),
+      act(new float[small_rows * I]);
+  constexpr int64_t kRows = 32;
+  const int64_t iblocks = (I + kRows - 1) / kRows, dblocks = (D + kRows - 1) / kRows;
+#pragma omp parallel
+  {
+    if (B > 0) {
+      BlockScratch scratch(I, D);
+      // blocks differ in size and in where their weights come from: taken as threads free up
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int64_t b = 0; b < B; ++b)
+        expert_block(x, order.data(), weights, w13, w2, s13, s2, ys.get(), blocks[b][0],
+                     blocks[b][1], blocks[b][2], k, I, D, scratch);
+    }
+    if (A > 0) {
+#pragma omp for schedule(static)
+      for (int64_t a = 0; a < A; ++a)
+        for (int64_t s = offset[small[a]]; s < offset[small[a] + 1]; ++s)
+          std::copy(x + (order[s] / k) * D, x + (order[s] / k + 1) * D, xs.get() + s * D);
+#pragma omp for schedule(static)
+      for (int64_t task = 0; task < A * iblocks; ++task) {
+        const int64_t e = small[task / iblocks], r0 = (task % iblocks) * kRows;
+        const int64_t r1 = std::min(I, r0 + kRows), s0 = offset[e], cnt = offset[e + 1] - s0;
+        const W* we = w13 + e * 2 * I * D;
+        float* he = h.get() + s0 * 2 * I;
+        const float* xe = xs.get() + s0 * D;
+        if (cnt <= kStreamM) {
+          // bandwidth-bound: gate and up rows read side by side, two streams in flight
+          // (measured 10% faster than one block after the other at 1-4 tokens, fp32)
+          for (int64_t r = r0; r < r1; ++r) {
+            stream_rows(xe, we + r * D, he, cnt, 2 * I, D, r, r + 1);
+            stream_rows(xe, we + (I + r) * D, he, cnt, 2 * I, D, I + r, I + r + 1);
+          }
+        } else {
+          linear_block(xe, we + r0 * D, he, cnt, 2 * I, D, r0, r1);
+          linear_block(xe, we + (I + r0) * D, he, cnt, 2 * I, D, I + r0, I + r1);
+        }
+        for (int64_t m = 0; m < cnt; ++m) {
+          float* g = he + m * 2 * I;
+          if (s13 != nullptr)
+            for (int64_t r = r0; r < r1; ++r) {
+              g[r] *= s13[e * 2 * I + r];
+              g[I + r] *= s13[e * 2 * I + I + r];
+            }
+          // vectorised: libm's scalar expf per activation was ~10% of a 16-token MoE layer
+          silu_mul_row(g + r0, g + I + r0, act.get() + (s0 + m) * I + r0, r1 - r0);
+        }
+      }
+#pragma omp for schedule(static)
+      for (int64_t task = 0; task < A * dblocks; ++task) {
+        const int64_t e = small[task / dblocks], d0 = (task % dblocks) * kRows;
+        const int64_t d1 = std::min(D, d0 + kRows), s0 = offset[e], cnt = offset[e + 1] - s0;
+        if (cnt <= kStreamM)
+          stream_rows(act.get() + s0 * I, w2 + (e * D + d0) * I, ys.get() + s0 * D, cnt, D, I,
+                      d0, d1);
+        else
+          linear_block(act.get() + s0 * I, w2 + (e * D + d0) * I, ys.get() + s0 * D, cnt, D,
+                       I, d0, d1);
+        for (int64_t m = 0; m < cnt; ++m) {
+          const float wt = weights[order[s0 + m]];
+          for (int64_t d = d0; d < d1; ++d)
+            ys[(s0 + m) * D + d] *= (s2 != nullptr ? s2[e * D + d] : 1.0f) * wt;
+        }
+      }
+    }
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      float* __restrict o = out + t * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        const float* __restrict y = ys.get() + slot[t * k + j] * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += y[d];
+      }
+    }
+  }
+}
+
+// DeepSeek-V3 "noaux_tc" routing of one token (`moe_route_ref`'s contract): scores by sigmoid
+// or softmax, the correction bias added for selection only, groups ranked by the sum of their
+// best two, top_k picked from the kept groups in descending order (ties to the lower index),
+// weights the unbiased scores, renormalised and scaled. In torch it is ~12 small ops, ~45 us
+// a call whatever the batch; here a few us.
+void route_token(const float* logits, const float* bias, int64_t E, int64_t top_k,
+                 int64_t groups, int64_t topk_group, bool renormalize, float scaling,
+                 bool sigmoid, float* weights, int64_t* ids, float* scores, float* choice,
+                 float* group_score, char* kept) {
+  if (sigmoid) {
+    for (int64_t e = 0; e < E; ++e) scores[e] = sigmoidf(logits[e]);
+  } else {
+    float m = logits[0], sum = 0.0f;
+    for (int64_t e = 1; e < E; ++e) m = std::max(m, logits[e]);
+    for (int64_t e = 0; e < E; ++e) sum += scores[e] = std::exp(logits[e] - m);
+    for (int64_t e = 0; e < E; ++e) scores[e] /= sum;
+  }
+  for (int64_t e = 0; e < E; ++e) choice[e] = scores[e] + (bias != nullptr ? bias[e] : 0.0f);
+  constexpr float kNone = -INFINITY;
+  if (groups > 1) {
+    const int64_t size = E / groups;
+    for (int64_t g = 0; g < groups; ++g) {
+      float a = kNone, b = kNone;  // the group's best two
+      for (int64_t e = g * size; e < (g + 1) * size; ++e) {
+        const float c = choice[e];
+        if (c > a) {
+          b = a;
+          a = c;
+        } else if (c > b) {
+          b = c;
+        }
+      }
+      group_score[g] = size > 1 ? a + b : a;
+    }
+    std::fill(kept, kept + groups, 0);
+    for (int64_t j = 0; j < topk_group; ++j) {
+      int64_t best = -1;
+      for (int64_t g = 0; g < groups; ++g)
+        if (!kept[g] && (best < 0 || group_score[g] > group_score[best])) best = g;
+      kept[best] = true;
+    }
+    for (int64_t e = 0; e < E; ++e)
+      if (!kept[e / size]) choice[e] = kNone;
+  }
+  float total = 0.0f;
+  for (int64_t j = 0; j < top_k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; ++e)
+      if (choice[e] != kNone && (best < 0 || choice[e] > choice[best])) best = e;
+    if (best < 0)  // fewer experts kept than top_k (a config error upstream): lowest unused
+      for (int64_t e = 0; best < 0 && e < E; ++e)
+        if (std::find(ids, ids + j, e) == ids + j) best = e;
+    ids[j] = best;
+    weights[j] = scores[best];
+    total += scores[best];
+    choice[best] = kNone;
+  }
+  const float norm = renormalize ? 1.0f / (total + 1e-20f) : 1.0f;
+  for (int64_t j = 0; j < top_k; ++j) weights[j] = weights[j] * norm * scaling;
+}
+
+
+}  // namespace
+
+extern "C" {
+
+// blocked_from: the tokens from which an expert runs as token blocks (moe_experts)
+void moe_experts_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
+                     const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
+                     int64_t D, int64_t blocked_from) {
+  moe_experts(x, ids, weights, w13, w2, nullptr, nullptr, out, T, k, E, I, D, blocked_from);
+}
+
+void moe_experts_bf16w(const float* x, const int64_t* ids, const float* weights,
+                       const bf16* w13, const bf16* w2, float* out, int64_t T, int64_t k,
+                       int64_t E, int64_t I, int64_t D, int64_t blocked_from) {
+  moe_experts(x, ids, weights, w13, w2, nullptr, nullptr, out, T, k, E, I, D, blocked_from);
+}
+
+void moe_experts_int8w(const float* x, const int64_t* ids, const float* weights,
+                       const int8_t* w13, const int8_t* w2, const float* s13, const float* s2,
+                       float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D,
+                       int64_t blocked_from) {
+  moe_experts(x, ids, weights, w13, w2, s13, s2, out, T, k, E, I, D, blocked_from);
+}
+
+
+// logits [T, E] fp32, bias [E] (nullable) -> weights [T, top_k] fp32, ids [T, top_k] int64
+void moe_route_f32(const float* logits, const float* bias, float* weights, int64_t* ids,
+                   int64_t T, int64_t E, int64_t top_k, int64_t groups, int64_t topk_group,
+                   int64_t renormalize, int64_t sigmoid, float scaling) {
+#pragma omp parallel if (T >= 64)
+  {
+    std::vector<float> scores(E), choice(E), group_score(groups);
+    std::vector<char> kept(groups);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t)
+      route_token(logits + t * E, bias, E, top_k, groups, topk_group, renormalize != 0,
+                  scaling, sigmoid != 0, weights + t * top_k, ids + t * top_k, scores.data(),
+                  choice.data(), group_score.data(), kept.data());
+  }
+}
+
+
+}  // extern "C"
