@@ -73,6 +73,7 @@ from kdaserve.kernels.native import batch_invariant as bi  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
 from kdaserve.kernels.native.ops import (  # noqa: E402
     argmax_rows,
+    gated_rmsnorm_native,
     kda_chunk_native,
     kda_chunk_native_wy,
     kda_decode_native,
@@ -138,6 +139,8 @@ for _op, _fn in (("linear", bi.linear_bi), ("kda_chunk", bi.kda_chunk_bi),
 
 
 registry.register("rms_norm", "native", rms_norm_native, priority=20, supports=_native)
+registry.register("gated_rmsnorm", "native", gated_rmsnorm_native, priority=20,
+                  supports=_native)
 
 
 class Kernels(NamedTuple):

@@ -87,6 +87,52 @@ def test_kda_chunk_native_value_widths(V: int) -> None:
     torch.testing.assert_close(pool, ref_pool, atol=2e-5, rtol=1e-4)
 
 
+def test_kda_chunk_native_reads_column_slices() -> None:
+    """q, k and v as the layer hands them over (column slices of one conv output, beta a
+    column of the input projection's): read in place, the same result as contiguous copies
+    and the reference."""
+    g = gen(12)
+    H, K, V, lengths = 2, 24, 40, [7, 19]
+    T = sum(lengths)
+    cu = torch.tensor([0, 7, 26])
+    conv_out = torch.randn(T, 2 * H * K + H * V + 3, generator=g)[:, 3:]
+    q, k, v = (conv_out[:, a:b].view(T, H, -1) for a, b in (
+        (0, H * K), (H * K, 2 * H * K), (2 * H * K, 2 * H * K + H * V)))
+    proj = torch.randn(T, 5 + H, generator=g)
+    beta = proj[:, 5:]
+    assert not (q.is_contiguous() or beta.is_contiguous())
+    f, A_log = torch.randn(T, H, K, generator=g) * 4, torch.rand(H, generator=g) * 2
+    dt_bias = torch.randn(H * K, generator=g)
+    pool = torch.randn(3, H, K, V, generator=g)
+    pools = [pool.clone() for _ in range(3)]
+    slots = torch.tensor([2, 0])
+    args = (q, k, v, f, beta, A_log, dt_bias)
+    dense = tuple(t.contiguous() for t in args)
+    o = kda_chunk_native(*args, pools[0], slots, cu)
+    o_dense = kda_chunk_native(*dense, pools[1], slots, cu)
+    o_ref = kda_chunk_ref(*args, pools[2], slots, cu)
+    assert torch.equal(o, o_dense) and torch.equal(pools[0], pools[1])
+    torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(pools[0], pools[2], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("V", [16, 37, 128])
+def test_gated_rmsnorm_native_matches_reference_and_decode(V: int) -> None:
+    """The prefill's output norm (the fused decode step's own row function) against the
+    reference; other dtypes take the reference."""
+    from kdaserve.kernels.native.ops import gated_rmsnorm_native
+    from kdaserve.kernels.ref.kda import gated_rmsnorm
+
+    g = gen(V)
+    o, z = torch.randn(9, 3, V, generator=g) * 3, torch.randn(9, 3, V, generator=g) * 4
+    w = torch.randn(V, generator=g)
+    out = gated_rmsnorm_native(o, z, w, 1e-5)
+    torch.testing.assert_close(out, gated_rmsnorm(o, z, w, 1e-5), atol=1e-5, rtol=1e-5)
+    ob = o.bfloat16()
+    torch.testing.assert_close(gated_rmsnorm_native(ob, z.bfloat16(), w.bfloat16(), 1e-5),
+                               gated_rmsnorm(ob, z.bfloat16(), w.bfloat16(), 1e-5))
+
+
 @pytest.mark.parametrize("fn", [kda_decode_native, kda_decode_cpu], ids=["native", "cpu"])
 @pytest.mark.parametrize("B,H,K", [(1, 1, 16), (9, 3, 16), (33, 2, 64), (4, 2, 128)])
 def test_kda_decode_matches_reference(fn, B: int, H: int, K: int) -> None:
@@ -416,15 +462,16 @@ def test_moe_native_with_int8_weights(T: int, blocked_from: int) -> None:
 def test_short_conv_native_matches_reference(lengths: list[int], C: int) -> None:
     """Ragged sequences from random slots of a pool, run twice in a row so the second call
     starts from the windows the first one left (and a sequence shorter than the window
-    shifts part of the old window through)."""
+    shifts part of the old window through); the second input a column slice of a wider
+    tensor (the layer's qkv part of its input projection), read in place."""
     g = gen(11)
     w = torch.randn(C, W, generator=g)
     pool = torch.randn(40, W - 1, C, generator=g)
     slots = torch.randperm(40, generator=g)[:len(lengths)]
     cu = torch.tensor([0, *lengths]).cumsum(0)
     ref_pool, nat_pool = pool.clone(), pool.clone()
-    for _ in range(2):
-        x = torch.randn(int(cu[-1]), C, generator=g)
+    for sliced in (False, True):
+        x = torch.randn(int(cu[-1]), C + 5 * sliced, generator=g)[:, :C]
         want = short_conv_ref(x, w, ref_pool, slots, cu)
         got = short_conv_native(x, w, nat_pool, slots, cu)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

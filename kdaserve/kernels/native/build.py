@@ -42,8 +42,9 @@ LIBRARIES = {
     "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp", "moe_cpu.cpp", "mla_cpu.cpp",
                         "elementwise_cpu.cpp", "decode_step.cpp"), (), {
         "kda_decode_f32": [_P] * 13 + [_I] * 5 + [_F],
-        "kda_prefill_f32": [_P] * 10 + [_I] * 5 + [_P],
-        "short_conv_f32": [_P] * 6 + [_I] * 3,
+        "kda_prefill_f32": [_P] * 3 + [_I] * 3 + [_P] * 2 + [_I] + [_P] * 7 + [_I] * 5 + [_P],
+        "gated_rmsnorm_f32": [_P] * 4 + [_I] * 2 + [_F],
+        "short_conv_f32": [_P, _I] + [_P] * 5 + [_I] * 3,
         "kda_chunked_f32": [_P] * 12 + [_I] * 4,
         "mla_decode_f32": [_P] * 7 + [_I] * 6 + [_F],
         "mla_forward_f32": [_P, _I] + [_P] * 6 + [_I] * 9 + [_F],

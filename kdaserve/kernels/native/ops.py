@@ -16,7 +16,7 @@ from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu, short
 from kdaserve.kernels.cpu.gemm import gemm, onednn_usable
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
-from kdaserve.kernels.ref.kda import Snapshots, kda_chunk_ref, kda_gate_ref
+from kdaserve.kernels.ref.kda import Snapshots, gated_rmsnorm, kda_chunk_ref
 from kdaserve.kernels.ref.mlp import silu_mul_ref
 from kdaserve.kernels.ref.moe import moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
@@ -108,13 +108,14 @@ def short_conv_native(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
     loops over sequences in Python: 1.2 ms for 16 verifying requests of 5 tokens)."""
     if not (_f32(x, weight, conv_state) and conv_state.is_contiguous()):
         return short_conv_cpu(x, weight, conv_state, state_slots, cu_seqlens)
-    xc, wt = x.contiguous(), weight.t().contiguous()
+    xc = x if x.dim() == 2 and x.stride(1) == 1 else x.contiguous()  # rows may be strided
+    wt = weight.t().contiguous()
     slots = state_slots.to(torch.int64).contiguous()
     cu = cu_seqlens.to(torch.int64).contiguous()
-    out = torch.empty_like(xc)
+    out = torch.empty(x.shape, dtype=x.dtype)
     C, W = weight.shape
-    library().short_conv_f32(_ptr(xc), _ptr(wt), _ptr(conv_state), _ptr(slots), _ptr(cu),
-                             _ptr(out), cu.shape[0] - 1, C, W)
+    library().short_conv_f32(_ptr(xc), xc.stride(0), _ptr(wt), _ptr(conv_state), _ptr(slots),
+                             _ptr(cu), _ptr(out), cu.shape[0] - 1, C, W)
     return out
 
 
@@ -130,18 +131,21 @@ def kda_chunk_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return kda_chunk_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens,
                              snapshots)
     V = v.shape[-1]
-    # the decay's exps in torch (vectorised), the same function the reference uses
-    decay = kda_gate_ref(g, A_log, dt_bias).exp_()
-    q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+    # q, k, v may be column slices of the conv output (rows strided, heads and channels
+    # packed): read in place; anything else is copied
+    q, k, v = (t if t.stride()[1:] == (t.shape[2], 1) else t.contiguous() for t in (q, k, v))
+    beta = beta if beta.stride(1) == 1 else beta.contiguous()
+    g = g.contiguous()
     slots = state_slots.to(torch.int64).contiguous()
     cu = cu_seqlens.to(torch.int64).contiguous()
     snap = _snap_rows(T, snapshots)
     out = torch.empty(T, H, V, dtype=torch.float32)
-    scratch = torch.empty(2 * T * H * K + T * H, dtype=torch.float32)
+    scratch = torch.empty(3 * T * H * K + T * H, dtype=torch.float32)
     library().kda_prefill_f32(
-        _ptr(q), _ptr(k), _ptr(v), _ptr(decay), _ptr(beta), _ptr(state), _ptr(slots),
-        _ptr(cu), None if snap is None else _ptr(snap), _ptr(out), cu.shape[0] - 1, H, K, V, T,
-        _ptr(scratch))
+        _ptr(q), _ptr(k), _ptr(v), q.stride(0), k.stride(0), v.stride(0), _ptr(g), _ptr(beta),
+        beta.stride(0), _ptr(A_log.contiguous()), _ptr(dt_bias.contiguous()), _ptr(state),
+        _ptr(slots), _ptr(cu), None if snap is None else _ptr(snap), _ptr(out), cu.shape[0] - 1,
+        H, K, V, T, _ptr(scratch))
     return out
 
 
@@ -298,6 +302,21 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     y = torch.empty(x.shape[0], D, dtype=torch.float32)
     library().rms_norm_f32(_ptr(x), x.stride(0), _ptr(weight), _ptr(y), x.shape[0], D, eps)
     return y
+
+
+def gated_rmsnorm_native(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> torch.Tensor:
+    """`gated_rmsnorm`'s contract in one C++ pass for fp32, as the fused decode step computes
+    it (torch's six ops over a 2,048-token prefill's [T, H, V]: ~6 ms a KDA layer)."""
+    if not _f32(o, gate, weight) or o.shape != gate.shape or weight.shape != o.shape[-1:] \
+            or o.shape[-1] > MAX_HEAD_DIM:
+        return gated_rmsnorm(o, gate, weight, eps)
+    o, gate, weight = o.contiguous(), gate.contiguous(), weight.contiguous()
+    out = torch.empty_like(o)
+    V = o.shape[-1]
+    library().gated_rmsnorm_f32(_ptr(o), _ptr(gate), _ptr(weight), _ptr(out), o.numel() // V, V,
+                                eps)
+    return out
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

@@ -93,21 +93,20 @@ constexpr int kBN = 6, kBV = 2;  // 12 + 2 + 1 of 16
 // input fell from ~140 to ~70 GFLOP/s above 32 rows.
 constexpr int64_t kKc = 4096 / (kBV * kLanes);
 
-// y[m, n0 + i] (+)= the TN weight rows at w (stride ldw) over k in [k0, k1), against x^T
-// columns [m0, m0 + TV lanes); padding rows (m >= M) are computed but not stored. kYT: y is
-// given transposed (y^T [N, Mp], like x^T), and the tile goes out as whole vectors, padding
-// lanes too: row-major y takes each lane on its own, which on a 768-wide input (ten k chunks
-// of adds) was as many instructions again as the FMAs (an expert's 96-token block 100 -> ~150
-// GFLOP/s once transposed). The first chunk (k0 == 0) stores, later ones add. pf (nullable):
-// the next panel's rows, fetched into cache while this one computes. A decode step streams
-// more weights than the L3 holds, so each panel arrives from memory, and the hardware
-// prefetchers follow its TN interleaved row streams only part of the way: the hidden-256
-// MoE's batch-16 step 7-8% faster (old and new builds alternated step by step in one engine;
-// 2% at batch 64, none at 1).
-template <int TN, int TV, bool kYT = false>
+// y^T[n0 + i, m] (+)= the TN weight rows at w (stride ldw) over k in [k0, k1), against x^T
+// columns [m0, m0 + TV lanes): y is given transposed (y^T, stride Mp, like x^T) and the tile
+// goes out as whole vectors, padding lanes too. (Row-major y took each lane on its own, which
+// on a 768-wide input, ten k chunks of adds, was as many instructions again as the FMAs: an
+// expert's 96-token block ran at ~100 GFLOP/s against ~150 transposed.) The first chunk
+// (k0 == 0) stores, later ones add. pf (nullable): the next panel's rows, fetched into cache
+// while this one computes. A decode step streams more weights than the L3 holds, so each
+// panel arrives from memory, and the hardware prefetchers follow its TN interleaved row
+// streams only part of the way: the hidden-256 MoE's batch-16 step 7-8% faster (old and new
+// builds alternated step by step in one engine; 2% at batch 64, none at 1).
+template <int TN, int TV>
 inline void bcast_tile(const float* __restrict w, int64_t ldw, const float* __restrict xt,
-                       int64_t Mp, float* __restrict y, int64_t M, int64_t N, int64_t k0,
-                       int64_t k1, int64_t m0, int64_t n0, const float* pf = nullptr) {
+                       int64_t Mp, float* __restrict yt, int64_t k0, int64_t k1, int64_t m0,
+                       int64_t n0, const float* pf = nullptr) {
   vtile acc[TN][TV] = {};
   for (int64_t k = k0; k < k1; ++k) {
     if (pf != nullptr && (k & 15) == 0)  // a cache line of each next-panel row per 16 k
@@ -119,47 +118,38 @@ inline void bcast_tile(const float* __restrict w, int64_t ldw, const float* __re
       for (int v = 0; v < TV; ++v) acc[i][v] += b * xv[v];
     }
   }
-  if constexpr (kYT) {
-    for (int i = 0; i < TN; ++i)
-      for (int v = 0; v < TV; ++v) {
-        float* out = y + (n0 + i) * Mp + m0 + v * kLanes;
-        const vtile sum = k0 == 0 ? acc[i][v] : load_tile(out) + acc[i][v];
-        __builtin_memcpy(out, &sum, sizeof(sum));
-      }
-    return;
-  }
-  for (int v = 0; v < TV; ++v)
-    for (int l = 0; l < kLanes && m0 + v * kLanes + l < M; ++l)
-      for (int i = 0; i < TN; ++i) {
-        float* out = y + (m0 + v * kLanes + l) * N + n0 + i;
-        *out = k0 == 0 ? acc[i][v][l] : *out + acc[i][v][l];
-      }
+  for (int i = 0; i < TN; ++i)
+    for (int v = 0; v < TV; ++v) {
+      float* out = yt + (n0 + i) * Mp + m0 + v * kLanes;
+      const vtile sum = k0 == 0 ? acc[i][v] : load_tile(out) + acc[i][v];
+      __builtin_memcpy(out, &sum, sizeof(sum));
+    }
 }
 
 // prefetch: w is the weight itself (fp32), so the next panel follows it in memory; a bf16 or
 // int8 panel comes widened in a buffer, and the next one is read by the widening anyway.
 template <int TN>
-void bcast_panel(const float* w, const float* xt, int64_t Mp, float* y, int64_t M, int64_t N,
-                 int64_t K, int64_t n0, bool prefetch) {
+void bcast_panel(const float* w, const float* xt, int64_t Mp, float* yt, int64_t K, int64_t n0,
+                 bool prefetch) {
   const int64_t vecs = Mp / kLanes;
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t k1 = std::min(K, k0 + kKc);
     int64_t v = 0;
     for (; v + kBV <= vecs; v += kBV)
-      bcast_tile<TN, kBV>(w, K, xt, Mp, y, M, N, k0, k1, v * kLanes, n0,
+      bcast_tile<TN, kBV>(w, K, xt, Mp, yt, k0, k1, v * kLanes, n0,
                           prefetch && v == 0 ? w + TN * K : nullptr);
-    for (; v < vecs; ++v) bcast_tile<TN, 1>(w, K, xt, Mp, y, M, N, k0, k1, v * kLanes, n0);
+    for (; v < vecs; ++v) bcast_tile<TN, 1>(w, K, xt, Mp, yt, k0, k1, v * kLanes, n0);
   }
 }
 
-// y[m, n0 + i] = x[m] . w[i] for the `rows` weight rows at w (stride K), x given as x^T
-// (stride Mp, zero-padded). bf16 / int8 weights: each panel of weight rows is widened into
-// `wide` (kBN x K floats, it stays in L1) and the fp32 tiles run on it; widening each
-// broadcast element on its own (a scalar load, shift or convert and broadcast per FMA group)
-// ran bf16 at ~50 GFLOP/s where fp32 reached 75-160.
+// y^T [rows, Mp] = the `rows` weight rows at w (stride K) against x^T [K, Mp] (zero-padded;
+// padding columns of y^T come out zero). bf16 / int8 weights: each panel of weight rows is
+// widened into `wide` (kBN x K floats, it stays in L1) and the fp32 tiles run on it;
+// widening each broadcast element on its own (a scalar load, shift or convert and broadcast
+// per FMA group) ran bf16 at ~50 GFLOP/s where fp32 reached 75-160.
 template <typename W>
-void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp, float* y,
-                int64_t M, int64_t N, int64_t n0, float* wide) {
+void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp, float* yt,
+                float* wide) {
   for (int64_t p = 0; p < rows; p += kBN) {
     const int64_t tn = std::min<int64_t>(kBN, rows - p);
     const float* wp;
@@ -177,55 +167,14 @@ void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp
     }
     constexpr bool fp32 = std::is_same_v<W, float>;
     if (tn == kBN) {
-      bcast_panel<kBN>(wp, xt, Mp, y, M, N, K, n0 + p, fp32);
+      bcast_panel<kBN>(wp, xt, Mp, yt, K, p, fp32);
     } else {
-      for (int64_t i = 0; i < tn; ++i)
-        bcast_panel<1>(wp + i * K, xt, Mp, y, M, N, K, n0 + p + i, false);
+      for (int64_t i = 0; i < tn; ++i) bcast_panel<1>(wp + i * K, xt, Mp, yt, K, p + i, false);
     }
   }
 }
 
 constexpr int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
-
-// y^T [N, Mp] = w [N, K] against x^T [K, Mp] (zero-padded), for blocks of many rows (an
-// expert's tokens in a prefill): k chunks outermost, so a chunk of x^T (kKc x Mp) stays in
-// L1 while every panel of weight rows passes over it, and y^T is updated in whole vectors.
-// bf16 / int8 weights: each panel's chunk is widened into `wide` (kBN x K floats) first.
-template <typename W>
-void bcast_t(const W* w, int64_t N, int64_t K, const float* xt, int64_t Mp, float* yt,
-             float* wide) {
-  const int64_t vecs = Mp / kLanes;
-  for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-    const int64_t k1 = std::min(K, k0 + kKc);
-    for (int64_t p = 0; p < N; p += kBN) {
-      const int64_t tn = std::min<int64_t>(kBN, N - p);
-      const float* wp;
-      const float* pf = nullptr;
-      if constexpr (std::is_same_v<W, float>) {
-        wp = w + p * K;
-        if (p + 2 * kBN <= N) pf = wp + kBN * K;
-      } else {
-        for (int64_t i = 0; i < tn; ++i)
-          for (int64_t k = k0; k < k1; ++k) wide[i * K + k] = widen(w[(p + i) * K + k]);
-        wp = wide;
-      }
-      for (int64_t v = 0; v < vecs;) {
-        const int64_t m0 = v * kLanes;
-        if (tn == kBN && v + kBV <= vecs) {
-          bcast_tile<kBN, kBV, true>(wp, K, xt, Mp, yt, Mp, N, k0, k1, m0, p, pf);
-          v += kBV;
-          continue;
-        }
-        if (tn == kBN)
-          bcast_tile<kBN, 1, true>(wp, K, xt, Mp, yt, Mp, N, k0, k1, m0, p);
-        else
-          for (int64_t i = 0; i < tn; ++i)
-            bcast_tile<1, 1, true>(wp + i * K, K, xt, Mp, yt, Mp, N, k0, k1, m0, p + i);
-        ++v;
-      }
-    }
-  }
-}
 
 // Up to this many tokens an expert's weight rows are streamed one at a time, each dotted with
 // every token (dot_stream: one sequential read, which the prefetchers follow): the 8-row dot

@@ -19,7 +19,7 @@ namespace {
 #include "gemm_blocks.h"
 
 // scale (nullable) [N]: int8 weights' per-row scales, applied to each panel's columns as
-// soon as they are final.
+// they go from the panel's y^T into y.
 template <typename W>
 void linear_bcast(const float* x, const W* w, const float* scale, float* y, int64_t M,
                   int64_t N, int64_t K) {
@@ -34,14 +34,14 @@ void linear_bcast(const float* x, const W* w, const float* scale, float* y, int6
       for (int64_t m = 0; m < M; ++m) row[m] = x[m * K + k];
       for (int64_t m = M; m < Mp; ++m) row[m] = 0.0f;
     }
-    std::vector<float> wide(std::is_same_v<W, float> ? 0 : kBN * K);
+    std::vector<float> wide(std::is_same_v<W, float> ? 0 : kBN * K), yt(kBN * Mp);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * kBN, rows = std::min<int64_t>(kBN, N - n0);
-      bcast_rows(w + n0 * K, rows, K, xt.get(), Mp, y, M, N, n0, wide.data());
-      if (scale != nullptr)
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = n0; n < n0 + rows; ++n) y[m * N + n] *= scale[n];
+      bcast_rows(w + n0 * K, rows, K, xt.get(), Mp, yt.data(), wide.data());
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t i = 0; i < rows; ++i)
+          y[m * N + n0 + i] = yt[i * Mp + m] * (scale != nullptr ? scale[n0 + i] : 1.0f);
     }
   }
 }

@@ -91,6 +91,18 @@ void decay_gate(const float* __restrict f, const float* __restrict dt_bias, floa
   map_lanes(decay, decay, K, [a](auto u) { return vexp(-a * vsoftplus(u)); });
 }
 
+// dst = w * (o / rms(o)) * sigmoid(z) over one head's V outputs (fla's FusedRMSNormGated, the
+// KDA output norm); gate: V floats of scratch. The decode step and the prefill's norm
+// (gated_rmsnorm_f32) share it, so a token normalises the same either way.
+void gated_norm_row(const float* o, const float* z, const float* w, int64_t V, float eps,
+                    float* gate, float* dst) {
+  float ms = 0.0f;
+#pragma omp simd reduction(+ : ms)
+  for (int64_t j = 0; j < V; ++j) ms += o[j] * o[j];
+  const float r = 1.0f / std::sqrt(ms / static_cast<float>(V) + eps);
+  map_lanes(z, gate, V, [](auto x) { return vsigmoid(x); });
+  for (int64_t j = 0; j < V; ++j) dst[j] = w[j] * (o[j] * r) * gate[j];
+}
 
 // The per-row inputs of the prefill scan once prepared: q and k L2-normalised (q scaled),
 // decay = exp(gate), beta after its sigmoid; v and out as given.
@@ -98,6 +110,7 @@ struct Prepared {
   const float* qn; const float* kn; const float* decay; const float* bt; const float* v;
   float* out;
   int64_t H, K, V;
+  int64_t v_stride;  // between tokens' v rows (v may be a column slice of the conv output)
 };
 
 template <typename Vec> inline Vec vload(const float* p) {
@@ -158,7 +171,7 @@ void scan_columns(const Prepared& in, float* __restrict S, int64_t h, int64_t c0
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t r = t * H + h;
     for (int n = 0; n < N; ++n)
-      delta[n] = (vload<Vec>(in.v + r * V + c0 + n * W) - pred[n]) * in.bt[r];
+      delta[n] = (vload<Vec>(in.v + t * in.v_stride + h * V + c0 + n * W) - pred[n]) * in.bt[r];
     float* dst = snap != nullptr && snap[t] >= 0 ? snap_base + snap[t] * slot_stride : nullptr;
     const bool next = t + 1 < t1;
     if (dst != nullptr)
@@ -208,25 +221,32 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
       const float bt = sigmoidf(beta[t * H + h]);
 
       delta_step(S, q, k, v, decay, bt, K, V, pred, o);
-      float ms = 0.0f;
-#pragma omp simd reduction(+ : ms)
-      for (int64_t j = 0; j < V; ++j) ms += o[j] * o[j];
-      const float r = 1.0f / std::sqrt(ms / static_cast<float>(V) + eps);
-      float* gate = pred;  // free again: the output gate's sigmoid, vectorised
-      map_lanes(z + (t * H + h) * V, gate, V, [](auto x) { return vsigmoid(x); });
-      float* dst = out + (t * H + h) * V;
-      for (int64_t j = 0; j < V; ++j) dst[j] = norm_w[j] * (o[j] * r) * gate[j];
+      // pred is free again: the gate's scratch
+      gated_norm_row(o, z + (t * H + h) * V, norm_w, V, eps, pred, out + (t * H + h) * V);
     }
   }
 }
 
+// The KDA output norm over rows of V (`gated_rmsnorm`'s contract, as the decode step computes
+// it): o, z, out [rows, V]; w [V].
+void gated_rmsnorm_f32(const float* o, const float* z, const float* w, float* out,
+                       int64_t rows, int64_t V, float eps) {
+#pragma omp parallel for schedule(static) if (rows * V >= (1 << 15))
+  for (int64_t r = 0; r < rows; ++r) {
+    float gate[kMaxDim];
+    gated_norm_row(o + r * V, z + r * V, w, V, eps, gate, out + r * V);
+  }
+}
+
 // Causal depthwise conv + SiLU over B packed sequences (`short_conv`'s contract), continuing
-// from and updating each slot's window. x, out [T, C]; wt [W, C] (the weight transposed, so a
+// from and updating each slot's window. x [T, C] with rows x_stride apart (the layer's qkv is
+// a column slice of its input projection); out [T, C]; wt [W, C] (the weight transposed, so a
 // tap is contiguous over channels and the channel loop vectorises; tap W-1 is the current
 // token); conv_state [N, W-1, C] oldest first; slots [B]; cu [B+1]. One task per (sequence,
 // block of channels): tokens in order, the window in registers for the block.
-void short_conv_f32(const float* x, const float* wt, float* conv_state, const int64_t* slots,
-                    const int64_t* cu, float* out, int64_t B, int64_t C, int64_t W) {
+void short_conv_f32(const float* x, int64_t x_stride, const float* wt, float* conv_state,
+                    const int64_t* slots, const int64_t* cu, float* out, int64_t B, int64_t C,
+                    int64_t W) {
   constexpr int64_t kCols = 256;
   const int64_t cblocks = (C + kCols - 1) / kCols;
 #pragma omp parallel for schedule(static)
@@ -235,7 +255,7 @@ void short_conv_f32(const float* x, const float* wt, float* conv_state, const in
     const int64_t n = std::min(C, c0 + kCols) - c0;
     float* cs = conv_state + slots[b] * (W - 1) * C + c0;
     for (int64_t t = cu[b]; t < cu[b + 1]; ++t) {
-      const float* xr = x + t * C + c0;
+      const float* xr = x + t * x_stride + c0;
       float* yr = out + t * C + c0;
       const float* wl = wt + (W - 1) * C + c0;
 #pragma omp simd
@@ -254,12 +274,13 @@ void short_conv_f32(const float* x, const float* wt, float* conv_state, const in
   }
 }
 
-// The delta rule over packed prefill sequences (`kda_chunk`'s contract, with the decay
-// exp(gate) computed by the caller, where torch vectorises the exps): q, k [T, H, K] post
-// conv, v [T, H, V], decay [T, H, K], beta [T, H] logits; sequence b is rows cu[b]..cu[b+1]
-// and continues from state slot slots[b]; out [T, H, V] (before the norm). snap (nullable)
-// [T]: where snap[t] >= 0 the state after row t is also copied to that pool row
-// (prefix-cache snapshots inside a chunk). scratch: 2 T H K + T H floats.
+// The delta rule over packed prefill sequences (`kda_chunk`'s contract): q, k [T, H, K] post
+// conv and v [T, H, V], each token's row `*_stride` floats after the previous one (column
+// slices of the conv output need no copy); f [T, H, K] the raw gate, its decay computed here
+// as the decode step does (decay_gate); beta [T, H] logits, rows beta_stride apart; sequence
+// b is rows cu[b]..cu[b+1] and continues from state slot slots[b]; out [T, H, V] (before the
+// norm). snap (nullable) [T]: where snap[t] >= 0 the state after row t is also copied to
+// that pool row (prefix-cache snapshots inside a chunk). scratch: 3 T H K + T H floats.
 //
 // A token-serial scan, split by value columns: column j of the state evolves on its own
 // (its prediction k^T S[:, j] and its update need no other column), so each task runs one
@@ -267,21 +288,26 @@ void short_conv_f32(const float* x, const float* wt, float* conv_state, const in
 // One sweep over the block per token: the update and readout of token t fused with the
 // decay and prediction of token t+1 (two sweeps per token before: 3.7 us per head-token on
 // the bench shapes, the state streaming from L2).
-void kda_prefill_f32(const float* q_in, const float* k_in, const float* v_in,
-                     const float* decay, const float* beta, float* state,
-                     const int64_t* slots, const int64_t* cu, const int64_t* snap, float* out,
-                     int64_t B, int64_t H, int64_t K, int64_t V, int64_t T, float* scratch) {
+void kda_prefill_f32(const float* q_in, const float* k_in, const float* v_in, int64_t q_stride,
+                     int64_t k_stride, int64_t v_stride, const float* f, const float* beta,
+                     int64_t beta_stride, const float* A_log, const float* dt_bias,
+                     float* state, const int64_t* slots, const int64_t* cu, const int64_t* snap,
+                     float* out, int64_t B, int64_t H, int64_t K, int64_t V, int64_t T,
+                     float* scratch) {
   float* qn = scratch;
   float* kn = scratch + T * H * K;
-  float* bt = scratch + 2 * T * H * K;
+  float* decay = scratch + 2 * T * H * K;
+  float* bt = scratch + 3 * T * H * K;
   const float qscale = 1.0f / std::sqrt(static_cast<float>(K));
 #pragma omp parallel for schedule(static)
   for (int64_t row = 0; row < T * H; ++row) {
-    for (int64_t i = 0; i < K; ++i) qn[row * K + i] = q_in[row * K + i];
-    for (int64_t i = 0; i < K; ++i) kn[row * K + i] = k_in[row * K + i];
+    const int64_t t = row / H, h = row % H;
+    std::memcpy(qn + row * K, q_in + t * q_stride + h * K, K * sizeof(float));
+    std::memcpy(kn + row * K, k_in + t * k_stride + h * K, K * sizeof(float));
     l2norm(qn + row * K, K, qscale);
     l2norm(kn + row * K, K, 1.0f);
-    bt[row] = sigmoidf(beta[row]);
+    decay_gate(f + row * K, dt_bias + h * K, A_log[h], K, decay + row * K);
+    bt[row] = sigmoidf(beta[t * beta_stride + h]);
   }
   // column pieces: blocks of 2 vectors, then 1 vector, then single columns
   constexpr int64_t kWide = 2 * kLanes;
@@ -291,7 +317,7 @@ void kda_prefill_f32(const float* q_in, const float* k_in, const float* v_in,
   for (; c + kLanes <= V; c += kLanes) pieces.push_back({c, 1});
   for (; c < V; ++c) pieces.push_back({c, 0});
   const int64_t P = static_cast<int64_t>(pieces.size());
-  const Prepared in{qn, kn, decay, bt, v_in, out, H, K, V};
+  const Prepared in{qn, kn, decay, bt, v_in, out, H, K, V, v_stride};
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t task = 0; task < B * H * P; ++task) {
     const int64_t b = task / (H * P), h = task / P % H;
