@@ -374,21 +374,27 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
 
 
 def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """oneDNN's AVX-512 code wins from 5 rows; its AVX2 code only above 96 (64 for inputs wider
-    than 512 or a large weight). The native MoE kernel runs an expert's tokens as blocks
-    from 16 of them on AVX-512, from 8 elsewhere."""
+    """oneDNN's AVX-512 code wins from 5 rows on AMD, from 17 on Intel (9 for a large
+    weight); its AVX2 code only above 96 (64 for inputs wider than 512 or a large weight).
+    The native MoE kernel runs an expert's tokens as blocks from 16 of them on AVX-512, from
+    8 elsewhere."""
     from kdaserve.kernels.native import ops
 
     large, wide = ops.LARGE_WEIGHT, ops.WIDE_INPUT
-    for isa, elements, K, cap in (("AVX512", 2**16, 256, 4), ("AVX512", large, 768, 4),
-                                  ("AVX2", 2**16, 256, 96), ("AVX2", 2**20, wide, 96),
-                                  ("AVX2", 2**20, wide + 1, 64), ("AVX2", large, 256, 64),
-                                  ("DEFAULT", 2**20, 256, 96)):
+    for isa, vendor, elements, K, cap in (
+            ("AVX512", "AuthenticAMD", 2**16, 256, 4), ("AVX512", "AuthenticAMD", large, 768, 4),
+            ("AVX512", "GenuineIntel", 2**16, 256, 16), ("AVX512", "GenuineIntel", large, 768, 8),
+            ("AVX2", "GenuineIntel", 2**16, 256, 96), ("AVX2", "AuthenticAMD", 2**20, wide, 96),
+            ("AVX2", "", 2**20, wide + 1, 64), ("AVX2", "", large, 256, 64),
+            ("DEFAULT", "", 2**20, 256, 96)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
+        monkeypatch.setattr(ops, "cpu_vendor", lambda vendor=vendor: vendor)
         ops.avx512.cache_clear()
         assert ops.onednn_native_max_rows(elements, K) == cap
         assert ops.moe_blocked_from() == (16 if isa == "AVX512" else 8)
     ops.avx512.cache_clear()
+    monkeypatch.undo()
+    assert ops.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")  # this host's
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 33, 64])

@@ -222,6 +222,20 @@ _WEIGHT_KERNELS = {torch.float32: ("linear_small_f32", "moe_experts_f32"),
 
 
 @functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where unknown): the same
+    instruction set runs at different rates on each, and oneDNN's small products with it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
 def avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
@@ -378,6 +392,12 @@ LARGE_WEIGHT_MAX_ROWS = 128
 # 256 x 256 61 / 23, 69 / 40, 79 / 59, 65 / 65; the 100k x 768 lm_head at 16 / 32 / 64 /
 # 128 rows, ms, 38 / 59, 53 / 68, 93 / 159, 331 / 234).
 ONEDNN_NATIVE_MAX_ROWS = 4
+# On Intel's AVX-512 (a 2-core Sapphire Rapids Xeon, stop 33, after the broadcast tiles came to
+# store y^T whole) oneDNN's small products are slower, and the crossover is far later (ms
+# native / oneDNN, best of 3 alternated: 2566 x 768 at 8 / 16 / 32 / 64 rows 0.36 / 0.61,
+# 0.63 / 0.79, 1.20 / 1.19, 1.95 / 1.90; 768 x 768 at 16 0.16 / 0.22, at 64 0.61 / 0.51; the
+# 100k-row lm_head at 8 / 16 23.7 / 25.7, 37.1 / 34.9).
+ONEDNN_NATIVE_MAX_ROWS_INTEL, ONEDNN_NATIVE_MAX_ROWS_INTEL_LARGE = 16, 8
 ONEDNN_NATIVE_MAX_ROWS_AVX2 = 96
 ONEDNN_NATIVE_MAX_ROWS_AVX2_WIDE = 64
 WIDE_INPUT = 512
@@ -386,6 +406,9 @@ WIDE_INPUT = 512
 def onednn_native_max_rows(elements: int, K: int) -> int:
     """Up to how many rows an fp32 weight of `elements` with inputs K wide stays on the native
     GEMM when oneDNN is there."""
+    if avx512() and cpu_vendor() == "GenuineIntel":
+        return ONEDNN_NATIVE_MAX_ROWS_INTEL_LARGE if elements >= LARGE_WEIGHT \
+            else ONEDNN_NATIVE_MAX_ROWS_INTEL
     if avx512():
         return ONEDNN_NATIVE_MAX_ROWS
     if elements >= LARGE_WEIGHT or K > WIDE_INPUT:
