@@ -183,17 +183,21 @@ def test_tp2_times_dp2(tiny_ckpt: Path, tmp_path: Path, llm: LLM,
 
 def test_dp_attention_rank_death_takes_the_server_down(tiny_ckpt: Path,
                                                        tmp_path: Path) -> None:
-    """A DP-attention rank that dies breaks the group: its peer's next step fails, requests
-    get 503, and the server exits 1 with no process left."""
+    """A DP-attention rank that dies breaks the group: its peer's next step fails, the
+    request in flight gets 503, and the server exits 1 with no process left. (The request is
+    sent before the kill: sent after it, it raced the server's exit and found no server.)"""
     s = start_server(tiny_ckpt, tmp_path, "--dp-size", "2", "--enable-dp-attention",
                      "--ep-size", "2")
     ranks = [p for p in children(s.pid) if "spawn_main" in cmdline(p)]
     assert len(ranks) == 2
     tree = descendants(s.pid)
-    kill(ranks[1:])
-    r = httpx.post(f"{s.url}/generate", timeout=60, json={
-        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2},
-        "data_parallel_rank": 0})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{s.url}/generate", timeout=60, json={
+            "input_ids": [1, 2, 3], "data_parallel_rank": 0,
+            "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}})
+        time.sleep(0.5)  # decoding by now (2,000 tokens take the tiny model seconds)
+        kill(ranks[1:])
+        r = pending.result()
     assert r.status_code == 503, r.text
     assert s.proc.wait(timeout=30) == 1
     deadline = time.monotonic() + 10
