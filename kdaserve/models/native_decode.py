@@ -29,9 +29,9 @@ if TYPE_CHECKING:
     from kdaserve.forward_batch import ForwardBatch
     from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
-# decode_step.cpp's `Layer`: 92 int64 fields, then 4 doubles; `Model`: 4 int64, 1 double
+# decode_step.cpp's `Layer`: 92 int64 fields, then 4 doubles; `Model`: 5 int64, 1 double
 _LAYER = struct.Struct("<92q4d")
-_MODEL = struct.Struct("<4qd")
+_MODEL = struct.Struct("<5qd")
 _WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _NONE = (0, 0, 0, 0, 0)  # an absent projection
 
@@ -194,5 +194,5 @@ class NativeDecode:
             routed = c.routed_scaling_factor if isinstance(mlp, MoE) else 0.0
             layers.append(_LAYER.pack(*f, *q_lora, kda_eps, mla_scale, latent_eps, routed))
         head = _MODEL.pack(len(m.layers), c.hidden_size, _f32(m.embed_tokens.weight),
-                           _f32(m.norm.weight), c.rms_norm_eps)
+                           _f32(m.norm.weight), native.moe_blocked_from(), c.rms_norm_eps)
         return head, b"".join(layers), min(caps)

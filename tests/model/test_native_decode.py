@@ -118,7 +118,7 @@ def test_native_decode_follows_replaced_weights(tiny_ckpt: Path) -> None:
     # the plan points at the tensors as they are now
     model = llm.model
     native = checked.native
-    head = struct.unpack("<4qd", native._current_plan(llm.engine.states, llm.engine.blocks)[0])
+    head = struct.unpack("<5qd", native._current_plan(llm.engine.states, llm.engine.blocks)[0])
     assert head[2:4] == (model.embed_tokens.weight.data_ptr(), model.norm.weight.data_ptr())
 
 
@@ -136,3 +136,18 @@ def test_native_decode_keeps_to_the_row_caps(tiny_ckpt: Path,
     decode(llm, 4)
     decode(llm, 5)
     assert (checked.calls, checked.skipped) == (3, 3)
+
+
+def test_native_decode_runs_experts_as_the_per_op_forward(tiny_ckpt: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An expert with enough tokens runs as token blocks, which sum in another order than the
+    split weight rows: the one-call forward takes the per-op forward's choice (forced here
+    down to 2 tokens, so a batch of 16 over 8 experts blocks some and splits others)."""
+    from kdaserve.kernels.native import ops
+
+    monkeypatch.setattr(ops, "moe_blocked_from", lambda: 2)
+    llm = LLM(tiny_ckpt)
+    checked = Checked(llm)
+    llm.model.native_decode = checked
+    decode(llm, 16, seed=3)
+    assert checked.calls == 3

@@ -78,6 +78,7 @@ struct Layer {
 
 struct Model {
   int64_t num_layers, hidden, embed, final_norm;
+  int64_t moe_blocked_from;  // as the per-op forward passes it (ops.moe_blocked_from)
   double eps;
 };
 
@@ -178,7 +179,10 @@ void mlp(const Linear& gate_up, const Linear& down, const float* x, float* out, 
   linear(down, act, out, B);
 }
 
-void moe_layer(const Layer& L, const float* x, float* out, int64_t B, int64_t D, Scratch& s) {
+// blocked_from: the per-op forward's choice, so both forwards run an expert's tokens the same
+// way (token blocks or split weight rows sum in different orders)
+void moe_layer(const Layer& L, const float* x, float* out, int64_t B, int64_t D,
+               int64_t blocked_from, Scratch& s) {
   const int64_t E = L.experts, k = L.top_k;
   std::vector<float> logits(B * E), weights(B * k), shared;
   std::vector<int64_t> ids(B * k);
@@ -186,19 +190,16 @@ void moe_layer(const Layer& L, const float* x, float* out, int64_t B, int64_t D,
   moe_route_f32(logits.data(), L.router_bias ? ptr<float>(L.router_bias) : nullptr,
                 weights.data(), ids.data(), B, E, k, L.groups, L.topk_group, L.renormalize,
                 L.sigmoid, static_cast<float>(L.routed_scaling));
-  // a one-call step has a few rows (native_decode.py), too few for any expert to run as
-  // token blocks: its experts' weight rows are split over the threads
-  constexpr int64_t kNeverBlocked = INT64_MAX;
   if (L.expert_dtype == 1)
     moe_experts_bf16w(x, ids.data(), weights.data(), ptr<uint16_t>(L.w13), ptr<uint16_t>(L.w2),
-                      out, B, k, E, L.expert_inter, D, kNeverBlocked);
+                      out, B, k, E, L.expert_inter, D, blocked_from);
   else if (L.expert_dtype == 2)
     moe_experts_int8w(x, ids.data(), weights.data(), ptr<int8_t>(L.w13), ptr<int8_t>(L.w2),
                       ptr<float>(L.s13), ptr<float>(L.s2), out, B, k, E, L.expert_inter, D,
-                      kNeverBlocked);
+                      blocked_from);
   else
     moe_experts_f32(x, ids.data(), weights.data(), ptr<float>(L.w13), ptr<float>(L.w2), out, B,
-                    k, E, L.expert_inter, D, kNeverBlocked);
+                    k, E, L.expert_inter, D, blocked_from);
   if (L.gate_up.w) {
     shared.resize(B * D);
     mlp(L.gate_up, L.down, x, shared.data(), B, s);
@@ -235,7 +236,7 @@ void decode_forward_f32(const Model* model, const Layer* layers, const int64_t* 
     rms_norm_f32(h.data(), D, ptr<float>(L.post_norm), x.data(), B, D,
                  static_cast<float>(model->eps));
     if (L.is_moe)
-      moe_layer(L, x.data(), y.data(), B, D, s);
+      moe_layer(L, x.data(), y.data(), B, D, model->moe_blocked_from, s);
     else
       mlp(L.gate_up, L.down, x.data(), y.data(), B, s);
     add(h.data(), y.data(), B * D);
