@@ -41,9 +41,6 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
-// Below this much work an OpenMP team costs more than it saves (row ops of a decode step).
-constexpr int64_t kParallelMin = 1 << 15;
-
 // 1 / rms(x) with eps, as KimiRMSNorm: rsqrt(mean(x^2) + eps).
 inline float inv_rms(const float* x, int64_t n, float eps) {
   return 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);

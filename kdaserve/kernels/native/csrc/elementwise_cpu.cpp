@@ -15,9 +15,6 @@ namespace {
 #include "tiles.h"
 #include "vmath.h"
 
-// below this many outputs one thread does it all (an OpenMP team's fork costs more)
-constexpr int64_t kParallelMin = 1 << 15;
-
 }  // namespace
 
 extern "C" {

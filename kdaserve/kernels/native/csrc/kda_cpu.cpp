@@ -231,7 +231,7 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
 // it): o, z, out [rows, V]; w [V].
 void gated_rmsnorm_f32(const float* o, const float* z, const float* w, float* out,
                        int64_t rows, int64_t V, float eps) {
-#pragma omp parallel for schedule(static) if (rows * V >= (1 << 15))
+#pragma omp parallel for schedule(static) if (rows * V >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r) {
     float gate[kMaxDim];
     gated_norm_row(o + r * V, z + r * V, w, V, eps, gate, out + r * V);

@@ -19,6 +19,10 @@ constexpr int kTileN = 8, kTileM = 1;
 #endif
 constexpr int kLanes = sizeof(vtile) / sizeof(float);
 
+// Below this many outputs a row-wise op runs on one thread: an OpenMP team's fork costs more
+// than it saves on a decode step's few rows.
+constexpr int64_t kParallelMin = 1 << 15;
+
 inline vtile load_tile(const float* p) {
   vtile v;
   __builtin_memcpy(&v, p, sizeof(v));
