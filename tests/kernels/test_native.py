@@ -321,8 +321,9 @@ def test_gemm_row_padding_keeps_few_shapes() -> None:
 
 def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     """With oneDNN, fp32 weights use the native GEMM only up to onednn_native_max_rows rows;
-    bf16 weights keep it up to QUANTIZED_MAX_ROWS (oneDNN would need them widened first).
-    Every result equals F.linear on the fp32 values."""
+    bf16 weights keep it up to QUANTIZED_MAX_ROWS (oneDNN would need them widened first), or
+    at every row count where AMX runs them. Every result equals F.linear on the fp32
+    values."""
     from kdaserve.kernels.cpu.gemm import gemm, onednn_usable
     from kdaserve.kernels.native import ops
 
@@ -334,7 +335,7 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
     for rows, weight, native in ((cap, w, True), (cap + 1, w, False),
                                  (300, w, False), (9, w.bfloat16(), True),
                                  (ops.QUANTIZED_MAX_ROWS, w.bfloat16(), True),
-                                 (ops.QUANTIZED_MAX_ROWS + 1, w.bfloat16(), False)):
+                                 (ops.QUANTIZED_MAX_ROWS + 1, w.bfloat16(), ops.amx())):
         calls.clear()
         x = torch.randn(1, rows, 40, generator=g)
         want = torch.nn.functional.linear(x, weight.float())
@@ -373,14 +374,22 @@ def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("K", [40, 768])
 def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
     """Weight-only bf16: fp32 activations against bf16 weights, widened in registers (1-3
-    rows) or per block (more rows); equal to fp32 arithmetic on the same (bf16) values."""
+    rows) or per block (more rows); equal to fp32 arithmetic on the same (bf16) values. From
+    16 rows on an AMX host the tiles take them (within test_native_amx's bound)."""
+    from kdaserve.kernels.native import ops
+    from tests.kernels.test_native_amx import bound
+
     g = gen(rows + K)
     x = torch.randn(rows, K, generator=g)
     w = torch.randn(130, K, generator=g).bfloat16()
     y = linear_native(x, w)
     assert y.dtype == torch.float32
-    torch.testing.assert_close(y, torch.nn.functional.linear(x, w.float()), atol=1e-4,
-                               rtol=1e-5)
+    if ops.amx() and rows >= 16:
+        err = (y.double() - x.double() @ w.double().t()).abs()
+        assert bool((err <= bound(x, w)).all())
+    else:
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w.float()), atol=1e-4,
+                                   rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 33, 64])

@@ -40,7 +40,7 @@ class Library:
 
 LIBRARIES = {
     "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp", "moe_cpu.cpp", "mla_cpu.cpp",
-                        "elementwise_cpu.cpp", "decode_step.cpp"), (), {
+                        "elementwise_cpu.cpp", "decode_step.cpp", "amx_cpu.cpp"), (), {
         "kda_decode_f32": [_P] * 13 + [_I] * 5 + [_F],
         "kda_prefill_f32": [_P] * 3 + [_I] * 3 + [_P] * 2 + [_I] + [_P] * 7 + [_I] * 5 + [_P],
         "gated_rmsnorm_f32": [_P] * 4 + [_I] * 2 + [_F],
@@ -54,6 +54,8 @@ LIBRARIES = {
         "moe_experts_f32": [_P] * 6 + [_I] * 6,
         "linear_small_f32": [_P] * 3 + [_I] * 3,
         "linear_small_bf16w": [_P] * 3 + [_I] * 3,
+        "linear_amx_ready": ([], _I),
+        "linear_amx_bf16w": ([_P] * 3 + [_I] * 3, _I),
         "moe_experts_bf16w": [_P] * 6 + [_I] * 6,
         "linear_small_int8w": [_P] * 4 + [_I] * 3,
         "moe_experts_int8w": [_P] * 8 + [_I] * 6,
