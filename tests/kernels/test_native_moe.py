@@ -45,6 +45,8 @@ def test_moe_experts_match_reference(T: int, backend: str) -> None:
 @pytest.mark.parametrize("blocked_from", [1, 2**40])
 @pytest.mark.parametrize("T", [1, 5, 200])
 def test_moe_native_with_bf16_weights(T: int, blocked_from: int) -> None:
+    """Both paths; on an AMX host the token blocks run on the tiles (amx_cpu.cpp), with
+    padded panels (2I = 48 rows) and partial chunks (D = 40, I = 24)."""
     g = gen(T)
     E, D, inter, k = 6, 40, 24, 2
     x = torch.randn(T, D, generator=g)

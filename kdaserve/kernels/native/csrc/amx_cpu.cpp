@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #endif
 #include <memory>
+#include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__linux__)
@@ -63,62 +64,63 @@ constexpr int64_t kPanel = 32;   // weight rows per task (two A tiles)
 constexpr int64_t kCols = 32;    // activation columns per output block (two B tiles)
 constexpr int64_t kTile = 256;   // dwords in a tile
 
-inline uint32_t pair(bf16 a, bf16 b) { return static_cast<uint32_t>(a) | static_cast<uint32_t>(b) << 16; }
-
-inline bf16 to_bf16(float x) {  // round to nearest even (as VCVTNEPS2BF16)
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<bf16>(u >> 16);
+// One chunk of an activation row (n <= 32 values from k0; the rest read as zero) as its hi
+// and lo parts, each 16 dwords in pair order: dword i = the part's values at k0 + 2i, k0 + 2i + 1
+// (the layout of a tile column).
+inline void split_chunk(const float* row, int64_t n, __m512i& hbits, __m512i& lbits) {
+  __m512 v0, v1;
+  if (n == kChunk) {
+    v0 = _mm512_loadu_ps(row);
+    v1 = _mm512_loadu_ps(row + 16);
+  } else {
+    const int64_t n0 = std::min<int64_t>(16, n), n1 = n - n0;
+    v0 = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n0) - 1), row);
+    v1 = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n1) - 1), row + 16);
+  }
+  const __m512bh hi = _mm512_cvtne2ps_pbh(v1, v0);
+  std::memcpy(&hbits, &hi, sizeof(hbits));
+  // hi widened back to fp32: the even k values are the dwords' low halves, the odd the high
+  // ones; interleaved again into k order to subtract from v0 (k0..k0+15) and v1
+  const __m512i even = _mm512_slli_epi32(hbits, 16);
+  const __m512i odd = _mm512_and_si512(hbits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second =
+      _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  const __m512 h0 = _mm512_castsi512_ps(_mm512_permutex2var_epi32(even, first, odd));
+  const __m512 h1 = _mm512_castsi512_ps(_mm512_permutex2var_epi32(even, second, odd));
+  const __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, h1), _mm512_sub_ps(v0, h0));
+  std::memcpy(&lbits, &lo, sizeof(lbits));
 }
 
-inline float widen(bf16 h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// x [M, K] -> B tiles: activation column j = 2m + part (hi, lo), tile (jb, kc) holds columns
-// [16 jb, 16 jb + 16) over k in [32 kc, 32 kc + 32): dword (kk, c) = the column's values at
-// k = 32 kc + 2 kk and the next one. xb is zeroed beforehand (padding rows and k).
-void pack_split(const float* x, int64_t M, int64_t K, int64_t nkc, uint32_t* xb) {
-#pragma omp parallel for schedule(static)
-  for (int64_t m = 0; m < M; ++m) {
-    alignas(64) bf16 hi[16], lo[16];
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {
-      const int64_t n = std::min<int64_t>(16, K - k0);
-      if (n == 16) {
-        const __m512 v = _mm512_loadu_ps(x + m * K + k0);
-        const __m256bh h = _mm512_cvtneps_pbh(v);
-        std::memcpy(hi, &h, sizeof(hi));
-        const __m512 hw = _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_load_si256(
-                                  reinterpret_cast<const __m256i*>(hi))), 16));
-        const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, hw));
-        std::memcpy(lo, &l, sizeof(lo));
-      } else {
-        for (int64_t i = 0; i < 16; ++i) {
-          const float v = i < n ? x[m * K + k0 + i] : 0.0f;
-          hi[i] = to_bf16(v);
-          lo[i] = to_bf16(v - widen(hi[i]));
-        }
-      }
-      for (int64_t i = 0; i < 16; i += 2) {
-        const int64_t k = k0 + i, kc = k / kChunk, kk = (k % kChunk) / 2;
-        for (int part = 0; part < 2; ++part) {
-          const int64_t j = 2 * m + part, jb = j / 16, c = j % 16;
-          const bf16* v = part == 0 ? hi : lo;
-          xb[(jb * nkc + kc) * kTile + kk * 16 + c] = pair(v[i], v[i + 1]);
-        }
+// x [M, K] -> B tiles: rows 16 g .. 16 g + 15 of x are columns 32 g + c (hi parts) and
+// 32 g + 16 + c (lo parts), c = m - 16 g; tile (jb, kc) holds columns [16 jb, 16 jb + 16) over
+// k in [32 kc, 32 kc + 32): dword (kk, c) = the column's values at k = 32 kc + 2 kk and the
+// next one, so each chunk of a row's part is scattered down its tile column. xb is zeroed
+// beforehand (padding rows and k). The scalar packing (a pair and an index per store) was a
+// third of an expert block's time. Tasks are tile pairs (16 rows, one chunk): split by rows,
+// two threads wrote halves of the same cache lines (16 x 2566 x 768 15% slower).
+void pack_split(const float* x, int64_t M, int64_t K, int64_t nkc, uint32_t* xb,
+                bool parallel) {
+  const __m512i down = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+  const int64_t groups = (M + 15) / 16;
+#pragma omp parallel for schedule(static) collapse(2) if (parallel)
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t kc = 0; kc < nkc; ++kc) {
+      uint32_t* hi_tile = xb + (2 * g * nkc + kc) * kTile;
+      for (int64_t m = 16 * g; m < std::min(M, 16 * g + 16); ++m) {
+        __m512i hbits, lbits;
+        split_chunk(x + m * K + kc * kChunk, std::min(kChunk, K - kc * kChunk), hbits, lbits);
+        _mm512_i32scatter_epi32(hi_tile + m % 16, down, hbits, 4);
+        _mm512_i32scatter_epi32(hi_tile + nkc * kTile + m % 16, down, lbits, 4);
       }
     }
-  }
 }
 
-// The 32 x 32 outputs of one panel of 32 weight rows (a, stride lda) against the 32 split
-// activation columns of B tiles b0 (columns 0-15) and b1 (16-31) over nkc chunks of k,
-// added pairwise (hi + lo) into y rows m0 .. m1 (at most 16), columns n0 .. n0 + rows.
+// The 32 x 32 outputs of one panel of 32 weight rows (a, stride lda) against the split
+// activations of x rows m0 .. m1 (at most 16): B tiles b0 (their hi parts) and b1 (lo) over
+// nkc chunks of k; hi + lo summed as vectors into y columns n0 .. n0 + rows (a scalar add and
+// store per output was a sixth of an expert block's time).
 inline void panel_block(const bf16* a, int64_t lda, const uint32_t* b0, const uint32_t* b1,
                         int64_t nkc, float* ct, float* y, int64_t N, int64_t n0, int64_t rows,
                         int64_t m0, int64_t m1) {
@@ -141,10 +143,54 @@ inline void panel_block(const bf16* a, int64_t lda, const uint32_t* b0, const ui
   _tile_stored(1, ct + 16, kCols * sizeof(float));
   _tile_stored(2, ct + 16 * kCols, kCols * sizeof(float));
   _tile_stored(3, ct + 16 * kCols + 16, kCols * sizeof(float));
+  // hi + lo in place (ct[n][0..15] = y^T[n][m0..m0+15]), then each y row gathered from
+  // the column of ct: L1 gathers and whole-vector stores (scattering the sums into y, 16
+  // cache lines per vector, was slower than scalar stores)
+  for (int64_t n = 0; n < kPanel; ++n)
+    _mm512_store_ps(ct + n * kCols, _mm512_add_ps(_mm512_load_ps(ct + n * kCols),
+                                                  _mm512_load_ps(ct + n * kCols + 16)));
+  const __m512i down = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int32_t>(kCols)));
+  const __mmask16 first = static_cast<__mmask16>(rows >= 16 ? 0xFFFF : (1u << rows) - 1);
+  const __mmask16 second =
+      static_cast<__mmask16>(rows >= 32 ? 0xFFFF : rows <= 16 ? 0 : (1u << (rows - 16)) - 1);
   for (int64_t m = m0; m < m1; ++m) {
-    const int64_t j = 2 * (m - m0);
-    for (int64_t n = 0; n < rows; ++n)
-      y[m * N + n0 + n] = ct[n * kCols + j] + ct[n * kCols + j + 1];
+    const float* column = ct + (m - m0);
+    _mm512_mask_storeu_ps(y + m * N + n0, first, _mm512_i32gather_ps(down, column, 4));
+    if (second != 0)
+      _mm512_mask_storeu_ps(y + m * N + n0 + 16, second,
+                            _mm512_i32gather_ps(down, column + 16 * kCols, 4));
+  }
+}
+
+// A panel's weight rows as the tiles read them: in place, or copied zero-padded into pad
+// (kPanel x Kp) where the panel runs past the weight's last row or K is not a whole number of
+// chunks (a tile row must not read past the weight, and bf16 garbage may be NaN, which a zero
+// activation would not cancel).
+inline const bf16* panel_rows(const bf16* w, int64_t N, int64_t K, int64_t Kp, int64_t n0,
+                              std::unique_ptr<bf16[]>& pad, int64_t& lda) {
+  const int64_t rows = std::min(kPanel, N - n0);
+  lda = K;
+  if (rows == kPanel && Kp == K) return w + n0 * K;
+  if (!pad) pad.reset(new bf16[kPanel * Kp]);
+  std::fill(pad.get(), pad.get() + kPanel * Kp, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    std::copy(w + (n0 + r) * K, w + (n0 + r + 1) * K, pad.get() + r * Kp);
+  lda = Kp;
+  return pad.get();
+}
+
+// Columns [j0, j1) of the packed activations xb against panel n0 of w, into y.
+inline void panel_columns(const bf16* a, int64_t lda, const uint32_t* xb, int64_t nkc,
+                          int64_t j0, int64_t j1, float* ct, float* y, int64_t M, int64_t N,
+                          int64_t n0) {
+  const int64_t rows = std::min(kPanel, N - n0);
+  for (int64_t j = j0; j < j1; j += kCols) {
+    const uint32_t* b0 = xb + (j / 16) * nkc * kTile;
+    const int64_t m0 = j / 2;
+    panel_block(a, lda, b0, b0 + nkc * kTile, nkc, ct, y, N, n0, rows, m0,
+                std::min(M, m0 + kCols / 2));
   }
 }
 
@@ -153,46 +199,62 @@ inline void panel_block(const bf16* a, int64_t lda, const uint32_t* b0, const ui
 // all 6 MB of B tiles from L3 for each panel.
 constexpr int64_t kPassCols = 256;
 
+// x's split activations as B tiles, in `buffer` (resized to fit; zeroed for the padding).
+struct Packed {
+  int64_t Kp, nkc, Jp;
+  uint32_t* xb;
+  Packed(const float* x, int64_t M, int64_t K, bool parallel, std::vector<uint32_t>& buffer)
+      : Kp((K + kChunk - 1) / kChunk * kChunk), nkc(Kp / kChunk),
+        Jp((2 * M + kCols - 1) / kCols * kCols) {
+    const size_t n = static_cast<size_t>(Jp / 16 * nkc * kTile);
+    if (buffer.size() < n) buffer.resize(n);
+    xb = buffer.data();
+    std::fill(xb, xb + n, 0u);
+    pack_split(x, M, K, nkc, xb, parallel);
+  }
+};
+
 // y [M, N] = x [M, K] w [N, K]^T, w bf16: tasks are panels of 32 weight rows, each against
 // every 32-column block of split activations (16 rows of x) of the pass.
 void linear_amx(const float* x, const bf16* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t Kp = (K + kChunk - 1) / kChunk * kChunk, nkc = Kp / kChunk;
-  const int64_t Jp = (2 * M + kCols - 1) / kCols * kCols, njb = Jp / 16;
-  std::unique_ptr<uint32_t[]> xb(new uint32_t[njb * nkc * kTile]());
-  pack_split(x, M, K, nkc, xb.get());
+  std::vector<uint32_t> buffer;
+  const Packed b(x, M, K, true, buffer);
   const int64_t panels = (N + kPanel - 1) / kPanel;
 #pragma omp parallel
   {
     configure();
     alignas(64) float ct[kPanel * kCols];
-    // a panel past N's end or with K not a whole number of chunks, copied zero-padded (a tile
-    // row must not read past the weight, and bf16 garbage may be NaN, which 0 would not cancel)
     std::unique_ptr<bf16[]> pad;
-    for (int64_t j0 = 0; j0 < Jp; j0 += kPassCols) {
-      const int64_t j1 = std::min(Jp, j0 + kPassCols);
+    for (int64_t j0 = 0; j0 < b.Jp; j0 += kPassCols) {
 #pragma omp for schedule(static) nowait
       for (int64_t p = 0; p < panels; ++p) {
-        const int64_t n0 = p * kPanel, rows = std::min(kPanel, N - n0);
-        const bf16* a = w + n0 * K;
-        int64_t lda = K;
-        if (rows < kPanel || Kp != K) {
-          if (!pad) pad.reset(new bf16[kPanel * Kp]);
-          std::fill(pad.get(), pad.get() + kPanel * Kp, 0);
-          for (int64_t r = 0; r < rows; ++r)
-            std::copy(a + r * K, a + (r + 1) * K, pad.get() + r * Kp);
-          a = pad.get();
-          lda = Kp;
-        }
-        for (int64_t j = j0; j < j1; j += kCols) {
-          const uint32_t* b0 = xb.get() + (j / 16) * nkc * kTile;
-          const int64_t m0 = j / 2;
-          panel_block(a, lda, b0, b0 + nkc * kTile, nkc, ct, y, N, n0, rows, m0,
-                      std::min(M, m0 + kCols / 2));
-        }
+        int64_t lda;
+        const bf16* a = panel_rows(w, N, K, b.Kp, p * kPanel, pad, lda);
+        panel_columns(a, lda, b.xb, b.nkc, j0, std::min(b.Jp, j0 + kPassCols), ct, y, M,
+                      N, p * kPanel);
       }
     }
     _tile_release();
   }
+}
+
+// The same product on the calling thread alone (one task of a parallel loop: an expert's
+// block of tokens), its few rows' activations packed once and every panel passed over them.
+void block_amx(const float* x, const bf16* w, float* y, int64_t M, int64_t N, int64_t K) {
+  // kept per thread: a fresh 300 KB buffer per expert block went to mmap, and its page
+  // faults cost as much as the block's products (64 experts top-8 at hidden 768, 2,048
+  // tokens: 98 ms)
+  thread_local std::vector<uint32_t> buffer;
+  const Packed b(x, M, K, false, buffer);
+  configure();
+  alignas(64) float ct[kPanel * kCols];
+  std::unique_ptr<bf16[]> pad;
+  for (int64_t n0 = 0; n0 < N; n0 += kPanel) {
+    int64_t lda;
+    const bf16* a = panel_rows(w, N, K, b.Kp, n0, pad, lda);
+    panel_columns(a, lda, b.xb, b.nkc, 0, b.Jp, ct, y, M, N, n0);
+  }
+  _tile_release();
 }
 
 #endif  // KDASERVE_AMX
@@ -217,6 +279,19 @@ int64_t linear_amx_bf16w(const float* x, const bf16* w, float* y, int64_t M, int
 #if defined(KDASERVE_AMX)
   if (!granted()) return -1;
   linear_amx(x, w, y, M, N, K);
+  return 0;
+#else
+  (void)x, (void)w, (void)y, (void)M, (void)N, (void)K;
+  return -1;
+#endif
+}
+
+// linear_amx_bf16w on the calling thread only (no OpenMP team: called from inside one).
+int64_t block_amx_bf16w(const float* x, const bf16* w, float* y, int64_t M, int64_t N,
+                        int64_t K) {
+#if defined(KDASERVE_AMX)
+  if (!granted()) return -1;
+  block_amx(x, w, y, M, N, K);
   return 0;
 #else
   (void)x, (void)w, (void)y, (void)M, (void)N, (void)K;
