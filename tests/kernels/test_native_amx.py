@@ -18,10 +18,11 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def amx_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def amx_linear(x: torch.Tensor, w: torch.Tensor, team: int = 1) -> torch.Tensor:
+    """team 1: over the OpenMP team; 0: on the calling thread (an expert block's product)."""
     y = torch.empty(x.shape[0], w.shape[0])
     rc = ops.library().linear_amx_bf16w(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[0],
-                                        w.shape[0], x.shape[1])
+                                        w.shape[0], x.shape[1], team)
     assert rc == 0
     return y
 
@@ -48,6 +49,8 @@ def test_amx_product_is_fp32_class_on_bf16_weights(M: int, N: int, K: int) -> No
     # the low part is there: rounding the activations to bf16 would err far more
     rounded = (x.bfloat16().double() @ w.double().t() - exact).abs()
     assert float(err.max()) < 0.05 * float(rounded.max())
+    # on one thread the same operations: the same bits
+    assert torch.equal(amx_linear(x, w, team=0), amx_linear(x, w))
 
 
 def test_amx_reads_nothing_past_the_weight() -> None:

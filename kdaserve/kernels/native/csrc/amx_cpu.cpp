@@ -272,29 +272,20 @@ int64_t linear_amx_ready() {
 #endif
 }
 
-// y [M, N] = x [M, K] (fp32) w [N, K]^T (bf16), on AMX tiles. Returns 0, or -1 (y untouched)
-// where linear_amx_ready() is 0.
+// y [M, N] = x [M, K] (fp32) w [N, K]^T (bf16), on AMX tiles: over the OpenMP team, or
+// (team == 0) on the calling thread alone, from inside a team's task. Returns 0, or -1 (y
+// untouched) where linear_amx_ready() is 0.
 int64_t linear_amx_bf16w(const float* x, const bf16* w, float* y, int64_t M, int64_t N,
-                         int64_t K) {
+                         int64_t K, int64_t team) {
 #if defined(KDASERVE_AMX)
   if (!granted()) return -1;
-  linear_amx(x, w, y, M, N, K);
+  if (team != 0)
+    linear_amx(x, w, y, M, N, K);
+  else
+    block_amx(x, w, y, M, N, K);
   return 0;
 #else
-  (void)x, (void)w, (void)y, (void)M, (void)N, (void)K;
-  return -1;
-#endif
-}
-
-// linear_amx_bf16w on the calling thread only (no OpenMP team: called from inside one).
-int64_t block_amx_bf16w(const float* x, const bf16* w, float* y, int64_t M, int64_t N,
-                        int64_t K) {
-#if defined(KDASERVE_AMX)
-  if (!granted()) return -1;
-  block_amx(x, w, y, M, N, K);
-  return 0;
-#else
-  (void)x, (void)w, (void)y, (void)M, (void)N, (void)K;
+  (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)team;
   return -1;
 #endif
 }

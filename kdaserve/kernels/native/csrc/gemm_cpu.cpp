@@ -17,7 +17,7 @@ extern "C" {
 // amx_cpu.cpp
 int64_t linear_amx_ready();
 int64_t linear_amx_bf16w(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
-                         int64_t K);
+                         int64_t K, int64_t team);
 }
 
 namespace {
@@ -68,7 +68,7 @@ void linear_small(const float* x, const W* w, const float* scale, float* y, int6
                   int64_t N, int64_t K) {
   if constexpr (std::is_same_v<W, bf16>) {
     if (M >= (N * K >= kLargeWeight ? kAmxFromLarge : kAmxFrom) && linear_amx_ready() == 1 &&
-        linear_amx_bf16w(x, w, y, M, N, K) == 0)
+        linear_amx_bf16w(x, w, y, M, N, K, 1) == 0)
       return;
   }
   if (M >= kLanes) return linear_bcast(x, w, scale, y, M, N, K);

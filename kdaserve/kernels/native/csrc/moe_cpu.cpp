@@ -17,8 +17,8 @@
 extern "C" {
 // amx_cpu.cpp
 int64_t linear_amx_ready();
-int64_t block_amx_bf16w(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
-                        int64_t K);
+int64_t linear_amx_bf16w(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
+                         int64_t K, int64_t team);
 }
 
 namespace {
@@ -102,9 +102,9 @@ void expert_block(const float* x, const int64_t* order, const float* weights, co
     if (linear_amx_ready() == 1) {
       for (int64_t m = 0; m < M; ++m)
         std::copy(x + (order[s0 + m] / k) * D, x + (order[s0 + m] / k + 1) * D, xt + m * D);
-      block_amx_bf16w(xt, w13 + e * 2 * I * D, ht, M, 2 * I, D);
+      linear_amx_bf16w(xt, w13 + e * 2 * I * D, ht, M, 2 * I, D, 0);
       for (int64_t m = 0; m < M; ++m) silu_mul_row(ht + m * 2 * I, ht + m * 2 * I + I, at + m * I, I);
-      block_amx_bf16w(at, w2 + e * D * I, yt, M, D, I);
+      linear_amx_bf16w(at, w2 + e * D * I, yt, M, D, I, 0);
       for (int64_t m = 0; m < M; ++m) {
         const float wt = weights[order[s0 + m]];
         for (int64_t d = 0; d < D; ++d) ys[(s0 + m) * D + d] = yt[m * D + d] * wt;
