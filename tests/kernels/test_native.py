@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from kdaserve.kernels import resolve_kernels
-from kdaserve.kernels.cpu.decode import kda_decode_cpu
+from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu
 from kdaserve.kernels.native import batch_invariant as bi
 from kdaserve.kernels.native import build
+from kdaserve.kernels.native import ops as native_ops
 from kdaserve.kernels.native.ops import (
+    VERIFY_MAX_TOKENS,
     kda_chunk_native,
     kda_decode_native,
     linear_native,
@@ -238,13 +240,21 @@ def test_mla_decode_native_matches_reference(block_size: int) -> None:
                                atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("new", [[1, 3], [16, 2, 5], [1, 40]],
-                         ids=["verify", "verify-batch", "prefill-fallback"])
-def test_mla_native_multi_token_matches_reference(new: list[int]) -> None:
+@pytest.mark.parametrize("new", [[1, 3], [16, 2, 5], [1, 40], [40, 1, 3, 17, 1]],
+                         ids=["verify", "verify-batch", "prefill-mixed", "prefill-mixed-2"])
+def test_mla_native_multi_token_matches_reference(new: list[int], monkeypatch) -> None:
     """Sequences with several new tokens: per-token decode rows (each seeing the cache up to
-    its own position) up to VERIFY_MAX_TOKENS, the reference beyond."""
+    its own position) up to VERIFY_MAX_TOKENS; longer chunks, and only they, in the prefill
+    path, while the batch's decodes and verifies stay in the paged kernel."""
     H, Dn, Dr, Dv, R = 2, 8, 4, 8, 12
-    ctx = [c + n for c, n in zip([5, 9, 30], new, strict=False)]
+    ctx = [c + n for c, n in zip([5, 9, 30, 0, 11], new, strict=False)]
+    prefilled: list[list[int]] = []
+
+    def prefill(q_nope, q_pe, kv_cache, block_table, cu_seqlens, *rest):
+        prefilled.append((cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+        return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens, *rest)
+
+    monkeypatch.setattr(native_ops, "mla_attention_cpu", prefill)
     g = gen(3)
     cache, table = paged_cache(ctx, 4, R, Dr, seed=3)
     T = sum(new)
@@ -254,6 +264,8 @@ def test_mla_native_multi_token_matches_reference(new: list[int]) -> None:
     args = (q_nope, q_pe, cache, table, cu, torch.tensor(ctx), w_uk, w_uv, 0.3)
     torch.testing.assert_close(mla_attention_native(*args), mla_attention_ref(*args),
                                atol=1e-5, rtol=1e-5)
+    assert prefilled == ([[n for n in new if n > VERIFY_MAX_TOKENS]]
+                         if max(new) > VERIFY_MAX_TOKENS else [])
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 48, 64])

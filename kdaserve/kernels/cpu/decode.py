@@ -1,6 +1,7 @@
 """Decode-specialised ops: every sequence of the batch has exactly one new token.
 
-Same contracts as kernels/ref (the oracle they are tested against); other shapes go to ref.
+Same contracts as kernels/ref (the oracle they are tested against); other shapes go to ref
+(MLA's to the prefill path in kernels/cpu/mla.py).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kdaserve.kernels.cpu.mla import mla_prefill_cpu
 from kdaserve.kernels.ref.kda import (
     compose_kda_decode,
     kda_gate_ref,
@@ -15,7 +17,6 @@ from kdaserve.kernels.ref.kda import (
     l2norm_ref,
     short_conv_ref,
 )
-from kdaserve.kernels.ref.mla import mla_attention_ref
 
 
 def _all_decode(cu_seqlens: torch.Tensor, num_tokens: int) -> bool:
@@ -69,9 +70,10 @@ def mla_attention_cpu(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.
                       context_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """Decode against the paged latent cache for the whole batch at once: latents gathered
-    through the block table into [B, L, R + Dr] (L = longest context), padded keys masked."""
+    through the block table into [B, L, R + Dr] (L = longest context), padded keys masked.
+    Other batches go to the prefill path, which picks a form per sequence."""
     if not _all_decode(cu_seqlens, q_nope.shape[0]):
-        return mla_attention_ref(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
+        return mla_prefill_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
                                  context_lens, w_uk, w_uv, scale)
     B = q_nope.shape[0]
     bs, D = kv_cache.shape[1], kv_cache.shape[2]

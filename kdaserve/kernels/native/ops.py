@@ -177,9 +177,11 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
                                  w_uk, w_uv, scale)
     S = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.to(torch.int64).contiguous()
-    if S != B and int((cu[1:] - cu[:-1]).max()) > VERIFY_MAX_TOKENS:
-        return mla_attention_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
-                                 context_lens, w_uk, w_uv, scale)
+    if S != B:
+        new = cu[1:] - cu[:-1]
+        if int(new.max()) > VERIFY_MAX_TOKENS:
+            return _mla_mixed(new, q_nope, q_pe, kv_cache, block_table, context_lens, w_uk,
+                              w_uv, scale)
     T, Dn, Dr, Dv, R = q_nope.shape[0], q_nope.shape[-1], q_pe.shape[-1], w_uv.shape[1], \
         w_uk.shape[-1]
     q = _joined(q_nope, q_pe, 2)
@@ -192,6 +194,27 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     library().mla_forward_f32(
         _ptr(q), q.stride(0), _ptr(w_kvb), _ptr(kv_cache), _ptr(table), _ptr(lens), _ptr(cu),
         _ptr(out), S, T, H, Dn, Dr, Dv, R, kv_cache.shape[1], table.shape[1], scale)
+    return out
+
+
+def _mla_mixed(new: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+               kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
+               w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """A batch with prefill chunks (new tokens per sequence: `new`): its decodes and verifies
+    in one paged-kernel call, the chunks in the prefill path, each on its rows of q. Before,
+    a single chunk sent every decode of a mixed step through the reference's per-sequence
+    loop."""
+    chunk = new > VERIFY_MAX_TOKENS
+    of_chunk = chunk.repeat_interleave(new)  # per token: is it in a chunk's sequence
+    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+    for seqs, rows, attend in ((~chunk, ~of_chunk, mla_attention_native),
+                               (chunk, of_chunk, mla_attention_cpu)):
+        if not bool(seqs.any()):
+            continue
+        cu = torch.zeros(int(seqs.sum()) + 1, dtype=torch.int64)
+        torch.cumsum(new[seqs], 0, out=cu[1:])
+        out[rows] = attend(q_nope[rows], q_pe[rows], kv_cache, block_table[seqs], cu,
+                           context_lens[seqs], w_uk, w_uv, scale)
     return out
 
 
@@ -210,7 +233,7 @@ def _joined(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 # new tokens per sequence up to which a non-decode batch's MLA runs in the paged decode kernel
-# (speculative verifies); longer chunks take the reference's batched matmuls
+# (speculative verifies); longer chunks take the prefill path (kernels/cpu/mla.py)
 VERIFY_MAX_TOKENS = 16
 
 
