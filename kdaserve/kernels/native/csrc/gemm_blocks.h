@@ -80,9 +80,15 @@ void linear_block(const float* x, const W* wb, float* y, int64_t M, int64_t N, i
   int64_t n = n0;
   for (; n + kTileN <= n1; n += kTileN) {
     const W* wr = wb + (n - n0) * K;
+    // the tile after next's rows, fetched during the first pass over these: the hardware
+    // prefetchers alone left the tiles waiting on kTileN interleaved row streams (old and
+    // new builds alternated call by call: 2,566 x 768 at 4 / 8 rows 0.64 / 0.75 -> 0.49 /
+    // 0.64 ms, the lm_head at 8 rows 26.4 -> 22.3, 64 experts top-8 at 64 tokens 8.2 -> 7.2;
+    // bf16 weights alike)
+    const W* pf = n + 3 * kTileN <= n1 ? wr + 2 * kTileN * K : nullptr;
     int64_t m = 0;
-    for (; m + kTileM <= M; m += kTileM)
-      dot_tile<kTileN, kTileM, false>(wr, x + m * K, y + m * N + n, N, K);
+    for (; m + kTileM <= M; m += kTileM, pf = nullptr)
+      dot_tile<kTileN, kTileM, false>(wr, x + m * K, y + m * N + n, N, K, pf);
     for (; m < M; ++m) dot_tile<kTileN, 1, false>(wr, x + m * K, y + m * N + n, N, K);
   }
   for (; n < n1; ++n)
