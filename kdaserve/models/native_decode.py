@@ -142,6 +142,7 @@ class NativeDecode:
         m, c = self.model, self.model.config
         caps: list[int] = []
         layers = []
+        expert_dtype = torch.float32  # the routed experts' weights (a dense model has none)
         for i, layer in enumerate(m.layers):
             j = m.cache_index[i]
             attn, mlp = layer.self_attn, layer.mlp
@@ -174,6 +175,7 @@ class NativeDecode:
                 f += [*_linear(shared.gate_up_proj, caps), *_linear(shared.down_proj, caps)] \
                     if shared is not None else [*_NONE] * 2
                 w13, w2 = mlp.w13, mlp.w2
+                expert_dtype = w13.dtype
                 code = _WEIGHT_CODES.get(w13.dtype)
                 if code is None or w2.dtype != w13.dtype or not w13.is_contiguous() \
                         or not w2.is_contiguous() or (code == 2) != (mlp.w13_scale is not None):
@@ -194,5 +196,6 @@ class NativeDecode:
             routed = c.routed_scaling_factor if isinstance(mlp, MoE) else 0.0
             layers.append(_LAYER.pack(*f, *q_lora, kda_eps, mla_scale, latent_eps, routed))
         head = _MODEL.pack(len(m.layers), c.hidden_size, _f32(m.embed_tokens.weight),
-                           _f32(m.norm.weight), native.moe_blocked_from(), c.rms_norm_eps)
+                           _f32(m.norm.weight), native.moe_blocked_from(expert_dtype),
+                           c.rms_norm_eps)
         return head, b"".join(layers), min(caps)

@@ -138,16 +138,20 @@ def test_native_decode_keeps_to_the_row_caps(tiny_ckpt: Path,
     assert (checked.calls, checked.skipped) == (3, 3)
 
 
-def test_native_decode_runs_experts_as_the_per_op_forward(tiny_ckpt: Path,
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_runs_experts_as_the_per_op_forward(tiny_ckpt: Path, dtype: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """An expert with enough tokens runs as token blocks, which sum in another order than the
-    split weight rows: the one-call forward takes the per-op forward's choice (forced here
-    down to 2 tokens, so a batch of 16 over 8 experts blocks some and splits others)."""
+    split weight rows (and bf16 blocks run on AMX tiles where the host has them): the one-call
+    forward takes the per-op forward's choice, asked for the experts' dtype (forced here down
+    to 2 tokens, so a batch of 16 over 8 experts blocks some and splits others)."""
     from kdaserve.kernels.native import ops
 
-    monkeypatch.setattr(ops, "moe_blocked_from", lambda: 2)
-    llm = LLM(tiny_ckpt)
+    asked: list[torch.dtype] = []
+    monkeypatch.setattr(ops, "moe_blocked_from", lambda dt=torch.float32: asked.append(dt) or 2)
+    llm = LLM(tiny_ckpt, dtype=dtype)
     checked = Checked(llm)
     llm.model.native_decode = checked
     decode(llm, 16, seed=3)
     assert checked.calls == 3
+    assert set(asked) == {getattr(torch, dtype)}
