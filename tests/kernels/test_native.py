@@ -358,6 +358,33 @@ def test_fp32_products_above_a_few_rows_go_to_onednn(monkeypatch: pytest.MonkeyP
                                rtol=1e-5)
 
 
+def test_fp32_gemm_takes_sgemm_on_intel_below_lm_head_size(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32 products past the native caps: MKL's sgemm on Intel (F.linear itself, bit for
+    bit) unless the weight is lm_head-sized (MKL repacks it every call), oneDNN elsewhere;
+    the same values either way."""
+    from kdaserve.kernels.cpu import gemm as cpu_gemm
+
+    real = cpu_gemm.onednn_linear
+    onednn: list[tuple[int, ...]] = []
+    monkeypatch.setattr(cpu_gemm, "onednn_linear",
+                        lambda x, w: onednn.append(tuple(w.shape)) or real(x, w))
+    g = gen(11)
+    w, x = torch.randn(70, 40, generator=g), torch.randn(2, 33, 40, generator=g)
+    want = torch.nn.functional.linear(x, w)
+    for vendor, max_weight, sgemm in (("GenuineIntel", 2**20, True),
+                                      ("GenuineIntel", 70 * 40, False),
+                                      ("AuthenticAMD", 2**20, False), ("", 2**20, False)):
+        monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr(cpu_gemm, "SGEMM_MAX_WEIGHT", max_weight)
+        onednn.clear()
+        y = cpu_gemm.gemm(x, w)
+        assert onednn == ([] if sgemm else [(70, 40)]), vendor
+        if sgemm:
+            assert torch.equal(y, want)
+        torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-5)
+
+
 def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN's AVX-512 code wins from 5 rows on AMD, from 17 on Intel (9 for a large
     weight); its AVX2 code only above 96 (64 for inputs wider than 512 or a large weight).

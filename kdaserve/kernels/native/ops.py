@@ -13,7 +13,7 @@ import functools
 import torch
 
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu, short_conv_cpu
-from kdaserve.kernels.cpu.gemm import gemm, onednn_usable
+from kdaserve.kernels.cpu.gemm import cpu_vendor, gemm, onednn_usable
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
 from kdaserve.kernels.ref.kda import Snapshots, gated_rmsnorm, kda_chunk_ref
@@ -242,20 +242,6 @@ VERIFY_MAX_TOKENS = 16
 _WEIGHT_KERNELS = {torch.float32: ("linear_small_f32", "moe_experts_f32"),
                    torch.bfloat16: ("linear_small_bf16w", "moe_experts_bf16w"),
                    torch.int8: ("linear_small_int8w", "moe_experts_int8w")}
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where unknown): the same
-    instruction set runs at different rates on each, and oneDNN's small products with it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 @functools.cache
