@@ -74,7 +74,7 @@ def mla_attention_cpu(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.
     Other batches go to the prefill path, which picks a form per sequence."""
     if not _all_decode(cu_seqlens, q_nope.shape[0]):
         return mla_prefill_cpu(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
-                                 context_lens, w_uk, w_uv, scale)
+                               context_lens, w_uk, w_uv, scale)
     B = q_nope.shape[0]
     bs, D = kv_cache.shape[1], kv_cache.shape[2]
     R = w_uk.shape[-1]

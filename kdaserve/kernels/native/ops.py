@@ -201,9 +201,8 @@ def _mla_mixed(new: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
                kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
                w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
     """A batch with prefill chunks (new tokens per sequence: `new`): its decodes and verifies
-    in one paged-kernel call, the chunks in the prefill path, each on its rows of q. Before,
-    a single chunk sent every decode of a mixed step through the reference's per-sequence
-    loop."""
+    in one paged-kernel call, the chunks in the prefill path, each on its rows of q (one
+    chunk must not send a mixed step's every decode through the per-sequence loop there)."""
     chunk = new > VERIFY_MAX_TOKENS
     of_chunk = chunk.repeat_interleave(new)  # per token: is it in a chunk's sequence
     out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
