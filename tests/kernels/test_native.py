@@ -377,12 +377,15 @@ def test_fp32_gemm_takes_sgemm_on_intel_below_lm_head_size(
                                       ("AuthenticAMD", 2**20, False), ("", 2**20, False)):
         monkeypatch.setattr(cpu_gemm, "cpu_vendor", lambda vendor=vendor: vendor)
         monkeypatch.setattr(cpu_gemm, "SGEMM_MAX_WEIGHT", max_weight)
+        cpu_gemm.mkl_on_intel.cache_clear()
         onednn.clear()
         y = cpu_gemm.gemm(x, w)
         assert onednn == ([] if sgemm else [(70, 40)]), vendor
         if sgemm:
             assert torch.equal(y, want)
         torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-5)
+    monkeypatch.undo()
+    cpu_gemm.mkl_on_intel.cache_clear()  # the host's own answer again
 
 
 def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,10 +57,15 @@ def cpu_vendor() -> str:
 SGEMM_MAX_WEIGHT = 16 * 2**20  # elements
 
 
+@functools.cache
+def mkl_on_intel() -> bool:
+    """torch's sgemm is MKL and the host is Intel's (probed once: `gemm` asks on every call)."""
+    return cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available()
+
+
 def sgemm_preferred(weight: torch.Tensor) -> bool:
     """Whether an fp32 product with this weight is faster through torch's sgemm (MKL)."""
-    return cpu_vendor() == "GenuineIntel" and weight.numel() < SGEMM_MAX_WEIGHT \
-        and torch.backends.mkl.is_available()
+    return weight.numel() < SGEMM_MAX_WEIGHT and mkl_on_intel()
 
 
 def padded_rows(m: int) -> int:
