@@ -370,6 +370,10 @@ class EngineConfig:
     # no request drafts in a step with more decoding requests than disable_by_batch_size
     speculative_min_acceptance_rate: float = 0.1
     speculative_disable_by_batch_size: int | None = None
+    # CUDA graphs for plain decode steps, one per batch-size bucket up to cuda_graph_max_bs
+    # (None: max_num_seqs); on by default on CUDA (engine/cuda_graph.py)
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     # Same request, same tokens and logprobs to the bit, whatever it is batched with, chunked
     # into or cached from: every op from the batch-invariant kernels (CPU, fp32)
     enable_deterministic_inference: bool = False
@@ -442,6 +446,12 @@ class EngineConfig:
                 "speculative_min_acceptance_rate", "speculative_disable_by_batch_size"}:
             raise ValueError("speculative_min_acceptance_rate and "
                              "speculative_disable_by_batch_size need a speculative_algorithm")
+        if self.cuda_graph_max_bs is not None and (
+                self.cuda_graph_max_bs < 1 or self.device == "cpu" or self.disable_cuda_graph
+                or self.tp_size > 1 or self.enable_dp_attention):
+            raise ValueError("cuda_graph_max_bs (>= 1) sizes the CUDA graphs of a one-rank "
+                             "engine on CUDA with graphs enabled; got "
+                             f"{self.cuda_graph_max_bs} with device={self.device!r}")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         for name in ("max_total_tokens", "num_state_slots", "num_snapshot_slots"):

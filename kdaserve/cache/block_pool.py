@@ -15,8 +15,11 @@ class BlockPool:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu") -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.kv = torch.zeros(len(config.mla_layers), num_blocks, block_size, config.latent_dim,
-                              dtype=dtype, device=device)
+        # one block past the pool, never handed out: a replayed CUDA graph's padding rows
+        # write their latents there (engine/cuda_graph.py)
+        self.scratch = num_blocks
+        self.kv = torch.zeros(len(config.mla_layers), num_blocks + 1, block_size,
+                              config.latent_dim, dtype=dtype, device=device)
         self.refcount = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
 

@@ -20,11 +20,15 @@ class StatePool:
                  device: torch.device | str = "cpu", tp_size: int = 1) -> None:
         L, H, K = len(config.kda_layers), config.kda_num_heads // tp_size, config.kda_head_dim
         self.num_slots = num_slots
-        # recurrent state always fp32 [L, N, H, K, V]; conv state in the model dtype
-        # [L, N, W-1, 3P], time-major so a decode step shifts whole rows.
-        self.recurrent = torch.zeros(L, num_slots, H, K, K, dtype=torch.float32, device=device)
-        self.conv = torch.zeros(L, num_slots, config.kda_conv_size - 1, 3 * H * K, dtype=dtype,
-                                device=device)
+        # one slot past the pool, never handed out: a replayed CUDA graph's padding rows run
+        # their KDA steps there (engine/cuda_graph.py)
+        self.scratch = num_slots
+        # recurrent state always fp32 [L, N + 1, H, K, V]; conv state in the model dtype
+        # [L, N + 1, W-1, 3P], time-major so a decode step shifts whole rows.
+        self.recurrent = torch.zeros(L, num_slots + 1, H, K, K, dtype=torch.float32,
+                                     device=device)
+        self.conv = torch.zeros(L, num_slots + 1, config.kda_conv_size - 1, 3 * H * K,
+                                dtype=dtype, device=device)
         self._free = list(range(num_slots - 1, -1, -1))
         self._used: set[int] = set()
         # when a list: every change made outside a forward, ("zero", slot) / ("copy", src,

@@ -11,6 +11,7 @@ import torch
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
+from kdaserve.engine.cuda_graph import CudaGraphRunner
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.tensor_parallel import Followers
 from kdaserve.forward_batch import ForwardBatch
@@ -66,6 +67,7 @@ class ModelRunner:
                  device: torch.device, followers: Followers | None = None) -> None:
         self.model, self.blocks, self.states, self.device = model, blocks, states, device
         self.followers = followers  # tensor-parallel ranks running every forward with us
+        self.graphs: CudaGraphRunner | None = None  # plain decode steps replayed (CUDA)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request],
                                                       list[Rows]]:
@@ -122,6 +124,12 @@ class ModelRunner:
         fb.taps = return_hidden or ()
         if any(r.params.return_routed_experts for r in batch.reqs):
             fb.routing = []
+        if self.graphs is not None and return_hidden is None and self.graphs.takes(fb) \
+                and not any(r.params.return_hidden_states for r in batch.reqs):
+            logits = self.graphs.run(fb)  # the graph's own buffer: read before the next step
+            for req in batch.reqs:
+                req.num_computed_tokens += 1
+            return StepOutput(logits, to_sample, None, [])
         if self.followers is not None:
             self.followers.forward(fb, self.states)
         hidden = self.model.forward_hidden(fb, self.states, self.blocks)

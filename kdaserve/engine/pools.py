@@ -44,7 +44,7 @@ def make_pools(c: EngineConfig, mc: ModelConfig, model: torch.nn.Module, dtype: 
     # and a whole KV pool (MLA's latent is replicated): the budget is split between them
     here = c.tp_size // c.nnodes
     budget = (int(c.mem_fraction * physical_memory()) // here - model_bytes
-              - num_slots * slot_bytes)
+              - (num_slots + 1) * slot_bytes - block_bytes)  # + each pool's scratch row
     if budget <= 0:
         raise ValueError(
             f"{num_slots} state slots ({slot_bytes / 2**20:.1f} MiB each) and the model "

@@ -227,6 +227,8 @@ def release_memory_occupation(e: Any, tags: list[str] | None = None) -> dict[str
         raise ValueError("release_memory_occupation needs an idle engine: pause (abort) or "
                          "finish the requests first")
     before = rss_mb()
+    if e.runner.graphs is not None:  # captured with the addresses about to be freed
+        e.runner.graphs.reset()
     if "kv_cache" in tags and "kv_cache" not in e.released:
         if e.cache is not None:
             e.cache.flush()

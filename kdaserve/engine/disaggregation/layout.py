@@ -117,8 +117,9 @@ def spans(src: PoolLayout, dst: PoolLayout, src_blocks: list[int], dst_blocks: l
     item = src.kv.item_bytes
     runs: list[tuple[int, int, int]] = []  # (src block, dst block, count)
     for s, d in zip(src_blocks, dst_blocks, strict=True):
-        if not 0 <= d < dst.kv.shape[1]:
-            raise ValueError(f"destination block {d} outside the peer's {dst.kv.shape[1]}")
+        # (the last row of a pool is its scratch row, never a request's)
+        if not 0 <= d < dst.kv.shape[1] - 1:
+            raise ValueError(f"destination block {d} outside the peer's {dst.kv.shape[1] - 1}")
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
@@ -129,8 +130,9 @@ def spans(src: PoolLayout, dst: PoolLayout, src_blocks: list[int], dst_blocks: l
     if src_slot is not None and dst_slot is not None:
         for name in ("recurrent", "conv"):
             a, b = getattr(src, name), getattr(dst, name)
-            if not 0 <= dst_slot < b.shape[1]:
-                raise ValueError(f"destination slot {dst_slot} outside the peer's {b.shape[1]}")
+            if not 0 <= dst_slot < b.shape[1] - 1:
+                raise ValueError(f"destination slot {dst_slot} outside the peer's "
+                                 f"{b.shape[1] - 1}")
             for layer in range(a.shape[0]):
                 out.append((a.item(layer, src_slot), b.item(layer, dst_slot), a.item_bytes))
     return out

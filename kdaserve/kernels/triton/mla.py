@@ -60,7 +60,11 @@ def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     last = context_lens.to(dev, torch.int64)[seq] - (cu[seq + 1] - tok)
     q_lat = torch.einsum("thd,hdr->thr", q_nope.float(), w_uk.float()).to(dt).contiguous()
     qp = q_pe.to(dt).contiguous()
-    longest = int(context_lens.max())
+    # the splits cover what the block table can address, not the longest context: a bound
+    # from shapes alone, so no value is read back to the host and the call can sit in a CUDA
+    # graph (whose block table is as wide as a request may grow; splits past a token's
+    # context exit at once)
+    longest = block_table.shape[1] * kv.shape[1]
     head_blocks = -(-H // BLOCK_H)
     num_splits = max(1, min(-(-longest // SPLIT_LEN), TARGET_PROGRAMS // (T * head_blocks)))
     split_len = -(-longest // num_splits)

@@ -19,9 +19,12 @@ from kdaserve.kernels.triton.mla import mla_attention_triton
 ])
 @pytest.mark.parametrize("split_len,programs", [(256, 264), (8, 1), (8, 10 ** 6)],
                          ids=["one-split", "capped", "many-splits"])
+@pytest.mark.parametrize("wide", [0, 9], ids=["fitted-table", "graph-wide-table"])
 def test_mla_matches_reference(new: list[int], ctx: list[int], H: int, split_len: int,
-                               programs: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """capped: splits of 8 keys asked for, but the tokens already fill the programs wanted."""
+                               programs: int, wide: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """capped: splits of 8 keys asked for, but the tokens already fill the programs wanted.
+    graph-wide-table: the block table has columns past every context (a CUDA graph's static
+    table, stale block ids in them), so the splits cover more keys than any token sees."""
     monkeypatch.setattr(mla, "SPLIT_LEN", split_len)
     monkeypatch.setattr(mla, "TARGET_PROGRAMS", programs)
     g = torch.Generator().manual_seed(sum(ctx) + H)
@@ -31,7 +34,7 @@ def test_mla_matches_reference(new: list[int], ctx: list[int], H: int, split_len
     num_blocks = sum(pages) + 5
     kv = torch.randn(num_blocks, page, R + Dr, generator=g)
     perm = torch.randperm(num_blocks, generator=g).tolist()  # scattered pages
-    table = torch.zeros(B, max(pages), dtype=torch.int64)
+    table = torch.randint(0, num_blocks, (B, max(pages) + wide), generator=g)
     used = 0
     for b, n in enumerate(pages):
         table[b, :n] = torch.tensor(perm[used:used + n])

@@ -1,0 +1,141 @@
+"""The CUDA-graph runner's static-buffer decode (engine/cuda_graph.py) on the CPU, replayed
+eagerly: the same forward a graph captures, on buffers padded to batch-size buckets, gives the
+plain engine's greedy tokens; padding rows touch only the pools' scratch slot and block; the
+steps it must not take run eagerly. Capture itself is checked on a GPU (test_triton.py), and
+the captured forward's freedom from host reads under Triton's interpreter
+(interpreted/check_graph_step.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdaserve import LLM, SamplingParams
+from kdaserve.config import EngineConfig
+from kdaserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
+from kdaserve.forward_batch import ForwardBatch
+
+
+def attach(llm: LLM, max_bs: int) -> list[int]:
+    """Gives the engine an eager-replay runner; returns the batch sizes it ran, in order."""
+    e = llm.engine
+    graphs = CudaGraphRunner(e.model, e.states, e.blocks, max_bs,
+                             e.scheduler.max_request_tokens(), capture=False)
+    ran: list[int] = []
+    run = graphs.run
+
+    def counted(fb):  # noqa: ANN001, ANN202
+        ran.append(fb.num_seqs)
+        return run(fb)
+
+    graphs.run = counted  # type: ignore[method-assign]
+    e.runner.graphs = graphs
+    return ran
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(64)[-3:] == [48, 56, 64]
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        capture_sizes(0)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(11 * i + 5 * j) % 900 + 3 for j in range(4 + 3 * i)] for i in range(n)]
+
+
+@pytest.mark.parametrize("backend", [None, "cpu"])
+def test_padded_static_decode_equals_the_plain_engine(tiny_ckpt: Path,
+                                                      backend: str | None) -> None:
+    """Six requests with different lengths finish at different steps, so the decode batch
+    shrinks 6 -> 1 through buckets 6, 4, 2, 1 (rows freed become padding again); and a seventh
+    past max_bs=6 leaves the steps with 7 decodes to the eager forward."""
+    kw = {"kernel_backend": backend, "block_size": 4, "max_num_batched_tokens": 64}
+    ps = prompts(7)
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
+              for i in range(7)]
+    want = [o.token_ids for o in LLM(tiny_ckpt, **kw).generate(
+        prompt_token_ids=ps, sampling_params=params)]
+    llm = LLM(tiny_ckpt, **kw)
+    ran = attach(llm, max_bs=6)
+    e = llm.engine
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert got == want
+    assert ran and max(ran) == 6 and min(ran) == 1 and 7 not in ran
+    assert {e.runner.graphs.bucket(n) for n in ran} == {6, 4, 2, 1}
+    llm.engine.check_integrity()
+
+
+def test_padding_touches_only_the_scratch_rows(tiny_ckpt: Path) -> None:
+    """A bucket-4 step of 3 real rows: every pool row but the 3 sequences' slots and the
+    scratch is unchanged, and the 3 rows' logits equal the eager forward's."""
+    llm = LLM(tiny_ckpt, block_size=4)
+    e = llm.engine
+    attach(llm, max_bs=4)
+    graphs = e.runner.graphs
+    ps = prompts(3)
+    slots = [e.states.allocate() for _ in ps]
+    tables = [e.blocks.allocate(e.blocks.blocks_needed(len(p) + 1)) for p in ps]
+    with torch.inference_mode():
+        for s, t, p in zip(slots, tables, ps, strict=True):  # the prompts into those rows
+            e.model.forward(ForwardBatch.build([p], [0], [s], [t], e.blocks.block_size),
+                            e.states, e.blocks)
+        fb = ForwardBatch.build([[7], [8], [9]], [len(p) for p in ps], slots, tables,
+                                e.blocks.block_size)
+        before = (e.states.recurrent.clone(), e.states.conv.clone(), e.blocks.kv.clone())
+        got = graphs.run(fb)
+        after = (e.states.recurrent.clone(), e.states.conv.clone(), e.blocks.kv.clone())
+        # the eager forward from the same starting pools
+        e.states.recurrent.copy_(before[0])
+        e.states.conv.copy_(before[1])
+        e.blocks.kv.copy_(before[2])
+        want = e.model.forward(fb, e.states, e.blocks)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    keep_slots = [i for i in range(e.states.num_slots + 1)
+                  if i not in slots and i != e.states.scratch]
+    assert torch.equal(after[0][:, keep_slots], before[0][:, keep_slots])
+    assert torch.equal(after[1][:, keep_slots], before[1][:, keep_slots])
+    used = {b for t in tables for b in t}
+    keep_blocks = [b for b in range(e.blocks.num_blocks + 1)
+                   if b not in used and b != e.blocks.scratch]
+    assert torch.equal(after[2][:, keep_blocks], before[2][:, keep_blocks])
+    assert not torch.equal(after[0][:, e.states.scratch], before[0][:, e.states.scratch])
+    for s, t in zip(slots, tables, strict=True):
+        e.states.free(s)
+        e.blocks.free(t)
+    e.check_integrity()
+
+
+def test_steps_a_graph_cannot_hold_run_eagerly(tiny_ckpt: Path) -> None:
+    """Routed experts, hidden states and prefill chunks take the eager forward; the tokens
+    are the plain engine's."""
+    ps = prompts(2)
+    want = [o.token_ids for o in LLM(tiny_ckpt).generate(
+        prompt_token_ids=ps, sampling_params=SamplingParams(temperature=0, max_tokens=4))]
+    llm = LLM(tiny_ckpt)
+    ran = attach(llm, max_bs=8)
+    for extra in ({"return_routed_experts": True}, {"return_hidden_states": True}):
+        params = SamplingParams(temperature=0, max_tokens=4, **extra)
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+        assert got == want and ran == []
+    got = [o.token_ids for o in llm.generate(
+        prompt_token_ids=ps, sampling_params=SamplingParams(temperature=0, max_tokens=4))]
+    assert got == want and ran  # plain decodes replayed
+
+
+def test_cuda_graph_flags_are_checked() -> None:
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        EngineConfig(cuda_graph_max_bs=8)  # on a CPU: no graphs to size
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        EngineConfig(device="cuda", cuda_graph_max_bs=0)
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        EngineConfig(device="cuda", cuda_graph_max_bs=8, disable_cuda_graph=True)
+    assert EngineConfig(device="cuda", cuda_graph_max_bs=8).cuda_graph_max_bs == 8
+
+
+def test_cpu_engine_has_no_graph_runner(tiny_ckpt: Path) -> None:
+    assert LLM(tiny_ckpt).engine.runner.graphs is None
