@@ -47,7 +47,7 @@ def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     pres = _column([r.params.presence_penalty for r in reqs], dev)
     logits = logits - freq * counts - pres * (counts > 0)
     rep = _column([r.params.repetition_penalty for r in reqs], dev)
-    if (rep != 1.0).any():
+    if any(r.params.repetition_penalty != 1.0 for r in reqs):  # (asked on the host: no sync)
         seen = counts > 0
         for i, r in enumerate(reqs):
             if r.params.repetition_penalty != 1.0:
@@ -143,10 +143,11 @@ def apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     top_k = torch.tensor([r.params.top_k or V for r in reqs], device=dev)
     top_p = _column([r.params.top_p for r in reqs], dev)
     min_p = _column([r.params.min_p for r in reqs], dev)
-    if (top_k < V).any() or (top_p < 1).any():
+    # the parameters are asked on the host: on a GPU a tensor's .any() waits for the step
+    if any((r.params.top_k or V) < V or r.params.top_p < 1 for r in reqs):
         logits = _top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(-1)
-    if (min_p > 0).any():
+    if any(r.params.min_p > 0 for r in reqs):
         probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs
 
@@ -193,9 +194,11 @@ class Sampler:
         if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
                or r.params.frequency_penalty for r in reqs):
             logits = apply_penalties(logits, reqs)
-        greedy = torch.tensor([r.params.is_greedy for r in reqs], device=logits.device)
         tokens = argmax_rows(logits)
-        if not greedy.all():
+        # on a GPU the token ids' copy is the step's one wait for the device: whether to
+        # draw is decided from the host's parameters, not from a device tensor
+        if not all(r.params.is_greedy for r in reqs):
+            greedy = torch.tensor([r.params.is_greedy for r in reqs], device=logits.device)
             probs = apply_filters(logits, reqs)
             noise = torch.empty_like(probs).exponential_()
             for i, r in enumerate(reqs):

@@ -251,3 +251,24 @@ def test_cuda_graph_replay_equals_eager(tiny_ckpt: Path, dtype: str) -> None:
         llm.engine.check_integrity()
         del llm
     assert out[True] == out[False]
+
+
+@pytest.mark.parametrize("n,c", [(1, 1), (20, 20), (17, 60), (5, 33)])
+def test_mla_prefill_sdpa_matches_reference(n: int, c: int) -> None:
+    """The triton backend's expanded MLA prefill (torch SDPA, no triton in it) on the CPU
+    against the reference: a fresh prompt, a chunk after cached context, on scattered pages
+    (the mixed batches that route to it run under the interpreter, check_mla.py)."""
+    from kdaserve.kernels.ref.mla import mla_attention_ref
+    from kdaserve.kernels.triton.mla import mla_prefill_sdpa
+
+    g = gen(n + c)
+    H, Dn, Dr, R, Dv, page = 3, 16, 8, 32, 12, 4
+    pages = -(-c // page)
+    kv = torch.randn(pages + 3, page, R + Dr, generator=g)
+    table = torch.randperm(pages + 3, generator=g)[:pages]
+    q_nope, q_pe = torch.randn(n, H, Dn, generator=g), torch.randn(n, H, Dr, generator=g)
+    w_uk, w_uv = torch.randn(H, Dn, R, generator=g) / 4, torch.randn(H, Dv, R, generator=g)
+    want = mla_attention_ref(q_nope, q_pe, kv, table[None], torch.tensor([0, n]),
+                             torch.tensor([c]), w_uk, w_uv, 0.2)
+    got = mla_prefill_sdpa(q_nope, q_pe, kv, table, c, torch.cat([w_uk, w_uv], 1), 0.2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
