@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from kdaserve.config import EngineConfig
 from kdaserve.engine.client import EngineClient
+from kdaserve.engine.output_delta import DeltaDecoder, DeltaEncoder
 
 logger = logging.getLogger("kdaserve")
 
@@ -61,7 +62,16 @@ def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str) -> None:
             return ("stop",)
         return None
 
-    run_engine_loop(engine, recv, out.send_pyobj)
+    encoder = DeltaEncoder()
+
+    def send(msg: tuple[Any, ...]) -> None:
+        if msg[0] == "outputs":  # each update as what changed since the last one sent
+            msg = ("outputs", [encoder.encode(o) for o in msg[1]])
+        elif msg[0] == "error":
+            encoder.forget(msg[1])
+        out.send_pyobj(msg)
+
+    run_engine_loop(engine, recv, send)
     engine.close()
     out.close(linger=0)
     cmds.close(linger=0)
@@ -102,6 +112,7 @@ class EngineProcess(EngineClient):
         self.on_restart: list[Callable[[], None]] = []
         self._tasks: list[asyncio.Task] = []
         self.last_tick = time.monotonic()
+        self.deltas = DeltaDecoder()  # the engine process sends outputs as deltas
 
     def _new_process(self) -> BaseProcess:
         if self._cmd is not None:
@@ -142,6 +153,10 @@ class EngineProcess(EngineClient):
             if msg[0] == "ready":  # a restarted engine, awaited by _watch
                 self._ready.put_nowait(msg)
                 continue
+            if msg[0] == "outputs":
+                msg = ("outputs", [self.deltas.decode(d) for d in msg[1]])
+            elif msg[0] == "error":
+                self.deltas.forget(msg[1])
             self._on_message(msg)
 
     async def _watch(self) -> None:
@@ -185,6 +200,10 @@ class EngineProcess(EngineClient):
             for fn in self.on_restart:
                 fn()
             logger.error("engine restarted")
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        self.deltas.reset()  # the engine's deltas end with it (a restarted one starts over)
+        super().fail_all(message, status)
 
     def problem(self, stuck_after: float) -> str | None:
         """Why the engine cannot serve now, or None: dead, restarting, or alive but stuck (no
