@@ -183,6 +183,17 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Positions [start, end) of prompt + output + drafts, without building the whole
+        list (`all_ids` copies every token: a step's inputs need one or a few)."""
+        out: list[int] = []
+        for part in (self.prompt_ids, self.output_ids, self.draft_ids):
+            if start < len(part) and end > 0:
+                out.extend(part[max(start, 0):end])
+            start -= len(part)
+            end -= len(part)
+        return out
+
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED

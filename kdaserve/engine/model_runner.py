@@ -78,10 +78,10 @@ class ModelRunner:
         layout: list[Rows] = []
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             start = req.num_computed_tokens
-            ids = req.all_ids + req.draft_ids  # drafted tokens are verified in this forward
-            new_tokens.append(ids[start:start + n])
+            # drafted tokens are verified in this forward
+            new_tokens.append(req.tokens(start, start + n))
             num_cached.append(start)
-            sampled = start + n == len(ids)
+            sampled = start + n == req.num_tokens + len(req.draft_ids)
             sample.append(sampled)
             first = n - 1 - len(req.draft_ids) if sampled else n
             row, prompt_at, prompt_k = req.prompt_logits_row, 0, 0
