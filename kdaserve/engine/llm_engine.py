@@ -116,6 +116,7 @@ class LLMEngine(Introspection):
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests": 0,
                          "num_finished": 0, "num_aborted": 0, "num_steps": 0}
         self._pending_outputs: list[RequestOutput] = []
+        self.stream_outputs = True  # False: step() returns finished outputs only
         self.failures: list[tuple[str, str]] = []  # (request id, why) of requests that failed
         self._scored: set[str] = set()  # groups whose prompt logprobs went out
         self.pd = make_side(self)  # prefill/decode disaggregation, when a side
@@ -395,6 +396,8 @@ class LLMEngine(Introspection):
             first = self.groups[rid][0]
             if first.prompt_logits_row is not None and not first.is_finished:
                 continue  # a sibling decodes before child 0 has scored the prompt: wait
+            if not self.stream_outputs and not all(r.is_finished for r in self.groups[rid]):
+                continue  # each update copies every token so far: a caller may not want them
             out = self._group_output(rid)
             outputs.append(out)
             if out.finished:

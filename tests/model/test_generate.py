@@ -66,6 +66,38 @@ def test_seeded_sampling_is_reproducible(llm: LLM) -> None:
     assert a != c
 
 
+def test_generate_builds_only_final_outputs(llm: LLM) -> None:
+    """LLM.generate keeps only each request's last output, so the engine builds no other
+    (each copies every token so far); streaming is back on after, and the results are a
+    streamed run's final outputs."""
+    ps, params = prompts(3, seed=5), SamplingParams(temperature=0, max_tokens=6)
+    built: list[bool] = []
+    group_output = llm.engine._group_output
+
+    def spy(rid: str):  # noqa: ANN202
+        out = group_output(rid)
+        built.append(out.finished)
+        return out
+
+    llm.engine._group_output = spy  # type: ignore[method-assign]
+    try:
+        got = llm.generate(prompt_token_ids=ps, sampling_params=params)
+        assert built == [True] * 3 and llm.engine.stream_outputs
+        built.clear()
+        for p in ps:
+            llm.engine.add_request(p, params)
+        streamed = {}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                streamed.setdefault(out.rid, []).append(out)
+        assert False in built  # updates along the way
+        finals = [v[-1] for v in streamed.values()]
+        assert all(f.finished for f in finals)
+        assert [f.outputs[0].token_ids for f in finals] == [o.token_ids for o in got]
+    finally:
+        llm.engine._group_output = group_output  # type: ignore[method-assign]
+
+
 def test_stop_token_and_eos(llm: LLM) -> None:
     p = prompts(1, seed=5)
     greedy = llm.generate(prompt_token_ids=p, sampling_params=SamplingParams(
