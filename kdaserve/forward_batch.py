@@ -7,13 +7,17 @@ A batch packs the new tokens of B sequences (prefill chunks and decodes alike) i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from kdaserve.step_record import StepRecord
+
+
+METADATA = ("input_ids", "positions", "cu_seqlens", "context_lens", "state_slots",
+            "block_table", "slot_mapping", "logits_indices")
 
 
 @dataclass(slots=True)
@@ -47,6 +51,12 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
+
+    def owning(self) -> ForwardBatch:
+        """A copy whose metadata tensors own just their elements: `build`'s are views of one
+        buffer, and pickling a view writes the whole buffer (the tensor-parallel broadcast
+        would carry it eight times)."""
+        return replace(self, **{name: getattr(self, name).clone() for name in METADATA})
 
     @classmethod
     def build(cls, new_tokens: list[list[int]], num_cached: list[int], state_slots: list[int],

@@ -19,6 +19,7 @@ capture itself only on a GPU.
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import replace
 
 import torch
@@ -26,7 +27,24 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.forward_batch import ForwardBatch
+from kdaserve.kernels import Kernels
+from kdaserve.kernels.triton.kda import kda_decode_triton
+from kdaserve.kernels.triton.mla import mla_attention_triton
+from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+
+logger = logging.getLogger("kdaserve")
+
+
+def graph_safe(kernels: Kernels) -> bool:
+    """Whether a decode forward's kernels can sit in a graph: the triton backend's read
+    nothing back to the host; the references (a CUDA machine without fla-core, or
+    kernel_backend="ref") read sequence lengths and expert ids back, and capture would fail.
+    The torch ops the other kernels are (projections, norms, SwiGLU) read nothing back."""
+    return (kernels.kda_decode is kda_decode_triton
+            and kernels.mla_attention is mla_attention_triton
+            and kernels.moe_experts is moe_experts_triton
+            and kernels.moe_route is moe_route_triton)
 
 
 def capture_sizes(max_bs: int) -> list[int]:
@@ -64,14 +82,17 @@ class CudaGraphRunner:
             logits_indices=torch.arange(max_bs, device=dev), is_decode=True, max_seqlen=1)
         self.pad_row = pad_row
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # each graph's logits [bs, vocab]
+        # every graph writes its logits here (one [max_bs, vocab] buffer, not one per bucket)
+        self.logits = torch.empty(max_bs, model.config.vocab_size, dtype=torch.float32,
+                                  device=dev) if capture else None
         self.pool = None  # the graphs' shared memory pool
         self.filled = 0  # rows of the buffers holding the last step's sequences
+        self.failed = False  # a capture failed: every step runs eagerly from then on
 
     def takes(self, fb: ForwardBatch) -> bool:
         """A plain decode step: one token per sequence, every row's logits, nothing kept
         beside them (verify records, snapshots, routing, taps need the eager forward)."""
-        return (fb.is_decode and fb.num_seqs <= self.max_bs
+        return (not self.failed and fb.is_decode and fb.num_seqs <= self.max_bs
                 and fb.block_table.shape[1] <= self.width
                 and fb.logits_indices.shape[0] == fb.num_seqs
                 and fb.record is None and fb.snapshots is None and fb.routing is None
@@ -121,12 +142,20 @@ class CudaGraphRunner:
         n = fb.num_seqs
         bs = self.bucket(n)
         if self.capture and bs not in self.graphs:
-            self._capture(bs)
+            try:
+                self._capture(bs)
+            except Exception:  # noqa: BLE001 - served eagerly, said once, loudly
+                logger.exception("CUDA graph capture failed at batch size %d: decode steps "
+                                 "run eagerly from now on", bs)
+                self.failed = True
+                self.reset()
+                return self.forward(fb)
         self.load(fb)
         if not self.capture:
             return self.forward(self.view(bs))[:n]
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        assert self.logits is not None
+        return self.logits[:n]  # overwritten by the next replay: read before it
 
     def _capture(self, bs: int) -> None:
         """Records the bucket's graph with every buffer row padding (the warm-up runs, which
@@ -141,8 +170,11 @@ class CudaGraphRunner:
                 self.forward(fb)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[bs] = self.forward(fb)
+        assert self.logits is not None
+        # thread_local: CUDA calls other threads make meanwhile (a weight-sync rendezvous,
+        # a transfer engine's workers) do not invalidate the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.logits[:bs].copy_(self.forward(fb))
         self.pool = graph.pool()
         self.graphs[bs] = graph
 
@@ -150,5 +182,4 @@ class CudaGraphRunner:
         """Drops every graph (they hold the addresses of tensors an RL memory release frees);
         they are recaptured on next use."""
         self.graphs.clear()
-        self.outputs.clear()
         self.pool = None

@@ -124,7 +124,10 @@ class ModelRunner:
         fb.taps = return_hidden or ()
         if any(r.params.return_routed_experts for r in batch.reqs):
             fb.routing = []
+        # every row samples (a prompt-logprob row of a one-token chunk is a decode-shaped
+        # row that does not) and nothing but the logits comes back
         if self.graphs is not None and return_hidden is None and self.graphs.takes(fb) \
+                and len(to_sample) == fb.num_seqs and not any(x.prompt_k for x in layout) \
                 and not any(r.params.return_hidden_states for r in batch.reqs):
             logits = self.graphs.run(fb)  # the graph's own buffer: read before the next step
             for req in batch.reqs:

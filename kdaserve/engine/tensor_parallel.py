@@ -103,7 +103,7 @@ class Followers:
     def forward(self, fb: ForwardBatch, states: StatePool) -> None:
         log, states.log = states.log or [], []
         start = time.perf_counter()
-        dist.broadcast_object_list([("forward", fb, log)], src=0)
+        dist.broadcast_object_list([("forward", fb.owning(), log)], src=0)
         COMM["broadcast_s"] += time.perf_counter() - start
 
     def replay(self, rows: torch.Tensor, cu: torch.Tensor, slots: torch.Tensor,

@@ -151,6 +151,7 @@ class EngineProcess(EngineClient):
         while True:
             msg = await self._out.recv_pyobj()
             if msg[0] == "ready":  # a restarted engine, awaited by _watch
+                self.deltas.reset()  # (what the dead engine's last messages left)
                 self._ready.put_nowait(msg)
                 continue
             if msg[0] == "outputs":

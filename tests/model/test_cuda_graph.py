@@ -139,3 +139,38 @@ def test_cuda_graph_flags_are_checked() -> None:
 
 def test_cpu_engine_has_no_graph_runner(tiny_ckpt: Path) -> None:
     assert LLM(tiny_ckpt).engine.runner.graphs is None
+
+
+def test_prompt_logprob_rows_run_eagerly(tiny_ckpt: Path) -> None:
+    """A 3-token budget with two requests decoding leaves a prompt-logprob request one-token
+    chunks: decode-shaped steps in which one row scores the prompt instead of sampling. Those
+    steps must not replay (the graph returns one logits row per sequence, all sampled): tokens
+    and prompt logprobs equal the plain engine's."""
+    kw = {"max_num_batched_tokens": 3, "disable_prefix_cache": True}
+    ps = [[5, 6], [7, 8], [9, 10, 11, 12, 13, 14]]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 2 + [
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1)]
+
+    def run(llm: LLM) -> list:
+        outs = llm.generate(prompt_token_ids=ps, sampling_params=params)
+        return [(o.outputs[0].token_ids, o.prompt_logprobs) for o in outs]
+
+    want = run(LLM(tiny_ckpt, **kw))
+    llm = LLM(tiny_ckpt, **kw)
+    ran = attach(llm, max_bs=4)
+    got = run(llm)
+    assert got == want and ran
+    llm.engine.check_integrity()
+
+
+def test_graphs_only_with_kernels_that_read_nothing_back(tiny_ckpt: Path) -> None:
+    from kdaserve.engine.cuda_graph import graph_safe
+    from kdaserve.kernels.triton.kda import kda_decode_triton
+    from kdaserve.kernels.triton.mla import mla_attention_triton
+    from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton
+
+    kernels = LLM(tiny_ckpt, kernel_backend="ref").engine.kernels
+    assert not graph_safe(kernels)
+    assert graph_safe(kernels._replace(
+        kda_decode=kda_decode_triton, mla_attention=mla_attention_triton,
+        moe_experts=moe_experts_triton, moe_route=moe_route_triton))
