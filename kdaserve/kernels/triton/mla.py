@@ -30,7 +30,9 @@ from kdaserve.kernels.triton import tile
 
 BLOCK_H = 16  # heads per program: tl.dot's least M
 BLOCK_N = 32  # keys per inner step
-SPLIT_LEN = 256  # keys per split of a context, at the most splits
+# splits per token: as many as the table's bound / SPLIT_LEN (no more than the programs
+# wanted); each token then cuts its own context into that many equal parts
+SPLIT_LEN = 256
 # programs worth launching (about two per SM of an H200): splits only add work once the
 # tokens and head blocks fill that, so a prefill chunk runs unsplit and its partial sums stay
 # [T, 1, H, R] instead of growing with the longest context
@@ -134,7 +136,6 @@ def mla_absorbed_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     longest = block_table.shape[1] * kv.shape[1]
     head_blocks = -(-H // BLOCK_H)
     num_splits = max(1, min(-(-longest // SPLIT_LEN), TARGET_PROGRAMS // (T * head_blocks)))
-    split_len = -(-longest // num_splits)
     o = torch.empty(T, num_splits, H, R, dtype=torch.float32, device=dev)
     m = torch.empty(T, num_splits, H, dtype=torch.float32, device=dev)
     l_ = torch.empty(T, num_splits, H, dtype=torch.float32, device=dev)
@@ -142,8 +143,8 @@ def mla_absorbed_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     fp32 = dt == torch.float32
     # fp32 latent tiles are twice bf16's: fewer pipeline stages, more warps to hold them
     _kernel()[(T, head_blocks, num_splits)](
-        q_lat, qp, kv, bt, seq, last, o, m, l_, H, R, DR, bt.shape[1], kv.shape[1], split_len,
-        num_splits, scale, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=tile(R),
+        q_lat, qp, kv, bt, seq, last, o, m, l_, H, R, DR, bt.shape[1], kv.shape[1], num_splits,
+        scale, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=tile(R),
         BLOCK_DR=tile(DR), PRECISION="ieee" if fp32 else "tf32",
         num_warps=8 if fp32 else 4, num_stages=1 if fp32 else 2)
     # merge the splits (a split past a token's context has max -inf and weight 0)

@@ -10,12 +10,12 @@ import triton.language as tl
 @triton.jit
 def mla_split_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_ptr, last_ptr,
                      o_ptr, m_ptr, l_ptr,
-                     H, R, DR, bt_stride, page, split_len, num_splits, scale,
+                     H, R, DR, bt_stride, page, num_splits, scale,
                      BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                      BLOCK_DR: tl.constexpr, PRECISION: tl.constexpr):
-    """One query token, BLOCK_H heads, one split of its context: online softmax over the
-    split's keys (latent . q_lat + k_pe . q_pe), and the unnormalised sum of p * latent with
-    its running max and denominator, for the splits' merge."""
+    """One query token, BLOCK_H heads, one of num_splits parts of its context: online
+    softmax over the part's keys (latent . q_lat + k_pe . q_pe), and the unnormalised sum of
+    p * latent with its running max and denominator, for the splits' merge."""
     t, hb, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq = tl.load(seq_ptr + t)
     last = tl.load(last_ptr + t)  # the query's own position: it sees keys 0..last
@@ -30,8 +30,11 @@ def mla_split_kernel(q_lat_ptr, q_pe_ptr, kv_ptr, block_table_ptr, seq_ptr, last
     m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
-    start = s * split_len
-    stop = tl.minimum(start + split_len, last + 1)
+    # the token's own context in num_splits equal parts (whole key blocks): a short context
+    # in a long table still spreads over every split
+    per = (tl.cdiv(last + 1, num_splits) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = s * per
+    stop = tl.minimum(start + per, last + 1)
     for j0 in range(start, stop, BLOCK_N):
         js = j0 + tl.arange(0, BLOCK_N)
         j_ok = js < stop
