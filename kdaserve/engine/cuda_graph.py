@@ -26,6 +26,7 @@ import torch
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
+from kdaserve.config import EngineConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
 from kdaserve.kernels.triton.kda import kda_decode_triton
@@ -53,6 +54,22 @@ def capture_sizes(max_bs: int) -> list[int]:
     if max_bs < 1:
         raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
     return sorted({s for s in (1, 2, 4) if s < max_bs} | set(range(8, max_bs, 8)) | {max_bs})
+
+
+def graph_runner(config: EngineConfig, kernels: Kernels, model: KimiLinearForCausalLM,
+                 states: StatePool, blocks: BlockPool, max_num_seqs: int,
+                 max_context: int) -> CudaGraphRunner | None:
+    """The engine's runner: on CUDA, unless disabled, where the kernels allow it and one
+    rank steps alone (tensor- and expert-parallel engines' other ranks step eagerly; the
+    config refuses cuda_graph_max_bs with them)."""
+    if config.device.startswith("cuda") and not config.disable_cuda_graph and \
+            graph_safe(kernels) and config.tp_size == 1 and not config.enable_dp_attention:
+        return CudaGraphRunner(model, states, blocks, config.cuda_graph_max_bs or max_num_seqs,
+                               max_context)
+    if config.cuda_graph_max_bs is not None:  # asked for, so not silently dropped
+        raise ValueError("cuda_graph_max_bs: CUDA graphs need the triton kernel backend "
+                         "(triton and fla-core importable); this engine runs eagerly")
+    return None
 
 
 class CudaGraphRunner:

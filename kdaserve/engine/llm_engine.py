@@ -18,7 +18,7 @@ from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.checkpoint import resolve_model_path
 from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.detokenizer import IncrementalDetokenizer
-from kdaserve.engine.cuda_graph import CudaGraphRunner, graph_safe
+from kdaserve.engine.cuda_graph import graph_runner
 from kdaserve.engine.disaggregation import DecodeSide, PrefillSide, make_side
 from kdaserve.engine.grammar import (
     GrammarBackend,
@@ -82,16 +82,9 @@ class LLMEngine(Introspection):
             raise
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device,
                                   self.followers)
-        if self.device.type == "cuda" and not config.disable_cuda_graph and \
-                graph_safe(self.kernels) and self.followers is None and self.ep.size == 1:
-            # (tensor-parallel and expert-parallel engines' other ranks step eagerly)
-            self.runner.graphs = CudaGraphRunner(
-                self.model, self.states, self.blocks,
-                config.cuda_graph_max_bs or self.scheduler.max_num_seqs,
-                self.scheduler.max_request_tokens())
-        elif config.cuda_graph_max_bs is not None:  # asked for, so not silently dropped
-            raise ValueError("cuda_graph_max_bs: CUDA graphs need the triton kernel backend "
-                             "(triton and fla-core importable); this engine runs eagerly")
+        self.runner.graphs = graph_runner(config, self.kernels, self.model, self.states,
+                                          self.blocks, self.scheduler.max_num_seqs,
+                                          self.scheduler.max_request_tokens())
         self.spec = None
         if config.speculative_algorithm is not None:
             draft = config.speculative_draft_model

@@ -174,3 +174,21 @@ def test_graphs_only_with_kernels_that_read_nothing_back(tiny_ckpt: Path) -> Non
     assert graph_safe(kernels._replace(
         kda_decode=kda_decode_triton, mla_attention=mla_attention_triton,
         moe_experts=moe_experts_triton, moe_route=moe_route_triton))
+
+
+def test_speculation_and_prefix_cache_beside_graphs(tiny_ckpt: Path) -> None:
+    """With n-gram speculation (verify steps eager; steps where no request drafts replay) and
+    the prefix cache on (prompts sharing a prefix, so hits and snapshots), the tokens equal
+    the plain engine's with the same settings."""
+    kw = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 3,
+          "block_size": 4, "snapshot_interval": 8}
+    shared = [(7 * j) % 50 + 3 for j in range(20)]
+    ps = [shared + [100 + i] * (1 + i) for i in range(4)] + [[1, 2, 3, 1, 2, 3, 1, 2]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in LLM(tiny_ckpt, **kw).generate(
+        prompt_token_ids=ps, sampling_params=params)]
+    llm = LLM(tiny_ckpt, **kw)
+    ran = attach(llm, max_bs=8)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert got == want and ran
+    llm.engine.check_integrity()
