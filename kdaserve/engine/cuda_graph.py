@@ -180,18 +180,19 @@ class CudaGraphRunner:
         self.pad(0, self.max_bs)
         self.filled = 0
         fb = self.view(bs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.forward(fb)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        assert self.logits is not None
-        # thread_local: CUDA calls other threads make meanwhile (a weight-sync rendezvous,
-        # a transfer engine's workers) do not invalidate the capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.logits[:bs].copy_(self.forward(fb))
+        with torch.cuda.device(fb.input_ids.device):  # the engine's GPU, not the default one
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.forward(fb)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            assert self.logits is not None
+            # thread_local: CUDA calls other threads make meanwhile (a weight-sync rendezvous,
+            # a transfer engine's workers) do not invalidate the capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self.logits[:bs].copy_(self.forward(fb))
         self.pool = graph.pool()
         self.graphs[bs] = graph
 

@@ -57,6 +57,8 @@ class LLMEngine(Introspection):
         self.path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.path)
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton launches and graphs use the current one
         # bf16 matmul is ~200x slower than fp32 on common CPUs: there activations and caches
         # stay fp32 and bfloat16 means weight-only bf16 (projections and experts)
         asked = getattr(torch, config.dtype) if config.dtype else (
