@@ -76,6 +76,8 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             # e.g. requests aborted by a pause: tell them; and disaggregation peers are
             # answered (pings, reservations) whether or not we step
             pending = engine.drain_outputs() + engine.service_disaggregation()
+            # a peer's refusal or a failed transfer can end a request here, between steps
+            pending = _report_failures(engine, pending, send)
             if pending:
                 send(("outputs", pending))
             continue
@@ -96,14 +98,20 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
                 send(("error", rid, f"engine step failed: {e}", 500))
             engine.step()  # drain the abort outputs of the failed requests
             continue
-        failed = engine.take_failures()  # one request's own failure, not the batch's
-        for rid, why in failed:
-            send(("error", rid, why, 500))
-        if failed:
-            gone = {rid for rid, _ in failed}
-            outputs = [o for o in outputs if o.rid not in gone]
+        outputs = _report_failures(engine, outputs, send)
         if outputs:
             send(("outputs", outputs))
+
+
+def _report_failures(engine: LLMEngine, outputs: list[Any],
+                     send: Callable[[tuple[Any, ...]], None]) -> list[Any]:
+    """Sends an error for each request that failed on its own (not the batch); returns the
+    outputs of the others."""
+    failed = engine.take_failures()
+    for rid, why in failed:
+        send(("error", rid, why, 500))
+    gone = {rid for rid, _ in failed}
+    return [o for o in outputs if o.rid not in gone] if gone else outputs
 
 
 def _handle(engine: LLMEngine, cmd: Command, send: Callable[[tuple[Any, ...]], None],

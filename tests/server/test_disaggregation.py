@@ -253,7 +253,10 @@ def test_transfer_metrics(cluster: Cluster, tiny_ckpt: Path) -> None:
 
 # ---- faults (the test plays the router) ----
 def pd_pair(prefill: ServerProc, decode: ServerProc, bport: int, body: dict[str, Any],
-            path: str = "/generate") -> tuple[concurrent.futures.Future, concurrent.futures.Future]:
+            path: str = "/generate", prefill_after: float = 0.0,
+            ) -> tuple[concurrent.futures.Future, concurrent.futures.Future]:
+    """Both halves of a request, posted at once (or the prefill half `prefill_after`
+    seconds after the decode half)."""
     body = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": bport,
             "bootstrap_room": int.from_bytes(os.urandom(7), "big")}
     pool = concurrent.futures.ThreadPoolExecutor(2)
@@ -261,22 +264,29 @@ def pd_pair(prefill: ServerProc, decode: ServerProc, bport: int, body: dict[str,
     def post(s: ServerProc) -> httpx.Response:
         return httpx.post(f"{s.url}{path}", json=body, timeout=60)
 
-    return pool.submit(post, prefill), pool.submit(post, decode)
+    d = pool.submit(post, decode)
+    if prefill_after:
+        time.sleep(prefill_after)
+    return pool.submit(post, prefill), d
 
 
 def test_mismatched_decode_is_refused(cluster: Cluster, tiny_ckpt: Path,
                                       tmp_path: Path) -> None:
     """A decode server whose pools differ (block size 32 against 16) is refused before any
-    byte moves: both halves fail with the reason; both pools stay whole."""
+    byte moves: both halves fail with the reason; both pools stay whole. Twice: the halves
+    sent together, then the decode half first, so that its reservation waits on the prefill
+    server and the refusal happens as the prefill request arrives, between steps (that
+    error once went unreported and the request hung)."""
     bad = start_decode(tiny_ckpt, tmp_path, "--block-size", "32", "--snapshot-interval", "64")
     try:
-        p, d = pd_pair(cluster.prefill, bad, cluster.bootstrap_port,
-                       {"input_ids": list(range(1, 40)), "sampling_params": {
-                           "max_new_tokens": 4}})
-        rp, rd = p.result(), d.result()
-        assert rp.status_code == 500 and "block size mismatch" in rp.text, rp.text
-        assert rd.status_code == 500 and "block size mismatch" in rd.text, rd.text
-        assert_whole(cluster.prefill, bad)
+        for decode_first in (False, True):
+            p, d = pd_pair(cluster.prefill, bad, cluster.bootstrap_port,
+                           {"input_ids": list(range(1, 40)), "sampling_params": {
+                               "max_new_tokens": 4}}, prefill_after=3.0 if decode_first else 0)
+            rp, rd = p.result(), d.result()
+            assert rp.status_code == 500 and "block size mismatch" in rp.text, rp.text
+            assert rd.status_code == 500 and "block size mismatch" in rd.text, rd.text
+            assert_whole(cluster.prefill, bad)
     finally:
         stop_server(bad)
 
