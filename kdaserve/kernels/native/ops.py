@@ -17,6 +17,7 @@ from kdaserve.kernels.cpu.gemm import cpu_vendor, gemm, onednn_usable
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
 from kdaserve.kernels.ref.kda import Snapshots, gated_rmsnorm, kda_chunk_ref
+from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS, mla_split_chunks
 from kdaserve.kernels.ref.mlp import silu_mul_ref
 from kdaserve.kernels.ref.moe import moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
@@ -179,9 +180,10 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     cu = cu_seqlens.to(torch.int64).contiguous()
     if S != B:
         new = cu[1:] - cu[:-1]
-        if int(new.max()) > VERIFY_MAX_TOKENS:
-            return _mla_mixed(new, q_nope, q_pe, kv_cache, block_table, context_lens, w_uk,
-                              w_uv, scale)
+        if int(new.max()) > VERIFY_MAX_TOKENS:  # chunks to the prefill path
+            return mla_split_chunks(mla_attention_native, mla_attention_cpu, q_nope, q_pe,
+                                    kv_cache, block_table, cu, context_lens, w_uk, w_uv,
+                                    scale)
     T, Dn, Dr, Dv, R = q_nope.shape[0], q_nope.shape[-1], q_pe.shape[-1], w_uv.shape[1], \
         w_uk.shape[-1]
     q = _joined(q_nope, q_pe, 2)
@@ -197,26 +199,6 @@ def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     return out
 
 
-def _mla_mixed(new: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
-               kv_cache: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor,
-               w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
-    """A batch with prefill chunks (new tokens per sequence: `new`): its decodes and verifies
-    in one paged-kernel call, the chunks in the prefill path, each on its rows of q (one
-    chunk must not send a mixed step's every decode through the per-sequence loop there)."""
-    chunk = new > VERIFY_MAX_TOKENS
-    of_chunk = chunk.repeat_interleave(new)  # per token: is it in a chunk's sequence
-    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
-    for seqs, rows, attend in ((~chunk, ~of_chunk, mla_attention_native),
-                               (chunk, of_chunk, mla_attention_cpu)):
-        if not bool(seqs.any()):
-            continue
-        cu = torch.zeros(int(seqs.sum()) + 1, dtype=torch.int64)
-        torch.cumsum(new[seqs], 0, out=cu[1:])
-        out[rows] = attend(q_nope[rows], q_pe[rows], kv_cache, block_table[seqs], cu,
-                           context_lens[seqs], w_uk, w_uv, scale)
-    return out
-
-
 def _joined(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
     """torch.cat([a, b], dim) of two 3-D tensors, as the view both already are parts of where
     they are (q's nope and rope columns per head, kv_b_proj's W_UK and W_UV rows per head),
@@ -229,11 +211,6 @@ def _joined(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
             + a.shape[dim] * a.stride(dim) * a.element_size():
         return a.as_strided(shape, (a.stride(0), *inner[1:]))
     return torch.cat([a, b], dim=dim).contiguous()
-
-
-# new tokens per sequence up to which a non-decode batch's MLA runs in the paged decode kernel
-# (speculative verifies); longer chunks take the prefill path (kernels/cpu/mla.py)
-VERIFY_MAX_TOKENS = 16
 
 
 # fp32 activations against weights of this dtype: (linear kernel, MoE kernel). bf16 weights

@@ -7,7 +7,13 @@ score_h = (W_UK,h^T q_nope,h) . c + q_pe,h . k_pe and o_h = W_UV,h (sum_t p_t c_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+# new tokens per sequence up to which a sequence attends as decodes do (speculative
+# verifies, in a backend's paged decode kernel); longer prefill chunks take its prefill form
+VERIFY_MAX_TOKENS = 16
 
 
 def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, n: int) -> torch.Tensor:
@@ -46,4 +52,27 @@ def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.
         p = torch.softmax(scores, dim=-1)
         o_lat = torch.einsum("hnt,tr->nhr", p, latent)
         out[cu[b]:cu[b + 1]] = torch.einsum("nhr,hvr->nhv", o_lat, w_uv.float()).to(out.dtype)
+    return out
+
+
+def mla_split_chunks(verifies: Callable, chunks: Callable, q_nope: torch.Tensor,
+                     q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     cu_seqlens: torch.Tensor, context_lens: torch.Tensor, w_uk: torch.Tensor,
+                     w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+    """`mla_attention_ref`'s contract for a batch with prefill chunks: its decodes and
+    verifies (at most VERIFY_MAX_TOKENS new tokens) in one `verifies` call, its chunks in one
+    `chunks` call, each on its rows of q (one chunk must not send a mixed step's every
+    decode through a prefill path). Both take that same contract."""
+    cu = cu_seqlens.to(torch.int64)
+    new = cu[1:] - cu[:-1]
+    chunk = new > VERIFY_MAX_TOKENS
+    of_chunk = chunk.repeat_interleave(new)  # per token: is it in a chunk's sequence
+    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+    for seqs, rows, attend in ((~chunk, ~of_chunk, verifies), (chunk, of_chunk, chunks)):
+        if not bool(seqs.any()):
+            continue
+        sub = torch.zeros(int(seqs.sum()) + 1, dtype=torch.int64, device=cu.device)
+        torch.cumsum(new[seqs], 0, out=sub[1:])
+        out[rows] = attend(q_nope[rows], q_pe[rows], kv_cache, block_table[seqs], sub,
+                           context_lens[seqs], w_uk, w_uv, scale)
     return out

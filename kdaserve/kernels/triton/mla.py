@@ -10,7 +10,7 @@ latent to the value heads. Causality is each token's own context length: its lat
 earlier one are in the pool before the call, so a verify's or a prefill chunk's tokens each
 see the cache up to their own position. Splits keep the GPU busy when a decode batch is small
 and contexts are long (one program per token and head block would leave most SMs idle).
-That is the form for decodes and verifies; a prefill chunk (more than EXPANDED_FROM new
+That is the form for decodes and verifies; a prefill chunk (more than VERIFY_MAX_TOKENS new
 tokens) takes the expanded form through torch's fused SDPA instead (`mla_prefill_sdpa`).
 
 Triton is imported on the first call (`_kernel`), never at import.
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from kdaserve.kernels.ref.mla import gather_latent
+from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS, gather_latent, mla_split_chunks
 from kdaserve.kernels.triton import tile
 
 BLOCK_H = 16  # heads per program: tl.dot's least M
@@ -37,9 +37,6 @@ SPLIT_LEN = 256
 # tokens and head blocks fill that, so a prefill chunk runs unsplit and its partial sums stay
 # [T, 1, H, R] instead of growing with the longest context
 TARGET_PROGRAMS = 264
-# new tokens of a sequence past which it takes the expanded form: prefill chunks do, decodes
-# and speculative verifies (at most 16 tokens) stay absorbed
-EXPANDED_FROM = 16
 
 
 @functools.cache
@@ -58,30 +55,26 @@ def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
     w_uk: [H, Dn, R]; w_uv: [H, Dv, R]. Returns [T, H, Dv] in q's dtype; scores, softmax and
     sums in fp32 (dots of fp32 inputs in IEEE fp32, of bf16 ones in bf16).
 
-    Sequences with more than EXPANDED_FROM new tokens (prefill chunks) take the expanded
+    Sequences with more than VERIFY_MAX_TOKENS new tokens (prefill chunks) take the expanded
     form (`mla_prefill_sdpa`); decodes and verifies the absorbed kernel. A batch of decodes
     only (T == B) is told apart by its shapes: no value is read back, as a CUDA graph needs."""
     T, B = q_nope.shape[0], cu_seqlens.shape[0] - 1
-    if T == B:
+    if T == B or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) <= VERIFY_MAX_TOKENS:
         return mla_absorbed_triton(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
                                    context_lens, w_uk, w_uv, scale)
+    return mla_split_chunks(mla_absorbed_triton, mla_prefill_sdpa_all, q_nope, q_pe,
+                            kv_cache, block_table, cu_seqlens, context_lens, w_uk, w_uv, scale)
+
+
+def mla_prefill_sdpa_all(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         block_table: torch.Tensor, cu_seqlens: torch.Tensor,
+                         context_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """`mla_attention_triton`'s contract, each sequence through `mla_prefill_sdpa`."""
     cu, ctx = cu_seqlens.tolist(), context_lens.tolist()
-    long = [b for b in range(B) if cu[b + 1] - cu[b] > EXPANDED_FROM]
-    if not long:
-        return mla_absorbed_triton(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
-                                   context_lens, w_uk, w_uv, scale)
-    out = q_nope.new_empty(T, q_nope.shape[1], w_uv.shape[1])
-    short = [b for b in range(B) if b not in long and cu[b + 1] > cu[b]]
-    if short:  # one absorbed call for the decodes and verifies among the chunks
-        dev = q_nope.device
-        rows = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in short]).to(dev)
-        sub_cu = torch.tensor([0] + [cu[b + 1] - cu[b] for b in short]).cumsum(0).to(dev)
-        pick = torch.tensor(short, device=dev)
-        out[rows] = mla_absorbed_triton(
-            q_nope[rows], q_pe[rows], kv_cache, block_table[pick.to(block_table.device)],
-            sub_cu, context_lens[pick.to(context_lens.device)], w_uk, w_uv, scale)
     w_kvb = torch.cat([w_uk, w_uv], dim=1)
-    for b in long:
+    out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1])
+    for b in range(len(cu) - 1):
         s, e = cu[b], cu[b + 1]
         out[s:e] = mla_prefill_sdpa(q_nope[s:e], q_pe[s:e], kv_cache, block_table[b], ctx[b],
                                     w_kvb, scale)

@@ -16,7 +16,7 @@ from kdaserve.kernels.triton.mla import mla_attention_triton
     ([1, 1, 1], [1, 9, 30], 3),  # decodes, one with a single key
     ([1, 4, 7], [5, 18, 40], 2),  # a decode, a verify, a prefill chunk on a cached prefix
     ([3], [3], 20),  # a fresh prompt; more heads than a program's block
-    # chunks past EXPANDED_FROM (expanded form) beside a decode and a verify (absorbed)
+    # chunks past VERIFY_MAX_TOKENS (expanded form) beside a decode and a verify (absorbed)
     ([1, 20, 3, 40], [9, 50, 7, 40], 3),
     ([17], [17], 2),  # only a chunk
 ])
