@@ -374,6 +374,9 @@ class EngineConfig:
     # (None: max_num_seqs); on by default on CUDA (engine/cuda_graph.py)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # overlap scheduling on CUDA: the host schedules step N+1 while the GPU runs step N
+    # (engine/overlap.py); not with speculation, disaggregation or parallel ranks
+    disable_overlap_schedule: bool = False
     # Same request, same tokens and logprobs to the bit, whatever it is batched with, chunked
     # into or cached from: every op from the batch-invariant kernels (CPU, fp32)
     enable_deterministic_inference: bool = False

@@ -195,6 +195,16 @@ class Request:
         return out
 
     @property
+    def last_token_pending(self) -> bool:
+        """Its last output token is still on the device (a placeholder, engine/overlap.py)."""
+        return bool(self.output_ids) and self.output_ids[-1] < 0
+
+    @property
+    def known_output_ids(self) -> list[int]:
+        """The output tokens the host has read (all but a pending last one)."""
+        return self.output_ids[:-1] if self.last_token_pending else self.output_ids
+
+    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 

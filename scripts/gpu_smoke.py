@@ -1,8 +1,8 @@
 """Throughput smoke on CUDA with the triton kernels: decode time per step (TPOT, prefill
 taken out) at batch 1, 16 and 64 after 64-token random prompts, on the `bench` preset in bf16
-with and without CUDA graphs and in fp32, and on the Kimi-shaped preset in bf16 with and
-without; the fp32 CUDA tokens against the CPU reference backend at batch 1; then the fused
-MoE and the paged MLA kernels alone."""
+with and without CUDA graphs, without overlap scheduling, and in fp32, and on the Kimi-shaped
+preset in bf16 with and without graphs; the fp32 CUDA tokens against the CPU reference
+backend at batch 1; then the fused MoE and the paged MLA kernels alone."""
 
 from __future__ import annotations
 
@@ -40,29 +40,36 @@ def decode_speed(llm: LLM, batch: int) -> tuple[float, list[int]]:
 
 first: dict[str, list[int]] = {}
 made = {"bench": path}
-# decode steps from CUDA graphs (the default) against eager steps, same tokens expected
-for preset, dtype, graphs in (("bench", "bfloat16", True), ("bench", "bfloat16", False),
-                              ("bench", "float32", True), ("kimi-shaped", "bfloat16", True),
-                              ("kimi-shaped", "bfloat16", False)):
+# decode steps from CUDA graphs (the default) against eager steps, same tokens expected; and
+# the host's step not overlapped with the GPU's (engine/overlap.py)
+for preset, dtype, graphs, overlap in (
+        ("bench", "bfloat16", True, True), ("bench", "bfloat16", False, True),
+        ("bench", "bfloat16", True, False), ("bench", "float32", True, True),
+        ("kimi-shaped", "bfloat16", True, True), ("kimi-shaped", "bfloat16", False, True)):
     try:
         if preset not in made:  # (the Kimi-shaped one is 12 GB: written once)
             made[preset] = make_checkpoint(tempfile.mkdtemp(), preset, seed=0)
-        llm = LLM(made[preset], device="cuda", dtype=dtype, disable_cuda_graph=not graphs)
+        llm = LLM(made[preset], device="cuda", dtype=dtype, disable_cuda_graph=not graphs,
+                  disable_overlap_schedule=not overlap)
+        assert llm.engine.overlap == overlap
+        mode = ("graphs" if graphs else "eager") + ("" if overlap else " no-overlap")
         for batch in (1, 16, 64):
             step, ids = decode_speed(llm, batch)
-            print(f"cuda {preset} {dtype} {'graphs' if graphs else 'eager'} batch {batch}: "
+            print(f"cuda {preset} {dtype} {mode} batch {batch}: "
                   f"TPOT {step * 1e3:.2f} ms, {batch / step:.0f} decode tok/s", flush=True)
-            first.setdefault(f"{preset} {dtype} {graphs}", ids)
+            first.setdefault(f"{preset} {dtype} {mode}", ids)
         llm.check_integrity()
         del llm
     except Exception as e:  # noqa: BLE001 - the other rows still print
-        print(f"cuda {preset} {dtype} graphs={graphs}: FAILED {type(e).__name__}: {e}")
-for preset in ("bench", "kimi-shaped"):
-    a, b = first.get(f"{preset} bfloat16 True"), first.get(f"{preset} bfloat16 False")
+        print(f"cuda {preset} {dtype} graphs={graphs} overlap={overlap}: FAILED "
+              f"{type(e).__name__}: {e}")
+for preset, other in (("bench", "eager"), ("bench", "graphs no-overlap"),
+                      ("kimi-shaped", "eager")):
+    a, b = first.get(f"{preset} bfloat16 graphs"), first.get(f"{preset} bfloat16 {other}")
     if a and b:
         same = sum(x == y for x, y in zip(a, b, strict=True))
-        print(f"{preset} bf16 graphs vs eager: {same}/{len(a)} greedy tokens equal")
-first["float32"] = first.get("bench float32 True", [])[:32]
+        print(f"{preset} bf16 graphs vs {other}: {same}/{len(a)} greedy tokens equal")
+first["float32"] = first.get("bench float32 graphs", [])[:32]
 cpu = LLM(path, kernel_backend="ref").generate(prompt_token_ids=prompts[:1],
                                                sampling_params=params)[0].token_ids
 same = sum(a == b for a, b in zip(first["float32"], cpu, strict=True))

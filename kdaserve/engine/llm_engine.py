@@ -31,6 +31,7 @@ from kdaserve.engine.grammar import (
 from kdaserve.engine.introspection import Introspection
 from kdaserve.engine.logprobs import record_prompt_logprobs
 from kdaserve.engine.model_runner import ModelRunner
+from kdaserve.engine.overlap import OverlapSteps, Pending, overlappable
 from kdaserve.engine.pools import make_pools, num_snapshot_slots
 from kdaserve.engine.rl import EngineAsleep
 from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
@@ -48,7 +49,7 @@ from kdaserve.tokenizer import Tokenizer
 logger = logging.getLogger("kdaserve")
 
 
-class LLMEngine(Introspection):
+class LLMEngine(Introspection, OverlapSteps):
     def __init__(self, config: EngineConfig) -> None:
         if config.dp_size > 1 and not config.enable_dp_attention:
             raise ValueError("dp_size > 1 runs one engine per replica behind `kdaserve serve`'s "
@@ -119,6 +120,13 @@ class LLMEngine(Introspection):
         self.failures: list[tuple[str, str]] = []  # (request id, why) of requests that failed
         self._scored: set[str] = set()  # groups whose prompt logprobs went out
         self.pd = make_side(self)  # prefill/decode disaggregation, when a side
+        # overlap scheduling (engine/overlap.py) where the forward runs asynchronously: on a
+        # CPU it is synchronous and the order gains nothing (tests set this to run it there)
+        self.overlap = (self.device.type == "cuda" and not config.disable_overlap_schedule
+                        and self.spec is None and self.pd is None and self.ep.size == 1
+                        and self.followers is None)
+        self._inflight: Pending | None = None  # the overlapped step whose tokens are unread
+        self._serial: set[str] = set()  # groups that do not overlap (overlap.overlappable)
         torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
 
     def _build(self, config: EngineConfig) -> None:
@@ -235,6 +243,8 @@ class LLMEngine(Introspection):
                     self.tokenizer, params.stop, params.skip_special_tokens,
                     params.keep_special_ids)
         self.groups[rid] = children
+        if not overlappable(children[0]):
+            self._serial.add(rid)
         self.counters["num_requests"] += 1
         return rid
 
@@ -242,6 +252,7 @@ class LLMEngine(Introspection):
         children = self.groups.get(rid)
         if children is None:
             return False
+        self.flush()  # its tokens so far, read
         for child in children:
             if self.pd is not None:
                 self.pd.abort(child)
@@ -253,7 +264,8 @@ class LLMEngine(Introspection):
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or (self.pd is not None and self.pd.busy())
+        return self.scheduler.has_unfinished() or self._inflight is not None or (
+            self.pd is not None and self.pd.busy())
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
@@ -264,16 +276,23 @@ class LLMEngine(Introspection):
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
             trim_drafts(self.scheduler.running)
+        overlap = self.overlap and not self._serial
+        if not overlap:  # this step's requests need the last one's tokens on the host
+            self.flush()
+            outputs += self.drain_outputs()
         started = time.perf_counter()  # drafting is timed apart (Speculator.draft_seconds)
         batch = ScheduledBatch() if self.paused else self.scheduler.schedule()
         if self.ep.size > 1 and not self._lockstep(batch):
             return outputs
         if batch.is_empty:
-            return outputs
+            self.flush()
+            return outputs + self.drain_outputs()
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             if req.num_computed_tokens < len(req.prompt_ids):
                 self.counters["prompt_tokens"] += min(n, len(req.prompt_ids)
                                                       - req.num_computed_tokens)
+        if overlap:
+            return outputs + self._step_overlapped(batch)
         spec = self.spec
         # a prefill chunk's step is another regime than the decode/verify steps timed here
         decode_only = spec is not None and all(
@@ -479,7 +498,7 @@ class LLMEngine(Introspection):
         for i, r in enumerate(children):
             detok = self.detok.get(id(r))
             outs.append(CompletionOutput(
-                index=i, token_ids=list(r.output_ids),
+                index=i, token_ids=list(r.known_output_ids),
                 text=detok.visible_text(r.is_finished) if detok is not None else None,
                 finish_reason=r.finish_reason, stop_reason=r.stop_reason,
                 logprobs=list(r.logprobs) if r.params.logprobs is not None else None,
@@ -503,6 +522,7 @@ class LLMEngine(Introspection):
 
     def _forget(self, rid: str) -> None:
         self._scored.discard(rid)
+        self._serial.discard(rid)
         for r in self.groups.pop(rid):
             self.detok.pop(id(r), None)
             r.matcher = None

@@ -12,6 +12,7 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.engine.cuda_graph import CudaGraphRunner
+from kdaserve.engine.overlap import resolve_inputs
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.tensor_parallel import Followers
 from kdaserve.forward_batch import ForwardBatch
@@ -113,13 +114,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, return_hidden: tuple[int, ...] | None = None,
-            record: StepRecord | None = None) -> StepOutput:
+            record: StepRecord | None = None, future: torch.Tensor | None = None,
+            ) -> StepOutput:
         """One forward. Logits are computed here only for the rows that sample; prompt-logprob
         rows come back as hidden states, whose logits the caller computes in slices (a long
         chunk's full [T, vocab] logits would not fit). With `record`, the KDA layers fill it
         with their step inputs. return_hidden: None, or the sampling rows' hidden states
-        to return: () the final-normed ones, layer indices those layers' (a drafter's taps)."""
+        to return: () the final-normed ones, layer indices those layers' (a drafter's taps).
+        future: the sampled tokens of the step in flight, which placeholder inputs stand for
+        (engine/overlap.py)."""
         fb, to_sample, layout = self.prepare(batch)
+        if future is not None:
+            fb.input_ids = resolve_inputs(fb.input_ids, future)
         fb.record = record
         fb.taps = return_hidden or ()
         if any(r.params.return_routed_experts for r in batch.reqs):

@@ -280,6 +280,7 @@ def pause_generation(e: Any, mode: str = "abort") -> dict[str, Any]:
     their caches and simply stop."""
     if mode not in PAUSE_MODES:
         raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+    e.flush()  # the overlapped step's tokens go out now, not after continue_generation
     if mode == "abort":
         for rid in list(e.groups):
             e.abort(rid)

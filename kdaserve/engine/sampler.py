@@ -28,6 +28,11 @@ class SamplerOutput(NamedTuple):
     top_logprobs: list[dict[int, float]] | None
 
 
+class Drawn(NamedTuple):
+    tokens: torch.Tensor  # [B] int64, on the logits' device
+    raw_logprobs: torch.Tensor | None  # [B, V], when any request asked for logprobs
+
+
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
 
@@ -187,6 +192,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits: fp32 [B, V], row i for reqs[i]."""
+        drawn = self.draw(logits, reqs)
+        return self.read(drawn, reqs, drawn.tokens.tolist())
+
+    def draw(self, logits: torch.Tensor, reqs: list[Request]) -> Drawn:
+        """The tokens, on the logits' device: nothing here waits for the device, so an
+        overlapped step (engine/overlap.py) reads them a step later."""
         want_logprobs = any(r.params.logprobs is not None for r in reqs)
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
         if any(r.params.logit_bias or r.params.min_tokens for r in reqs):
@@ -206,10 +217,14 @@ class Sampler:
                     noise[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
             sampled = (probs / noise).argmax(-1)
             tokens = torch.where(greedy, tokens, sampled)
-        token_list = tokens.tolist()
-        if raw_logprobs is None:
+        return Drawn(tokens, raw_logprobs)
+
+    @staticmethod
+    def read(drawn: Drawn, reqs: list[Request], token_list: list[int]) -> SamplerOutput:
+        """The host's output of a draw whose tokens it has read (token_list)."""
+        if drawn.raw_logprobs is None:
             return SamplerOutput(token_list, None, None)
-        top = entries(raw_logprobs, tokens, [r.params.logprobs or 0 for r in reqs],
+        top = entries(drawn.raw_logprobs, drawn.tokens, [r.params.logprobs or 0 for r in reqs],
                       [r.params.token_ids_logprob if r.params.logprobs is not None else []
                        for r in reqs])
         return SamplerOutput(token_list, [d[t] for d, t in zip(top, token_list, strict=True)],

@@ -190,6 +190,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if req.last_token_pending and len(req.output_ids) >= req.params.max_tokens:
+                continue  # its last token is on its way: whatever it is, the request ends
             n = self._chunk(req, min(budget, prefill_budget) if prefilling else budget)
             while not self._grow(req, req.num_computed_tokens + n):
                 victims = [r for r in self.running if id(r) not in scheduled]

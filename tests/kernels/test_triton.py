@@ -253,6 +253,29 @@ def test_cuda_graph_replay_equals_eager(tiny_ckpt: Path, dtype: str) -> None:
     assert out[True] == out[False]
 
 
+@needs_gpu
+def test_overlap_schedule_equals_serial_steps(tiny_ckpt: Path) -> None:
+    """On CUDA the engine overlaps by default (engine/overlap.py): with graphs, stop tokens
+    read a step late and seeded sampling, the tokens equal those of serial steps."""
+    from kdaserve import LLM, SamplingParams
+
+    prompts = [[(11 * i + 5 * j) % 900 + 3 for j in range(4 + 9 * i)] for i in range(7)]
+    params = [SamplingParams(temperature=0, max_tokens=3 + 2 * i, ignore_eos=True)
+              for i in range(5)] + [
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=list(range(0, 4096, 3))),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=12, logprobs=2)]
+    out = {}
+    for overlap in (True, False):
+        llm = LLM(tiny_ckpt, device="cuda", dtype="float32",
+                  disable_overlap_schedule=not overlap)
+        assert llm.engine.overlap == overlap
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        out[overlap] = [(o.token_ids, o.finish_reason) for o in outs]
+        llm.engine.check_integrity()
+        del llm
+    assert out[True] == out[False]
+
+
 @pytest.mark.parametrize("n,c", [(1, 1), (20, 20), (17, 60), (5, 33)])
 def test_mla_prefill_sdpa_matches_reference(n: int, c: int) -> None:
     """The triton backend's expanded MLA prefill (torch SDPA, no triton in it) on the CPU

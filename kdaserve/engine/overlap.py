@@ -1,0 +1,171 @@
+"""Overlap scheduling: the host schedules and prepares step N+1 while the device runs step N.
+
+A step's sampled tokens stay on the device. Each sampling request gets a placeholder token
+(-1 - its row) at the end of its output, and the next step's input ids take the placeholders'
+values from the device tensor (`resolve_inputs`): step N+1 is launched before the host has read
+step N's tokens. Then the host reads them (`Pending.read`, the step's one wait for the device)
+and runs the stop checks. A request that stopped at step N also ran in step N+1; that row's
+token is dropped. SGLang's overlap scheduler works the same way (its future token ids).
+
+Between steps a request holds at most one placeholder, its last token, which no forward has
+computed yet: the prefix cache, which stores computed tokens only, never sees one.
+
+Requests whose next step needs this step's token on the host do not overlap: a grammar's mask,
+a reasoning budget's forced token, penalties over the output so far, and per-position records
+(hidden states, routed experts) that a dropped row would add to. While one is in the engine,
+every step reads its tokens before the next is scheduled (`overlappable`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kdaserve.engine.logprobs import record_prompt_logprobs
+from kdaserve.engine.sampler import Drawn, Sampler, SamplerOutput
+from kdaserve.engine.scheduler import ScheduledBatch
+from kdaserve.request import Request, RequestOutput
+
+logger = logging.getLogger("kdaserve")
+
+
+def placeholder(row: int) -> int:
+    """The output token standing for row `row` of the step in flight."""
+    return -1 - row
+
+
+def resolve_inputs(input_ids: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
+    """input_ids with each placeholder replaced by its row of `future` (the step in flight's
+    sampled tokens); device ops only, so nothing waits for that step."""
+    picked = future[(-1 - input_ids).clamp(min=0)]
+    return torch.where(input_ids < 0, picked, input_ids)
+
+
+def overlappable(req: Request) -> bool:
+    p = req.params
+    return (req.matcher is None and p.reasoning_budget is None
+            and p.repetition_penalty == 1.0 and not p.presence_penalty
+            and not p.frequency_penalty and not p.return_hidden_states
+            and not p.return_routed_experts)
+
+
+class Pending:
+    """A launched step's sampled tokens, not read by the host yet. Building one appends each
+    request's placeholder, except for `skip` rows (requests whose sampling failed)."""
+
+    def __init__(self, reqs: list[Request], drawn: Drawn, output: SamplerOutput | None = None,
+                 skip: frozenset[int] = frozenset()) -> None:
+        self.reqs, self.drawn, self.output = reqs, drawn, output
+        self.index: list[int | None] = []  # each request's placeholder position in its output
+        for row, req in enumerate(reqs):
+            if row in skip:
+                self.index.append(None)
+                continue
+            self.index.append(len(req.output_ids))
+            req.output_ids.append(placeholder(row))
+        tokens = drawn.tokens
+        self.ready: torch.cuda.Event | None = None
+        self.host = tokens
+        if tokens.device.type == "cuda" and output is None:
+            # copied now, behind this step only: a copy started at read() would queue behind
+            # the next step, which is launched by then
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    @property
+    def future(self) -> torch.Tensor:
+        return self.drawn.tokens
+
+    def read(self, sampler: Sampler) -> SamplerOutput:
+        if self.output is not None:
+            return self.output
+        if self.ready is not None:
+            self.ready.synchronize()
+        # logprobs are read here too, behind the next step: their requests overlap less
+        return sampler.read(self.drawn, self.reqs, self.host.tolist())
+
+
+class OverlapSteps:
+    """The engine's overlapped step (a mixin of `LLMEngine`, apart so its serial step reads
+    alone)."""
+
+    # set by LLMEngine
+    runner: Any
+    model: Any
+    scheduler: Any
+    sampler: Sampler
+    counters: dict[str, int]
+    failures: list[tuple[str, str]]
+    _pending_outputs: list[RequestOutput]
+    _inflight: Pending | None
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        raise NotImplementedError
+
+    def append_token(self, req: Request, token: int, logprob: float | None,
+                     top: dict[int, float] | None) -> None:
+        raise NotImplementedError
+
+    def _group_id(self, req: Request) -> str:
+        raise NotImplementedError
+
+    def _updates(self, touched: dict[str, None]) -> list[RequestOutput]:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Reads the step in flight, for what needs every request's tokens on the host (a
+        serial step, an abort, a pause); its updates come with the next step."""
+        pending, self._inflight = self._inflight, None
+        self._pending_outputs += self._resolve(pending)
+
+    def _step_overlapped(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Launches this step (its inputs may stand for the step in flight's tokens), then
+        reads the step in flight: on a GPU the device runs this step meanwhile."""
+        previous = self._inflight
+        out = self.runner.run(batch, future=previous.future if previous is not None else None)
+        for req, rows in out.prompt:
+            record_prompt_logprobs(req, rows, self.model.compute_logits)
+        self.scheduler.insert_snapshots(batch)
+        self.counters["num_steps"] += 1
+        self._inflight = self._launch(out.logits, out.to_sample) if out.to_sample else None
+        outputs = self._resolve(previous)
+        self.scheduler.take_snapshots(batch.reqs)
+        return outputs
+
+    def _launch(self, logits: torch.Tensor, reqs: list[Request]) -> Pending:
+        """Draws the tokens on the device; on a failure, samples on the host request by
+        request (sample_isolated), and a request that fails alone gets no token."""
+        try:
+            return Pending(reqs, self.sampler.draw(logits, reqs))
+        except Exception:  # noqa: BLE001 - retried below, request by request
+            logger.exception("batched sampling failed; sampling each request alone")
+        result = self._sample(logits, reqs)
+        failed = {rid for rid, _ in self.failures}
+        skip = frozenset(i for i, r in enumerate(reqs) if self._group_id(r) in failed)
+        tokens = torch.tensor(result.token_ids, dtype=torch.int64, device=logits.device)
+        return Pending(reqs, Drawn(tokens, None), result, skip)
+
+    def _resolve(self, pending: Pending | None) -> list[RequestOutput]:
+        """Reads a launched step's tokens into its requests' outputs, with the stop checks
+        of `append_token`; the updates of the requests that progressed or finished."""
+        if pending is None:
+            return []
+        result = pending.read(self.sampler)
+        touched: dict[str, None] = {}
+        for row, (req, at) in enumerate(zip(pending.reqs, pending.index, strict=True)):
+            if at is None or req.is_finished:  # failed; or stopped a step before: dropped
+                continue
+            out = req.output_ids
+            newer = out[at + 1:]  # the next step's placeholder, when that step runs req
+            del out[at:]
+            self.append_token(req, result.token_ids[row],
+                              result.logprobs[row] if result.logprobs else None,
+                              result.top_logprobs[row] if result.top_logprobs else None)
+            if not req.is_finished:
+                out += newer
+            touched[self._group_id(req)] = None
+        return self._updates(touched)
