@@ -131,3 +131,39 @@ for B, ctx in ((1, 4096), (16, 4096), (64, 2048)):
     print(f"mla B={B} ctx={ctx}: triton {times['triton'] * 1e6:.0f} us "
           f"({read / times['triton'] / 1e12:.2f} TB/s of {read / 1e6:.0f} MB), "
           f"ref loop {times['ref'] * 1e6:.0f} us")
+
+# The fused KDA decode (kdaserve/kernels/triton/kda_kernels.py) alone against fla's recurrent
+# kernel with our conv and fla's gated norm (what kda_decode_triton ran before), on Kimi
+# Linear's KDA shapes (32 heads x 128, conv 4), bf16 with fp32 states: time per call and the
+# bandwidth of the states it must read and write.
+import kdaserve.kernels.triton.kda as triton_kda  # noqa: E402
+
+H, K, W = 32, 128, 4
+C = 3 * H * K
+for B in (1, 16, 64):
+    N = B + 1
+    state = torch.randn(N, H, K, K, device="cuda") * 0.1
+    conv = torch.randn(N, W - 1, C, device="cuda", dtype=torch.bfloat16)
+    args = (torch.randn(B, C, device="cuda", dtype=torch.bfloat16),
+            torch.randn(B, H, K, device="cuda", dtype=torch.bfloat16),
+            torch.randn(B, H, device="cuda", dtype=torch.bfloat16),
+            torch.randn(B, H, K, device="cuda", dtype=torch.bfloat16),
+            torch.randn(C, W, device="cuda", dtype=torch.bfloat16) / W,
+            torch.rand(H, device="cuda"), torch.randn(H * K, device="cuda"),
+            torch.randn(K, device="cuda", dtype=torch.bfloat16), 1e-5)
+    slots = torch.arange(B, device="cuda")
+    times = {}
+    for name, most in (("fused", triton_kda.FUSED_MAX_STATE), ("fla", 0)):
+        triton_kda.FUSED_MAX_STATE = most  # 0: every head is "too large", fla's path
+        triton_kda.kda_decode_triton(*args, state, conv, slots)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            triton_kda.kda_decode_triton(*args, state, conv, slots)
+        torch.cuda.synchronize()
+        times[name] = (time.perf_counter() - t0) / 20
+    triton_kda.FUSED_MAX_STATE = 128 * 128
+    moved = B * H * K * K * 4 * 2  # each state read and written once
+    print(f"kda decode B={B}: fused {times['fused'] * 1e6:.0f} us "
+          f"({moved / times['fused'] / 1e12:.2f} TB/s of {moved / 1e6:.0f} MB), "
+          f"fla's recurrence + our conv + fla's norm {times['fla'] * 1e6:.0f} us")

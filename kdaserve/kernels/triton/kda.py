@@ -1,4 +1,5 @@
-"""KDA prefill and decode through fla-core's Triton kernels.
+"""KDA prefill through fla-core's Triton kernels; decode (a token or a few per sequence)
+through our fused kernel (`kda_kernels.py`), fla's where a head's state is too large for it.
 
 fla applies our activations in-kernel with the same numerics as kernels/ref/kda.py: l2norm
 x / sqrt(sum x^2 + 1e-6) on q and k, gate -exp(A_log) * softplus(g + dt_bias) (softplus
@@ -7,10 +8,54 @@ threshold 20), and sigmoid(beta). Packed [T, ...] tensors become fla's varlen [1
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
 from kdaserve.kernels.ref.kda import Snapshots, compose_kda_decode, kda_chunk_in_segments
+from kdaserve.kernels.triton import tile
 from kdaserve.kernels.triton.conv import short_conv_triton
+
+# a program holds one head's [K, V] fp32 state in registers: Kimi's 128 x 128 is 64 KB over
+# 8 warps (64 values a thread); a larger head goes to fla's kernel, which splits V
+FUSED_MAX_STATE = 128 * 128
+
+
+@functools.cache
+def _kernels() -> Any:
+    from kdaserve.kernels.triton import kda_kernels
+
+    return kda_kernels
+
+
+def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: torch.Tensor,
+                     conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
+                     conv_state: torch.Tensor, state_slots: torch.Tensor,
+                     cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """`kda_decode_ref`'s contract in one launch, a program per (sequence, head): the short
+    conv, the activations, the delta rule and the gated norm of each new token (unfused: a
+    conv launch, three split copies, fla's recurrence, fla's norm). Needs contiguous pools."""
+    T, H, K = f.shape
+    V = z.shape[-1]
+    D = qkv.shape[1]
+    W = conv_weight.shape[1]
+    dev = qkv.device
+    # one token each: [0, 1, ..., T] without a host tensor (a CUDA graph captures it)
+    cu = torch.arange(T + 1, device=dev) if cu_seqlens is None else cu_seqlens.to(dev)
+    B = cu.shape[0] - 1
+    out = torch.empty(T, H, V, dtype=qkv.dtype, device=dev)
+    if T == 0:
+        return out
+    _kernels().kda_decode_kernel[(B, H)](
+        qkv.contiguous(), f.contiguous(), beta.contiguous(), z.contiguous(),
+        conv_weight.contiguous(), A_log.contiguous(), dt_bias.contiguous(),
+        norm_weight.contiguous(), state, conv_state, state_slots.to(dev).contiguous(),
+        cu.to(torch.int64).contiguous(), out, eps, K ** -0.5, H, D, K=K, V=V, W=W,
+        BLOCK_K=tile(K), BLOCK_V=tile(V), BLOCK_W=tile(W - 1, least=2),
+        num_warps=8 if tile(K) * tile(V) >= 128 * 128 else 4)
+    return out
 
 
 def kda_chunk_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -43,10 +88,15 @@ def kda_decode_triton(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
                       norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                       conv_state: torch.Tensor, state_slots: torch.Tensor,
                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """`kda_decode_ref`'s contract. One token for each of B sequences: the delta rule reads
-    and writes the pool rows in place through fla's `ssm_state_indices` (no gather copy); the
-    conv is ours (`conv.py`: fla's conv cache is [N, D, W] in batch order, not our slots).
-    A few tokens per sequence (`cu_seqlens`): the short conv, fla's chunk form, the norm."""
+    """`kda_decode_ref`'s contract: our fused kernel (`kda_decode_fused`). Where a head is
+    too large for it, fla's: for one token each, the delta rule reads and writes the pool rows
+    in place through fla's `ssm_state_indices` (no gather copy), the conv ours (`conv.py`:
+    fla's conv cache is [N, D, W] in batch order, not our slots); for a few tokens per
+    sequence (`cu_seqlens`), the short conv, fla's chunk form, the norm."""
+    if state.is_contiguous() and conv_state.is_contiguous() and \
+            tile(f.shape[-1]) * tile(z.shape[-1]) <= FUSED_MAX_STATE:
+        return kda_decode_fused(qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight,
+                                eps, state, conv_state, state_slots, cu_seqlens)
     from fla.modules.norm.fused_norm_gate import rms_norm_gated
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 

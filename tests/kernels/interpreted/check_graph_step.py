@@ -3,8 +3,8 @@ forward a CUDA graph captures (engine/cuda_graph.py's static buffers, padded to 
 our Triton kernels reads no value back to the host and sizes no tensor by data, the two
 things a capture cannot hold, and its logits equal the eager forward's.
 
-The KDA step here is short_conv_triton with the batched torch delta rule: fla's fused
-recurrent kernel (the GPU's) is not installed on the CPU, and is captured by vLLM and SGLang.
+The KDA step is the triton backend's own: `kda_decode_triton`, our fused kernel (fla is
+needed only for prefill chunks, which a graph never runs).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from kdaserve.kernels.ref.mla import mla_attention_ref
 from kdaserve.kernels.ref.mlp import silu_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
-from kdaserve.kernels.triton.conv import short_conv_triton
+from kdaserve.kernels.triton.kda import kda_decode_triton
 from kdaserve.kernels.triton.mla import mla_attention_triton
 from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton
 from kdaserve.models.loader import build_model
@@ -79,8 +79,8 @@ def no_host_reads() -> Iterator[None]:
 
 
 def build(path: Path, triton: bool) -> tuple:
-    decode = functools.partial(compose_kda_decode, short_conv_triton if triton
-                               else short_conv_ref, kda_recurrent_cpu)
+    decode = kda_decode_triton if triton else functools.partial(
+        compose_kda_decode, short_conv_ref, kda_recurrent_cpu)
     kernels = Kernels(linear_ref, kda_chunk_ref, kda_recurrent_ref, decode, short_conv_ref,
                       mla_attention_triton if triton else mla_attention_ref,
                       moe_route_triton if triton else moe_route_ref,

@@ -1,0 +1,104 @@
+"""KDA's fused decode step in Triton (`kdaserve/kernels/triton/kda.py` launches it). This
+module imports triton at import: only `kda._kernels` imports it, on the first call."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv(x_ptr, w_ptr, conv_ptr, slot, start, pos, ch, ok, D, W: tl.constexpr):
+    """SiLU of the causal conv at token `pos` of the sequence for channels `ch`, rounded to
+    x's dtype as the unfused conv's output is; rows before the sequence's first new token
+    come from its slot's conv state."""
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
+    for j in tl.static_range(W):
+        p = pos - (W - 1) + j
+        if p >= 0:  # both branches fp32: the pool may keep another dtype than x
+            x = tl.load(x_ptr + (start + p) * D + ch, mask=ok, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(conv_ptr + (slot * (W - 1) + (W - 1) + p) * D + ch, mask=ok,
+                        other=0.0).to(tl.float32)
+        acc += x * tl.load(w_ptr + ch * W + j, mask=ok, other=0.0).to(tl.float32)
+    y = acc / (1.0 + tl.exp(-acc))
+    return y.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _roll_conv_state(x_ptr, conv_ptr, slot, start, n, ch, ok, D, W: tl.constexpr,
+                     BLOCK_W: tl.constexpr):
+    """Loads the slot's next conv state for channels `ch`: the last W-1 rows of [old state ;
+    the n new inputs]."""
+    rows = tl.arange(0, BLOCK_W)
+    idx = n + rows
+    m = (rows < W - 1)[:, None] & ok[None, :]
+    from_state = (idx < W - 1)[:, None]
+    old = tl.load(conv_ptr + (slot * (W - 1) + idx)[:, None] * D + ch[None, :],
+                  mask=m & from_state, other=0.0)
+    new = tl.load(x_ptr + (start + idx - (W - 1))[:, None] * D + ch[None, :],
+                  mask=m & ~from_state, other=0.0)
+    return tl.where(from_state, old, new.to(old.dtype))
+
+
+@triton.jit
+def kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, z_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr,
+                      norm_w_ptr, state_ptr, conv_ptr, slot_ptr, cu_ptr, out_ptr, eps, scale,
+                      H, D, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One sequence's head, its new tokens in order: short conv + SiLU of its q, k and v
+    channels, l2norm of q and k, the gate -exp(A_log) * softplus(f + dt_bias), sigmoid(beta),
+    the delta rule on its [K, V] state held in registers, then the gated RMSNorm of the output
+    (a head's V values are one program's, so the norm needs no second pass). The state and
+    the conv state are written once, after the last token."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    start = tl.load(cu_ptr + b)
+    n = tl.load(cu_ptr + b + 1) - start
+    ks = tl.arange(0, BLOCK_K)
+    vs = tl.arange(0, BLOCK_V)
+    k_ok = ks < K
+    v_ok = vs < V
+    cq = h * K + ks
+    ck = H * K + h * K + ks
+    cv = 2 * H * K + h * V + vs
+    s_ptrs = state_ptr + ((slot * H + h) * K + ks[:, None]) * V + vs[None, :]
+    s_ok = k_ok[:, None] & v_ok[None, :]
+    S = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    dt = tl.load(dt_bias_ptr + h * K + ks, mask=k_ok, other=0.0).to(tl.float32)
+    nw = tl.load(norm_w_ptr + vs, mask=v_ok, other=0.0).to(tl.float32)
+    for pos in range(n):
+        t = start + pos
+        q = _conv(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, cq, k_ok, D, W)
+        k = _conv(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, ck, k_ok, D, W)
+        v = _conv(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, cv, v_ok, D, W)
+        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)  # fla's l2norm: eps inside the root
+        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+        g = tl.load(f_ptr + (t * H + h) * K + ks, mask=k_ok, other=0.0).to(tl.float32) + dt
+        g = tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(tl.minimum(g, 20.0))))  # softplus
+        beta = tl.load(beta_ptr + t * H + h).to(tl.float32)
+        beta = 1.0 / (1.0 + tl.exp(-beta))
+        S = S * tl.exp(A * g)[:, None]
+        delta = (v - tl.sum(k[:, None] * S, 0)) * beta
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum((q * scale)[:, None] * S, 0)
+        o = o.to(out_ptr.dtype.element_ty).to(tl.float32)  # as the unfused output is
+        rms = tl.rsqrt(tl.sum(tl.where(v_ok, o * o, 0.0), 0) / V + eps)
+        z = tl.load(z_ptr + (t * H + h) * V + vs, mask=v_ok, other=0.0).to(tl.float32)
+        y = nw * o * rms / (1.0 + tl.exp(-z))
+        tl.store(out_ptr + (t * H + h) * V + vs, y.to(out_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=s_ok)
+    nq = _roll_conv_state(qkv_ptr, conv_ptr, slot, start, n, cq, k_ok, D, W, BLOCK_W)
+    nk = _roll_conv_state(qkv_ptr, conv_ptr, slot, start, n, ck, k_ok, D, W, BLOCK_W)
+    nv = _roll_conv_state(qkv_ptr, conv_ptr, slot, start, n, cv, v_ok, D, W, BLOCK_W)
+    # row r takes what row n + r held: every thread's reads (the loop's too) land before
+    # any write (Triton orders only shared memory by itself)
+    tl.debug_barrier()
+    rows = tl.arange(0, BLOCK_W)
+    row_ok = (rows < W - 1)[:, None]
+    base = conv_ptr + (slot * (W - 1) + rows)[:, None] * D
+    tl.store(base + cq[None, :], nq, mask=row_ok & k_ok[None, :])
+    tl.store(base + ck[None, :], nk, mask=row_ok & k_ok[None, :])
+    tl.store(base + cv[None, :], nv, mask=row_ok & v_ok[None, :])
