@@ -6,39 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _conv(x_ptr, w_ptr, conv_ptr, slot, start, pos, ch, ok, D, W: tl.constexpr):
-    """SiLU of the causal conv at token `pos` of the sequence for channels `ch`, rounded to
-    x's dtype as the unfused conv's output is; rows before the sequence's first new token
-    come from its slot's conv state."""
-    acc = tl.zeros(ch.shape, dtype=tl.float32)
-    for j in tl.static_range(W):
-        p = pos - (W - 1) + j
-        if p >= 0:  # both branches fp32: the pool may keep another dtype than x
-            x = tl.load(x_ptr + (start + p) * D + ch, mask=ok, other=0.0).to(tl.float32)
-        else:
-            x = tl.load(conv_ptr + (slot * (W - 1) + (W - 1) + p) * D + ch, mask=ok,
-                        other=0.0).to(tl.float32)
-        acc += x * tl.load(w_ptr + ch * W + j, mask=ok, other=0.0).to(tl.float32)
-    y = acc / (1.0 + tl.exp(-acc))
-    return y.to(x_ptr.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
-def _roll_conv_state(x_ptr, conv_ptr, slot, start, n, ch, ok, D, W: tl.constexpr,
-                     BLOCK_W: tl.constexpr):
-    """Loads the slot's next conv state for channels `ch`: the last W-1 rows of [old state ;
-    the n new inputs]."""
-    rows = tl.arange(0, BLOCK_W)
-    idx = n + rows
-    m = (rows < W - 1)[:, None] & ok[None, :]
-    from_state = (idx < W - 1)[:, None]
-    old = tl.load(conv_ptr + (slot * (W - 1) + idx)[:, None] * D + ch[None, :],
-                  mask=m & from_state, other=0.0)
-    new = tl.load(x_ptr + (start + idx - (W - 1))[:, None] * D + ch[None, :],
-                  mask=m & ~from_state, other=0.0)
-    return tl.where(from_state, old, new.to(old.dtype))
+from kdaserve.kernels.triton.conv_kernels import conv_at, next_conv_state
 
 
 @triton.jit
@@ -71,9 +39,14 @@ def kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, z_ptr, conv_w_ptr, A_log_ptr, dt
     nw = tl.load(norm_w_ptr + vs, mask=v_ok, other=0.0).to(tl.float32)
     for pos in range(n):
         t = start + pos
-        q = _conv(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, cq, k_ok, D, W)
-        k = _conv(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, ck, k_ok, D, W)
-        v = _conv(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, cv, v_ok, D, W)
+        # rounded to the input's dtype, as the unfused conv's output is
+        dt_in = qkv_ptr.dtype.element_ty
+        q = conv_at(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, cq, k_ok, D, W)
+        q = q.to(dt_in).to(tl.float32)
+        k = conv_at(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, ck, k_ok, D, W)
+        k = k.to(dt_in).to(tl.float32)
+        v = conv_at(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, cv, v_ok, D, W)
+        v = v.to(dt_in).to(tl.float32)
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)  # fla's l2norm: eps inside the root
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
         g = tl.load(f_ptr + (t * H + h) * K + ks, mask=k_ok, other=0.0).to(tl.float32) + dt
@@ -90,9 +63,9 @@ def kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, z_ptr, conv_w_ptr, A_log_ptr, dt
         y = nw * o * rms / (1.0 + tl.exp(-z))
         tl.store(out_ptr + (t * H + h) * V + vs, y.to(out_ptr.dtype.element_ty), mask=v_ok)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=s_ok)
-    nq = _roll_conv_state(qkv_ptr, conv_ptr, slot, start, n, cq, k_ok, D, W, BLOCK_W)
-    nk = _roll_conv_state(qkv_ptr, conv_ptr, slot, start, n, ck, k_ok, D, W, BLOCK_W)
-    nv = _roll_conv_state(qkv_ptr, conv_ptr, slot, start, n, cv, v_ok, D, W, BLOCK_W)
+    nq = next_conv_state(qkv_ptr, conv_ptr, slot, start, n, cq, k_ok, D, W, BLOCK_W)
+    nk = next_conv_state(qkv_ptr, conv_ptr, slot, start, n, ck, k_ok, D, W, BLOCK_W)
+    nv = next_conv_state(qkv_ptr, conv_ptr, slot, start, n, cv, v_ok, D, W, BLOCK_W)
     # row r takes what row n + r held: every thread's reads (the loop's too) land before
     # any write (Triton orders only shared memory by itself)
     tl.debug_barrier()
