@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kdaserve.kernels.host_memory import to_device
+
 if TYPE_CHECKING:
     from kdaserve.step_record import StepRecord
 
@@ -102,7 +104,7 @@ class ForwardBatch:
             cu.append(cu[-1] + n)
         # one host tensor for every field (the block table padded in Python), split into
         # views: a tensor per field costs ~8 us on a CPU, and on a GPU each would be its own
-        # copy to the device that the host waits for; here there is one
+        # copy; here there is one, queued without waiting for the step in flight
         width = max(len(t) for t in block_tables)
         context = [s + len(n) for s, n in zip(num_cached, new_tokens, strict=False)]
         fields = (ids, positions, cu, context, list(state_slots), slot_mapping, logits_rows)
@@ -110,8 +112,7 @@ class ForwardBatch:
         for t in block_tables:
             flat.extend(t)
             flat.extend([0] * (width - len(t)))
-        host = torch.tensor(flat, dtype=torch.int64)
-        parts = (host if torch.device(device).type == "cpu" else host.to(device)).split(
+        parts = to_device(torch.tensor(flat, dtype=torch.int64), device).split(
             [len(f) for f in fields] + [len(block_tables) * width])
         return cls(
             input_ids=parts[0],

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kdaserve.engine.logprobs import record_prompt_logprobs
+from kdaserve.engine.logprobs import Picked, record_prompt_logprobs
 from kdaserve.engine.sampler import Drawn, Sampler, SamplerOutput
 from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.request import Request, RequestOutput
@@ -41,6 +41,11 @@ def resolve_inputs(input_ids: torch.Tensor, future: torch.Tensor) -> torch.Tenso
     sampled tokens); device ops only, so nothing waits for that step."""
     picked = future[(-1 - input_ids).clamp(min=0)]
     return torch.where(input_ids < 0, picked, input_ids)
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def overlappable(req: Request) -> bool:
@@ -65,14 +70,14 @@ class Pending:
                 continue
             self.index.append(len(req.output_ids))
             req.output_ids.append(placeholder(row))
-        tokens = drawn.tokens
         self.ready: torch.cuda.Event | None = None
-        self.host = tokens
-        if tokens.device.type == "cuda" and output is None:
+        self.host = drawn
+        if drawn.tokens.device.type == "cuda" and output is None:
             # copied now, behind this step only: a copy started at read() would queue behind
             # the next step, which is launched by then
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
+            lp = drawn.logprobs
+            self.host = Drawn(_pinned_copy(drawn.tokens),
+                              None if lp is None else Picked(*map(_pinned_copy, lp)))
             self.ready = torch.cuda.Event()
             self.ready.record()
 
@@ -85,8 +90,7 @@ class Pending:
             return self.output
         if self.ready is not None:
             self.ready.synchronize()
-        # logprobs are read here too, behind the next step: their requests overlap less
-        return sampler.read(self.drawn, self.reqs, self.host.tolist())
+        return sampler.read(self.host, self.reqs, self.host.tokens.tolist())
 
 
 class OverlapSteps:

@@ -15,8 +15,9 @@ from typing import NamedTuple
 
 import torch
 
-from kdaserve.engine.logprobs import entries
+from kdaserve.engine.logprobs import Picked, build_entries, pick
 from kdaserve.kernels import argmax_rows
+from kdaserve.kernels.host_memory import to_device
 from kdaserve.request import Request
 
 logger = logging.getLogger("kdaserve")
@@ -30,11 +31,15 @@ class SamplerOutput(NamedTuple):
 
 class Drawn(NamedTuple):
     tokens: torch.Tensor  # [B] int64, on the logits' device
-    raw_logprobs: torch.Tensor | None  # [B, V], when any request asked for logprobs
+    logprobs: Picked | None  # of the raw distribution, when any request asked for them
+
+
+def _wanted(reqs: list[Request]) -> list[list[int]]:
+    return [r.params.token_ids_logprob if r.params.logprobs is not None else [] for r in reqs]
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+    return to_device(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)
 
 
 def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -87,7 +92,9 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
     B, V = logits.shape
     W = min(V, TOP_WINDOW)
     filtered = (top_k < V) | (top_p.squeeze(1) < 1)
-    if W == V:
+    # a GPU sorts the vocabulary in microseconds, and the window's fallbacks below read
+    # values back, which would wait for the step in flight (engine/overlap.py)
+    if W == V or logits.device.type == "cuda":
         return _sorted_filter(logits, top_k, top_p)
     vals, order = logits.topk(W, dim=-1)
     ranks = torch.arange(W, device=logits.device).unsqueeze(0)
@@ -145,7 +152,7 @@ def apply_filters(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     dev = logits.device
     temps = _column([r.params.temperature or 1.0 for r in reqs], dev)
     logits = logits / temps
-    top_k = torch.tensor([r.params.top_k or V for r in reqs], device=dev)
+    top_k = to_device(torch.tensor([r.params.top_k or V for r in reqs]), dev)
     top_p = _column([r.params.top_p for r in reqs], dev)
     min_p = _column([r.params.min_p for r in reqs], dev)
     # the parameters are asked on the host: on a GPU a tensor's .any() waits for the step
@@ -173,9 +180,9 @@ def apply_bias(logits: torch.Tensor, reqs: list[Request],
             banned.append((i, sorted(stop_ids | set(p.stop_token_ids))))
     dev = logits.device
     if rows:
-        logits = logits.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                                  torch.tensor(vals, dtype=logits.dtype, device=dev),
-                                  accumulate=True)
+        logits = logits.index_put(
+            (to_device(torch.tensor(rows), dev), to_device(torch.tensor(cols), dev)),
+            to_device(torch.tensor(vals, dtype=logits.dtype), dev), accumulate=True)
     if banned:
         before = logits
         logits = logits.clone()
@@ -209,24 +216,31 @@ class Sampler:
         # on a GPU the token ids' copy is the step's one wait for the device: whether to
         # draw is decided from the host's parameters, not from a device tensor
         if not all(r.params.is_greedy for r in reqs):
-            greedy = torch.tensor([r.params.is_greedy for r in reqs], device=logits.device)
+            dev = logits.device
+            greedy = to_device(torch.tensor([r.params.is_greedy for r in reqs]), dev)
             probs = apply_filters(logits, reqs)
             noise = torch.empty_like(probs).exponential_()
-            for i, r in enumerate(reqs):
-                if r.generator is not None and not r.params.is_greedy:
-                    noise[i] = torch.empty(probs.shape[1]).exponential_(generator=r.generator)
+            seeded = [i for i, r in enumerate(reqs)
+                      if r.generator is not None and not r.params.is_greedy]
+            if seeded:  # their own generators' rows, on the host, sent in one copy
+                rows = torch.stack([torch.empty(probs.shape[1]).exponential_(
+                    generator=reqs[i].generator) for i in seeded])
+                noise[to_device(torch.tensor(seeded), dev)] = to_device(rows, dev)
             sampled = (probs / noise).argmax(-1)
             tokens = torch.where(greedy, tokens, sampled)
-        return Drawn(tokens, raw_logprobs)
+        if raw_logprobs is None:
+            return Drawn(tokens, None)
+        return Drawn(tokens, pick(raw_logprobs, tokens, [r.params.logprobs or 0 for r in reqs],
+                                  _wanted(reqs)))
 
     @staticmethod
     def read(drawn: Drawn, reqs: list[Request], token_list: list[int]) -> SamplerOutput:
-        """The host's output of a draw whose tokens it has read (token_list)."""
-        if drawn.raw_logprobs is None:
+        """The host's output of a draw whose tokens it has read (token_list); the logprobs'
+        values are read here unless they are host tensors already."""
+        if drawn.logprobs is None:
             return SamplerOutput(token_list, None, None)
-        top = entries(drawn.raw_logprobs, drawn.tokens, [r.params.logprobs or 0 for r in reqs],
-                      [r.params.token_ids_logprob if r.params.logprobs is not None else []
-                       for r in reqs])
+        top = build_entries(drawn.logprobs.to_host(), token_list,
+                            [r.params.logprobs or 0 for r in reqs], _wanted(reqs))
         return SamplerOutput(token_list, [d[t] for d, t in zip(top, token_list, strict=True)],
                              top)
 

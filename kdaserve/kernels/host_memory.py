@@ -1,4 +1,5 @@
-"""The host allocator kept from returning large buffers to the OS between forward passes.
+"""Host memory: the allocator kept from returning large buffers to the OS between forward
+passes, and host data sent to a GPU without waiting for it (`to_device`).
 
 glibc serves every allocation above its mmap threshold (at most 32 MB) with a fresh mapping
 and unmaps it on free, so each such temporary of a forward (a prefill step's MoE gather is
@@ -15,6 +16,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+
+import torch
 
 logger = logging.getLogger("kdaserve")
 
@@ -33,3 +36,16 @@ def keep_freed_memory() -> bool:
         logger.info("no glibc mallopt: large host buffers are mapped per allocation")
         return False
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device. A plain copy from pageable
+    memory to a GPU waits for every kernel already queued, so a step's inputs sent that way
+    would wait for the step in flight and undo overlap scheduling (engine/overlap.py); from
+    pinned memory (torch's caching host allocator) the copy is queued like a kernel."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
