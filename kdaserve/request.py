@@ -200,6 +200,12 @@ class Request:
         return bool(self.output_ids) and self.output_ids[-1] < 0
 
     @property
+    def ends_when_read(self) -> bool:
+        """Its pending last token is its max_tokens-th: whatever it is, the request ends when
+        it is read, so no step runs it again."""
+        return self.last_token_pending and len(self.output_ids) >= self.params.max_tokens
+
+    @property
     def known_output_ids(self) -> list[int]:
         """The output tokens the host has read (all but a pending last one)."""
         return self.output_ids[:-1] if self.last_token_pending else self.output_ids

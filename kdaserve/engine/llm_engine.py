@@ -249,10 +249,12 @@ class LLMEngine(Introspection, OverlapSteps):
         return rid
 
     def abort(self, rid: str) -> bool:
-        children = self.groups.get(rid)
-        if children is None:
+        if rid not in self.groups:
             return False
         self.flush()  # its tokens so far, read
+        children = self.groups.get(rid)
+        if children is None:  # the token in flight ended it: its final output is queued
+            return True
         for child in children:
             if self.pd is not None:
                 self.pd.abort(child)

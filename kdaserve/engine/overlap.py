@@ -85,6 +85,13 @@ class Pending:
     def future(self) -> torch.Tensor:
         return self.drawn.tokens
 
+    def forget(self) -> None:
+        """Takes its placeholders out again (a step that failed: none may reach an output)."""
+        for row, (req, at) in enumerate(zip(self.reqs, self.index, strict=True)):
+            if at is not None and len(req.output_ids) > at \
+                    and req.output_ids[at] == placeholder(row):
+                del req.output_ids[at:]
+
     def read(self, sampler: Sampler) -> SamplerOutput:
         if self.output is not None:
             return self.output
@@ -136,17 +143,29 @@ class OverlapSteps:
         self.scheduler.insert_snapshots(batch)
         self.counters["num_steps"] += 1
         self._inflight = self._launch(out.logits, out.to_sample) if out.to_sample else None
-        outputs = self._resolve(previous)
+        try:
+            outputs = self._resolve(previous)
+        except BaseException:  # the step fails (its requests are aborted): no placeholder stays
+            for pending in (previous, self._inflight):
+                if pending is not None:
+                    pending.forget()
+            self._inflight = None
+            raise
         self.scheduler.take_snapshots(batch.reqs)
         return outputs
 
     def _launch(self, logits: torch.Tensor, reqs: list[Request]) -> Pending:
         """Draws the tokens on the device; on a failure, samples on the host request by
         request (sample_isolated), and a request that fails alone gets no token."""
+        # seeded requests' generators as they were: a draw that fails after drawing their
+        # noise must not move them on (sample_isolated saves them too late for that)
+        seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
         try:
             return Pending(reqs, self.sampler.draw(logits, reqs))
         except Exception:  # noqa: BLE001 - retried below, request by request
             logger.exception("batched sampling failed; sampling each request alone")
+        for generator, state in seeded:
+            generator.set_state(state)
         result = self._sample(logits, reqs)
         failed = {rid for rid, _ in self.failures}
         skip = frozenset(i for i, r in enumerate(reqs) if self._group_id(r) in failed)

@@ -190,8 +190,8 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            if req.last_token_pending and len(req.output_ids) >= req.params.max_tokens:
-                continue  # its last token is on its way: whatever it is, the request ends
+            if req.ends_when_read:
+                continue
             n = self._chunk(req, min(budget, prefill_budget) if prefilling else budget)
             while not self._grow(req, req.num_computed_tokens + n):
                 victims = [r for r in self.running if id(r) not in scheduled]
@@ -216,7 +216,7 @@ class Scheduler:
             if min(budget, prefill_budget) == 0 or len(self.running) >= self.max_num_seqs:
                 break
             req = self.waiting.popleft()
-            if self._defer_for_shared_prefix(req, batch):
+            if req.ends_when_read or self._defer_for_shared_prefix(req, batch):
                 deferred.append(req)
                 continue
             if self.states.num_free == 0 and not (self.cache and self.cache.evict_snapshots(1)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
@@ -272,3 +273,51 @@ def test_placeholders_and_resolve_inputs() -> None:
     assert req.output_ids == [9, placeholder(0)] and pending.index == [1]
     assert req.last_token_pending and req.known_output_ids == [9]
     assert pending.read(Sampler()).token_ids == [77]
+
+
+def test_abort_while_the_last_token_is_in_flight(tiny_ckpt: Path) -> None:
+    """The token in flight ends the request: reading it before the abort finishes it as it
+    would have finished, and the abort has nothing left to end."""
+    llm = overlapped(tiny_ckpt)
+    e = llm.engine
+    e.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                  rid="a")
+    e.step()
+    e.step()
+    assert e.groups["a"][0].ends_when_read
+    assert e.abort("a")
+    outs = e.step()
+    assert [o.finished for o in outs] == [True]
+    assert outs[0].outputs[0].finish_reason == "length"
+    assert len(outs[0].outputs[0].token_ids) == 2 and e.counters["num_aborted"] == 0
+    assert not e.has_unfinished()
+    no_placeholders(llm)
+
+
+def test_a_failed_read_leaves_no_placeholder(tiny_ckpt: Path) -> None:
+    """A step whose read of the step in flight fails raises; the engine loop then aborts every
+    request, and their outputs hold only tokens that were read."""
+    llm = overlapped(tiny_ckpt)
+    e = llm.engine
+    for i, p in enumerate(prompts(3)):
+        e.add_request(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                      rid=str(i))
+    e.step()
+    e.step()
+
+    def fail(sampler: Sampler) -> None:
+        raise RuntimeError("device lost")
+
+    assert e._inflight is not None
+    e._inflight.read = fail  # type: ignore[method-assign] - read by the next step
+    with pytest.raises(RuntimeError, match="device lost"):
+        e.step()
+    assert e._inflight is None
+    for rid in list(e.groups):
+        assert e.abort(rid)
+    outs = e.step()
+    assert sorted(o.rid for o in outs) == ["0", "1", "2"]
+    for o in outs:
+        assert o.outputs[0].finish_reason == "abort"
+        assert o.outputs[0].token_ids and all(t >= 0 for t in o.outputs[0].token_ids)
+    no_placeholders(llm)
