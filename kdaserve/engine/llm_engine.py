@@ -255,6 +255,8 @@ class LLMEngine(Introspection, OverlapSteps):
         children = self.groups.get(rid)
         if children is None:  # the token in flight ended it: its final output is queued
             return True
+        # the final output below holds what that read added: no update before it
+        self._pending_outputs = [o for o in self._pending_outputs if o.rid != rid]
         for child in children:
             if self.pd is not None:
                 self.pd.abort(child)

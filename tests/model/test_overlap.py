@@ -221,10 +221,12 @@ def test_abort_pause_and_failures_in_flight(tiny_ckpt: Path) -> None:
         e.add_request(p, greedy, rid=str(i))
     e.add_request(ps[0], SamplingParams(temperature=poison, max_tokens=10), rid="bad")
     done: dict[str, object] = {}
+    after_abort: list[object] = []
     for step in range(40):
         if step == 3:
             assert e._inflight is not None
             assert e.abort("1")
+            after_abort = e._pending_outputs
         if step == 5:
             assert e._inflight is not None
             pause_generation(e, "retract")
@@ -239,6 +241,7 @@ def test_abort_pause_and_failures_in_flight(tiny_ckpt: Path) -> None:
         if not e.has_unfinished():
             break
     assert set(done) == {"0", "1", "2", "3", "bad"}
+    assert [o.rid for o in after_abort].count("1") == 1  # its final output only
     aborted = done["1"].outputs[0]
     assert aborted.finish_reason == "abort"
     assert aborted.token_ids == want[1].outputs[0].token_ids[:len(aborted.token_ids)]
