@@ -40,7 +40,8 @@ def pick(logprobs: torch.Tensor, tokens: torch.Tensor, top: list[int],
     cols = [t for want in extra for t in want]
     dev = logprobs.device
     picked = logprobs[to_device(torch.tensor(rows, dtype=torch.int64), dev),
-                      to_device(torch.tensor(cols, dtype=torch.int64), dev)]
+                      to_device(torch.tensor(cols, dtype=torch.int64), dev)] if rows \
+        else logprobs.new_empty(0)
     return Picked(chosen, values, ids, picked)
 
 

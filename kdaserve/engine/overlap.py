@@ -63,13 +63,6 @@ class Pending:
     def __init__(self, reqs: list[Request], drawn: Drawn, output: SamplerOutput | None = None,
                  skip: frozenset[int] = frozenset()) -> None:
         self.reqs, self.drawn, self.output = reqs, drawn, output
-        self.index: list[int | None] = []  # each request's placeholder position in its output
-        for row, req in enumerate(reqs):
-            if row in skip:
-                self.index.append(None)
-                continue
-            self.index.append(len(req.output_ids))
-            req.output_ids.append(placeholder(row))
         self.ready: torch.cuda.Event | None = None
         self.host = drawn
         if drawn.tokens.device.type == "cuda" and output is None:
@@ -80,6 +73,14 @@ class Pending:
                               None if lp is None else Picked(*map(_pinned_copy, lp)))
             self.ready = torch.cuda.Event()
             self.ready.record()
+        # last: what may fail above (pinned memory) leaves the outputs as they were
+        self.index: list[int | None] = []  # each request's placeholder position in its output
+        for row, req in enumerate(reqs):
+            if row in skip:
+                self.index.append(None)
+                continue
+            self.index.append(len(req.output_ids))
+            req.output_ids.append(placeholder(row))
 
     @property
     def future(self) -> torch.Tensor:

@@ -92,8 +92,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
     B, V = logits.shape
     W = min(V, TOP_WINDOW)
     filtered = (top_k < V) | (top_p.squeeze(1) < 1)
-    # a GPU sorts the vocabulary in microseconds, and the window's fallbacks below read
-    # values back, which would wait for the step in flight (engine/overlap.py)
+    # a GPU sorts the vocabulary fast, and the window's fallbacks below read values back,
+    # which would wait for the step in flight (engine/overlap.py)
     if W == V or logits.device.type == "cuda":
         return _sorted_filter(logits, top_k, top_p)
     vals, order = logits.topk(W, dim=-1)

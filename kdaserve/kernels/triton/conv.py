@@ -50,7 +50,7 @@ def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
     out = torch.empty_like(x)
     grid_d = -(-D // BLOCK_D)
     k.conv_kernel[(T, grid_d)](x, weight.contiguous(), conv_state, seq, tok - cu[seq], slots,
-                               starts, out, D, W=W, BLOCK_D=BLOCK_D)
+                               starts, out, D, W=W, BLOCK_W=tile(W, least=2), BLOCK_D=BLOCK_D)
     k.state_kernel[(slots.numel(), grid_d)](
         x, conv_state, slots, starts, (cu[1:] - starts).contiguous(), D, W=W,
         BLOCK_W=tile(W - 1, least=2), BLOCK_D=BLOCK_D)

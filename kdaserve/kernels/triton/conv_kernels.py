@@ -8,19 +8,30 @@ import triton.language as tl
 
 
 @triton.jit
-def conv_at(x_ptr, w_ptr, state_ptr, slot, start, pos, ch, ok, D, W: tl.constexpr):
-    """SiLU(sum_j w[ch, j] * input at pos - (W-1) + j) for channels `ch` of a sequence's
+def conv_taps(w_ptr, ch, ok, W: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The conv weights of channels `ch` as a [BLOCK_W, len(ch)] fp32 tile (tap j in row j,
+    rows past W zero): loaded once, where a loop convolves several tokens with them."""
+    j = tl.arange(0, BLOCK_W)
+    return tl.load(w_ptr + ch[None, :] * W + j[:, None], mask=(j < W)[:, None] & ok[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def conv_at(x_ptr, taps, state_ptr, slot, start, pos, ch, ok, D, W: tl.constexpr,
+            BLOCK_W: tl.constexpr):
+    """SiLU(sum_j taps[j] * input at pos - (W-1) + j) for channels `ch` of a sequence's
     token `pos` (within this call's tokens, which start at row `start`), in fp32; the inputs
     before its first new token are read from its slot's conv state."""
-    acc = tl.zeros(ch.shape, dtype=tl.float32)
-    for j in tl.static_range(W):
-        p = pos - (W - 1) + j
-        if p >= 0:  # both branches fp32: the pool may keep another dtype than x
-            v = tl.load(x_ptr + (start + p) * D + ch, mask=ok, other=0.0).to(tl.float32)
-        else:
-            v = tl.load(state_ptr + (slot * (W - 1) + (W - 1) + p) * D + ch, mask=ok,
-                        other=0.0).to(tl.float32)
-        acc += v * tl.load(w_ptr + ch * W + j, mask=ok, other=0.0).to(tl.float32)
+    j = tl.arange(0, BLOCK_W)
+    p = pos - (W - 1) + j
+    m = (j < W)[:, None] & ok[None, :]
+    from_x = (p >= 0)[:, None]
+    # two masked loads, each lane from one of them: the pool may keep another dtype than x
+    x = tl.load(x_ptr + ((start + p) * D)[:, None] + ch[None, :], mask=m & from_x,
+                other=0.0).to(tl.float32)
+    x += tl.load(state_ptr + ((slot * (W - 1) + (W - 1) + p) * D)[:, None] + ch[None, :],
+                 mask=m & ~from_x, other=0.0).to(tl.float32)
+    acc = tl.sum(x * taps, 0)
     return acc / (1.0 + tl.exp(-acc))
 
 
@@ -43,15 +54,15 @@ def next_conv_state(x_ptr, state_ptr, slot, start, n, ch, ok, D, W: tl.constexpr
 
 @triton.jit
 def conv_kernel(x_ptr, w_ptr, state_ptr, seq_ptr, pos_ptr, slot_ptr, start_ptr, out_ptr, D,
-                W: tl.constexpr, BLOCK_D: tl.constexpr):
+                W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr):
     """One token, BLOCK_D channels."""
     t = tl.program_id(0)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = ds < D
     seq = tl.load(seq_ptr + t)
     slot = tl.load(slot_ptr + seq).to(tl.int64)
-    y = conv_at(x_ptr, w_ptr, state_ptr, slot, tl.load(start_ptr + seq), tl.load(pos_ptr + t),
-                ds, d_ok, D, W)
+    y = conv_at(x_ptr, conv_taps(w_ptr, ds, d_ok, W, BLOCK_W), state_ptr, slot,
+                tl.load(start_ptr + seq), tl.load(pos_ptr + t), ds, d_ok, D, W, BLOCK_W)
     tl.store(out_ptr + t * D + ds, y.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 

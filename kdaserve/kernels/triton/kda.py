@@ -18,7 +18,8 @@ from kdaserve.kernels.triton import tile
 from kdaserve.kernels.triton.conv import short_conv_triton
 
 # a program holds one head's [K, V] fp32 state in registers: Kimi's 128 x 128 is 64 KB over
-# 8 warps (64 values a thread); a larger head goes to fla's kernel, which splits V
+# 8 warps (64 values a thread, 255 registers in all on sm_90 without spills, compiled ahead
+# of time); a larger head goes to fla's kernel, which splits V
 FUSED_MAX_STATE = 128 * 128
 
 
@@ -54,6 +55,7 @@ def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: 
         norm_weight.contiguous(), state, conv_state, state_slots.to(dev).contiguous(),
         cu.to(torch.int64).contiguous(), out, eps, K ** -0.5, H, D, K=K, V=V, W=W,
         BLOCK_K=tile(K), BLOCK_V=tile(V), BLOCK_W=tile(W - 1, least=2),
+        BLOCK_TAPS=tile(W, least=2),
         num_warps=8 if tile(K) * tile(V) >= 128 * 128 else 4)
     return out
 

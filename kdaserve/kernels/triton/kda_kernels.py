@@ -6,14 +6,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kdaserve.kernels.triton.conv_kernels import conv_at, next_conv_state
+from kdaserve.kernels.triton.conv_kernels import conv_at, conv_taps, next_conv_state
 
 
 @triton.jit
 def kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, z_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr,
                       norm_w_ptr, state_ptr, conv_ptr, slot_ptr, cu_ptr, out_ptr, eps, scale,
                       H, D, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr):
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+                      BLOCK_TAPS: tl.constexpr):
     """One sequence's head, its new tokens in order: short conv + SiLU of its q, k and v
     channels, l2norm of q and k, the gate -exp(A_log) * softplus(f + dt_bias), sigmoid(beta),
     the delta rule on its [K, V] state held in registers, then the gated RMSNorm of the output
@@ -31,21 +32,26 @@ def kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, z_ptr, conv_w_ptr, A_log_ptr, dt
     cq = h * K + ks
     ck = H * K + h * K + ks
     cv = 2 * H * K + h * V + vs
-    s_ptrs = state_ptr + ((slot * H + h) * K + ks[:, None]) * V + vs[None, :]
     s_ok = k_ok[:, None] & v_ok[None, :]
-    S = tl.load(s_ptrs, mask=s_ok, other=0.0).to(tl.float32)
+    S = tl.load(state_ptr + ((slot * H + h) * K + ks[:, None]) * V + vs[None, :], mask=s_ok,
+                other=0.0).to(tl.float32)
     A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt = tl.load(dt_bias_ptr + h * K + ks, mask=k_ok, other=0.0).to(tl.float32)
     nw = tl.load(norm_w_ptr + vs, mask=v_ok, other=0.0).to(tl.float32)
+    # the taps once, as tiles: kept per channel as pointer vectors they spilled registers
+    # (sm_90, K = V = 128: 255 registers and 464 bytes of stack; 0 with tiles)
+    wq = conv_taps(conv_w_ptr, cq, k_ok, W, BLOCK_TAPS)
+    wk = conv_taps(conv_w_ptr, ck, k_ok, W, BLOCK_TAPS)
+    wv = conv_taps(conv_w_ptr, cv, v_ok, W, BLOCK_TAPS)
+    dt_in = qkv_ptr.dtype.element_ty
     for pos in range(n):
         t = start + pos
         # rounded to the input's dtype, as the unfused conv's output is
-        dt_in = qkv_ptr.dtype.element_ty
-        q = conv_at(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, cq, k_ok, D, W)
+        q = conv_at(qkv_ptr, wq, conv_ptr, slot, start, pos, cq, k_ok, D, W, BLOCK_TAPS)
         q = q.to(dt_in).to(tl.float32)
-        k = conv_at(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, ck, k_ok, D, W)
+        k = conv_at(qkv_ptr, wk, conv_ptr, slot, start, pos, ck, k_ok, D, W, BLOCK_TAPS)
         k = k.to(dt_in).to(tl.float32)
-        v = conv_at(qkv_ptr, conv_w_ptr, conv_ptr, slot, start, pos, cv, v_ok, D, W)
+        v = conv_at(qkv_ptr, wv, conv_ptr, slot, start, pos, cv, v_ok, D, W, BLOCK_TAPS)
         v = v.to(dt_in).to(tl.float32)
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)  # fla's l2norm: eps inside the root
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
@@ -62,7 +68,11 @@ def kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, z_ptr, conv_w_ptr, A_log_ptr, dt
         z = tl.load(z_ptr + (t * H + h) * V + vs, mask=v_ok, other=0.0).to(tl.float32)
         y = nw * o * rms / (1.0 + tl.exp(-z))
         tl.store(out_ptr + (t * H + h) * V + vs, y.to(out_ptr.dtype.element_ty), mask=v_ok)
-    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=s_ok)
+    # pointers built again, not kept from the load: live across the loop they spilled too
+    k2 = tl.arange(0, BLOCK_K)
+    v2 = tl.arange(0, BLOCK_V)
+    tl.store(state_ptr + ((slot * H + h) * K) * V + (k2 * V)[:, None] + v2[None, :],
+             S.to(state_ptr.dtype.element_ty), mask=(k2 < K)[:, None] & (v2 < V)[None, :])
     nq = next_conv_state(qkv_ptr, conv_ptr, slot, start, n, cq, k_ok, D, W, BLOCK_W)
     nk = next_conv_state(qkv_ptr, conv_ptr, slot, start, n, ck, k_ok, D, W, BLOCK_W)
     nv = next_conv_state(qkv_ptr, conv_ptr, slot, start, n, cv, v_ok, D, W, BLOCK_W)
