@@ -29,7 +29,10 @@ from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS, gather_latent, mla_split
 from kdaserve.kernels.triton import tile
 
 BLOCK_H = 16  # heads per program: tl.dot's least M
-BLOCK_N = 32  # keys per inner step
+# keys per inner step: with 32, at Kimi's 512-wide latents the key tile's addresses spilled
+# registers to the stack on sm_90 (255 registers and 240-680 bytes; 214 and none with 16 keys
+# and 8 warps; tests/kernels/compiled/check_sm90.py)
+BLOCK_N = 16
 # splits per token: as many as the table's bound / SPLIT_LEN (no more than the programs
 # wanted); each token then cuts its own context into that many equal parts
 SPLIT_LEN = 256
@@ -134,12 +137,12 @@ def mla_absorbed_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torc
     l_ = torch.empty(T, num_splits, H, dtype=torch.float32, device=dev)
     bt = block_table.to(dev, torch.int64).contiguous()
     fp32 = dt == torch.float32
-    # fp32 latent tiles are twice bf16's: fewer pipeline stages, more warps to hold them
+    # fp32 latent tiles are twice bf16's: fewer pipeline stages to hold them
     _kernel()[(T, head_blocks, num_splits)](
         q_lat, qp, kv, bt, seq, last, o, m, l_, H, R, DR, bt.shape[1], kv.shape[1], num_splits,
         scale, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, BLOCK_R=tile(R),
         BLOCK_DR=tile(DR), PRECISION="ieee" if fp32 else "tf32",
-        num_warps=8 if fp32 else 4, num_stages=1 if fp32 else 2)
+        num_warps=8, num_stages=1 if fp32 else 2)
     # merge the splits (a split past a token's context has max -inf and weight 0)
     weight = torch.exp(m - m.max(1, keepdim=True).values)  # [T, S, H]
     o_lat = (o * weight[..., None]).sum(1) / (l_ * weight).sum(1)[..., None]

@@ -112,7 +112,8 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     tile_d, tile_i = tile(D, most=64), tile(inter, most=64)
     kernels.gate_up_kernel[(block_expert.numel(), -(-inter // tile_i))](
         x, w13, scale13 if has_scale else x, pairs, block_expert, h, T * top_k, top_k, D, inter,
-        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=tile_i, BLOCK_K=tile_d, PRECISION=precision)
+        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=tile_i, BLOCK_K=tile_d, PRECISION=precision,
+        num_warps=8)  # two weight tiles' addresses: with 4 warps they spilled (check_sm90.py)
     kernels.down_kernel[(block_expert.numel(), -(-D // tile_d))](
         h, w2, scale2 if has_scale else x, pairs, block_expert,
         weights.to(torch.float32).contiguous(), out, T * top_k, D, inter,
