@@ -46,13 +46,22 @@ def local_ranks(c: EngineConfig) -> range:
     return range(c.node_rank * per_node, (c.node_rank + 1) * per_node)
 
 
+def free_local_addr(avoid: int | None = None) -> str:
+    """host:port of a free local port other than `avoid`: a server's HTTP port is free until
+    it binds it, after its engine (and the ranks' rendezvous on this port) has started."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port != avoid:
+            return f"127.0.0.1:{port}"
+
+
 def with_init_addr(c: EngineConfig) -> EngineConfig:
     """A single-node config without dist_init_addr gets a free local port for it."""
     if c.tp_size == 1 or c.dist_init_addr:
         return c
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return dataclasses.replace(c, dist_init_addr=f"127.0.0.1:{s.getsockname()[1]}")
+    return dataclasses.replace(c, dist_init_addr=free_local_addr())
 
 
 def join(c: EngineConfig, rank: int) -> TensorParallel:

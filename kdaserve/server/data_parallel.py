@@ -18,12 +18,12 @@ import asyncio
 import dataclasses
 import hashlib
 import itertools
-import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kdaserve.config import EngineConfig
 from kdaserve.engine.client import EngineError
+from kdaserve.engine.tensor_parallel import free_local_addr
 from kdaserve.request import RequestOutput, SamplingParams
 from kdaserve.server.engine_proc import EngineProcess
 
@@ -163,9 +163,7 @@ class DataParallel:
 def with_free_addr(c: EngineConfig) -> EngineConfig:
     if c.dist_init_addr:
         return c
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return dataclasses.replace(c, dist_init_addr=f"127.0.0.1:{s.getsockname()[1]}")
+    return dataclasses.replace(c, dist_init_addr=free_local_addr())
 
 
 def merge_metrics(per_replica: list[dict[str, Any]]) -> dict[str, Any]:

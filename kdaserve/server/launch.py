@@ -142,6 +142,13 @@ async def _serve(args: argparse.Namespace) -> str | None:
     # resolve (and for a preset, generate) the checkpoint once, before the engine process
     path = resolve_model_path(config.model)
     config = dataclasses.replace(config, model=str(path))
+    # one group's rendezvous (tensor-parallel ranks, or DP attention's), never on our HTTP
+    # port; replicas of their own (dp_size > 1 without DP attention) each pick theirs
+    one_group = config.enable_dp_attention or (config.tp_size > 1 and config.dp_size == 1)
+    if one_group and not config.dist_init_addr and config.nnodes == 1:
+        from kdaserve.engine.tensor_parallel import free_local_addr
+
+        config = dataclasses.replace(config, dist_init_addr=free_local_addr(args.port))
     if args.default_max_tokens < 1:
         raise ValueError("--default-max-tokens must be >= 1")
     # --skip-tokenizer-init: token ids in and out (/generate input_ids), as SGLang; RL

@@ -253,6 +253,7 @@ def test_cuda_graph_replay_equals_eager(tiny_ckpt: Path, dtype: str) -> None:
     assert out[True] == out[False]
 
 
+@pytest.mark.gpu
 @needs_gpu
 def test_overlap_schedule_equals_serial_steps(tiny_ckpt: Path) -> None:
     """On CUDA the engine overlaps by default (engine/overlap.py): with graphs, stop tokens
