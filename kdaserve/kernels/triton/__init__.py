@@ -6,7 +6,9 @@ built on a CUDA device, and the ops import them on first call.
 
 from __future__ import annotations
 
+import functools
 import importlib
+from typing import Any
 
 import torch
 
@@ -26,3 +28,10 @@ def tile(n: int, least: int = 16, most: int = 1 << 30) -> int:
     """A power-of-two tile edge covering n (tl.arange needs powers of two), within [least,
     most]: tl.dot's operands need edges of 16 or more, hence the default least."""
     return max(least, min(most, 1 << (max(n, 1) - 1).bit_length()))
+
+
+@functools.cache
+def jit_module(name: str) -> Any:
+    """kdaserve.kernels.triton.<name>, the module holding `@triton.jit` code, imported on a
+    kernel's first call: importing it imports triton, which the CPU path never needs."""
+    return importlib.import_module(f"kdaserve.kernels.triton.{name}")

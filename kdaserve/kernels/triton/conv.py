@@ -11,22 +11,18 @@ Triton is imported on the first call (`_kernels`), never at import.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from kdaserve.kernels.ref.kda import short_conv_ref
-from kdaserve.kernels.triton import tile
+from kdaserve.kernels.triton import jit_module, tile
 
 BLOCK_D = 128
 
 
-@functools.cache
 def _kernels() -> Any:
-    from kdaserve.kernels.triton import conv_kernels
-
-    return conv_kernels
+    return jit_module("conv_kernels")
 
 
 def short_conv_triton(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

@@ -8,13 +8,12 @@ threshold 20), and sigmoid(beta). Packed [T, ...] tensors become fla's varlen [1
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from kdaserve.kernels.ref.kda import Snapshots, compose_kda_decode, kda_chunk_in_segments
-from kdaserve.kernels.triton import tile
+from kdaserve.kernels.triton import jit_module, tile
 from kdaserve.kernels.triton.conv import short_conv_triton
 
 # a program holds one head's [K, V] fp32 state in registers: Kimi's 128 x 128 is 64 KB over
@@ -23,11 +22,8 @@ from kdaserve.kernels.triton.conv import short_conv_triton
 FUSED_MAX_STATE = 128 * 128
 
 
-@functools.cache
 def _kernels() -> Any:
-    from kdaserve.kernels.triton import kda_kernels
-
-    return kda_kernels
+    return jit_module("kda_kernels")
 
 
 def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: torch.Tensor,

@@ -18,7 +18,6 @@ Triton is imported on the first call (`_kernel`), never at import.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS, gather_latent, mla_split_chunks
-from kdaserve.kernels.triton import tile
+from kdaserve.kernels.triton import jit_module, tile
 
 BLOCK_H = 16  # heads per program: tl.dot's least M
 # keys per inner step: with 32, at Kimi's 512-wide latents the key tile's addresses spilled
@@ -42,11 +41,8 @@ SPLIT_LEN = 256
 TARGET_PROGRAMS = 264
 
 
-@functools.cache
 def _kernel() -> Any:
-    from kdaserve.kernels.triton import mla_kernels
-
-    return mla_kernels.mla_split_kernel
+    return jit_module("mla_kernels").mla_split_kernel
 
 
 def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,

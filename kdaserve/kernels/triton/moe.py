@@ -18,13 +18,12 @@ these kernels under the interpreter (TRITON_INTERPRET=1) in a process of its own
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
 from kdaserve.kernels.ref.moe import moe_route_ref
-from kdaserve.kernels.triton import tile
+from kdaserve.kernels.triton import jit_module, tile
 
 BLOCK_M = 16  # sorted rows per block: tl.dot's least M on tensor cores
 
@@ -56,11 +55,8 @@ def align_by_expert(ids: torch.Tensor, num_experts: int,
     return sorted_pairs, torch.where(block_expert < num_experts, block_expert, -1)
 
 
-@functools.cache
 def _kernels() -> Any:
-    from kdaserve.kernels.triton import moe_kernels
-
-    return moe_kernels
+    return jit_module("moe_kernels")
 
 
 def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
