@@ -155,6 +155,12 @@ class Kernels(NamedTuple):
     rms_norm: Callable
     gated_rmsnorm: Callable
     silu_mul: Callable
+    # Whether MoE layers run their shared expert inside `moe_experts`, as one more expert
+    # every token takes with weight 1 (stacked after the routed ones): on a GPU that saves its
+    # own GEMMs' and SwiGLU's launches and rides the grouped GEMM's blocks. The CPU backends
+    # keep it a dense MLP: the native one-call decode runs it as one GEMM over the batch,
+    # faster there than one more expert's tiles.
+    fuse_shared_expert: bool = False
 
 
 def resolve_kernels(device: torch.device, backend: str | None = None,
@@ -164,7 +170,8 @@ def resolve_kernels(device: torch.device, backend: str | None = None,
     if deterministic:
         return Kernels(*(registry.resolve(op, device, BATCH_INVARIANT, strict=True)
                          for op in OPS))
-    return Kernels(*(registry.resolve(op, device, backend) for op in OPS))
+    kernels = Kernels(*(registry.resolve(op, device, backend) for op in OPS))
+    return kernels._replace(fuse_shared_expert=kernels.moe_experts is moe_experts_triton)
 
 
 __all__ = ["Kernels", "resolve_kernels", "use_backend", "OPS", "BATCH_INVARIANT", "argmax_rows"]

@@ -63,13 +63,20 @@ class MoE(nn.Module):
         n = config.num_experts
         self.gate_weight = nn.Parameter(torch.empty(n, D, dtype=torch.float32))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(n, dtype=torch.float32))
-        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))
-        self.w2 = nn.Parameter(torch.empty(E, D, inter))
+        shared = config.moe_intermediate_size * config.num_shared_experts
+        # One shared expert as wide as a routed one can ride in the experts kernel as expert
+        # E (see Kernels.fuse_shared_expert); under expert parallelism each rank runs it on
+        # its own tokens, outside the routed exchange, so it stays a dense MLP there.
+        self.shared_slot = E if (kernels.fuse_shared_expert and config.num_shared_experts == 1
+                                 and ep.size == 1) else None
+        rows = E + (self.shared_slot is not None)
+        self.w13 = nn.Parameter(torch.empty(rows, 2 * inter, D))
+        self.w2 = nn.Parameter(torch.empty(rows, D, inter))
         # weight-only int8: per-row fp32 scales of w13 [E, 2I] and w2 [E, D]
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
-        shared = config.moe_intermediate_size * config.num_shared_experts
-        self.shared_experts = MLP(D, shared, kernels, tp) if shared else None
+        self.shared_experts = MLP(D, shared, kernels, tp) \
+            if shared and self.shared_slot is None else None
         self.kernels = kernels
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Destination | None]:
@@ -90,7 +97,17 @@ class MoE(nn.Module):
             views[names[2]] = shard(self.w2.data[i], 1)
         if self.shared_experts is not None:
             views.update(self.shared_experts.checkpoint_tensors(f"{prefix}shared_experts."))
+        elif self.shared_slot is not None:
+            s = f"{prefix}shared_experts."
+            views[f"{s}gate_proj.weight"] = shard(self.w13.data[self.shared_slot, :inter], 0)
+            views[f"{s}up_proj.weight"] = shard(self.w13.data[self.shared_slot, inter:], 0)
+            views[f"{s}down_proj.weight"] = shard(self.w2.data[self.shared_slot], 1)
         return views
+
+    def routed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13 and w2 of the routed experts held here (without a fused shared expert)."""
+        n = len(self.local)
+        return self.w13.data[:n], self.w2.data[:n]
 
     def forward(self, x: torch.Tensor, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
         """`routing`: if a list, the chosen experts [T, k] are appended (routing replay)."""
@@ -108,6 +125,10 @@ class MoE(nn.Module):
         if ep.size == 1:
             if routing is not None:
                 routing.append(ids.to(torch.int32))
+            if self.shared_slot is not None:
+                T = x.shape[0]
+                weights = torch.cat((weights, weights.new_ones(T, 1)), 1)
+                ids = torch.cat((ids, ids.new_full((T, 1), self.shared_slot)), 1)
             y = self.kernels.moe_experts(x, weights, ids, self.w13, self.w2, self.w13_scale,
                                          self.w2_scale)
         else:

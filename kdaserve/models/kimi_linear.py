@@ -105,8 +105,8 @@ class KimiLinearForCausalLM(nn.Module):
                 for name in ("dt_bias", "A_log", "f_a_proj.weight", "f_b_proj.weight"):
                     views[p + "self_attn.forget_gate." + name] = ck[p + "self_attn." + name]
             if isinstance(mlp, MoE):
-                views[p + "mlp.experts.gate_up_proj"] = mlp.w13
-                views[p + "mlp.experts.down_proj"] = mlp.w2
+                views[p + "mlp.experts.gate_up_proj"], views[p + "mlp.experts.down_proj"] = \
+                    mlp.routed_weights()
                 views[p + "mlp.gate.weight"] = mlp.gate_weight
                 views[p + "mlp.gate.e_score_correction_bias"] = mlp.e_score_correction_bias
                 shared = p + "block_sparse_moe.shared_experts."

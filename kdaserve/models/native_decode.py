@@ -171,6 +171,8 @@ class NativeDecode:
                       attn.num_heads, attn.dn, attn.dr, attn.dv, attn.rank, kv.shape[1]]
                 mla_scale, latent_eps = attn.scale, LATENT_NORM_EPS
             if isinstance(mlp, MoE):
+                if mlp.shared_slot is not None:  # the C++ routes over the routed experts only
+                    raise Unsupported
                 shared = mlp.shared_experts
                 f += [*_linear(shared.gate_up_proj, caps), *_linear(shared.down_proj, caps)] \
                     if shared is not None else [*_NONE] * 2

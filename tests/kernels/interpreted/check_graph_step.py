@@ -4,7 +4,8 @@ our Triton kernels reads no value back to the host and sizes no tensor by data, 
 things a capture cannot hold, and its logits equal the eager forward's.
 
 The KDA step is the triton backend's own: `kda_decode_triton`, our fused kernel (fla is
-needed only for prefill chunks, which a graph never runs).
+needed only for prefill chunks, which a graph never runs). The MoE runs its shared expert
+inside the fused experts kernel, as the triton backend does; the reference keeps it apart.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def build(path: Path, triton: bool) -> tuple:
                       mla_attention_triton if triton else mla_attention_ref,
                       moe_route_triton if triton else moe_route_ref,
                       moe_experts_triton if triton else moe_experts_ref, rms_norm_ref,
-                      gated_rmsnorm, silu_mul_ref)
+                      gated_rmsnorm, silu_mul_ref, fuse_shared_expert=triton)
     config = ModelConfig.from_pretrained(path)
     model = build_model(config, kernels, torch.float32, torch.device("cpu"), path)
     return model, BlockPool(config, 32, 4, torch.float32), StatePool(config, 6, torch.float32)
