@@ -2,7 +2,8 @@
 taken out) at batch 1, 16 and 64 after 64-token random prompts, on the `bench` preset in bf16
 with and without CUDA graphs, without overlap scheduling, and in fp32, and on the Kimi-shaped
 preset in bf16 with and without graphs; the fp32 CUDA tokens against the CPU reference
-backend at batch 1; then the fused MoE and the paged MLA kernels alone."""
+backend at batch 1; verify steps from graphs against eager ones; then the fused MoE, the
+paged MLA and the fused KDA decode kernels alone."""
 
 from __future__ import annotations
 
@@ -74,6 +75,43 @@ cpu = LLM(path, kernel_backend="ref").generate(prompt_token_ids=prompts[:1],
                                                sampling_params=params)[0].token_ids
 same = sum(a == b for a, b in zip(first["float32"], cpu, strict=True))
 print(f"fp32 cuda vs cpu ref: {same}/32 greedy tokens equal (first {first['float32'][:8]})")
+
+# Verify steps from CUDA graphs against eager ones (bench, bf16, batch 16): every request
+# drafts the plain engine's own next 3 tokens corrupted at the third (each verify of 4 tokens
+# a sequence keeps 2 and rolls back), so both runs verify alike; tokens must be the plain
+# engine's.
+import math  # noqa: E402
+
+from kdaserve.speculative.schedule import StepCost  # noqa: E402
+from tests.model.speculative_helpers import ScriptedDrafter  # noqa: E402
+
+try:
+    p = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    plain = LLM(path, device="cuda", dtype="bfloat16", disable_prefix_cache=True)
+    refs = [o.token_ids for o in plain.generate(prompt_token_ids=prompts[:16],
+                                                sampling_params=p)]
+    del plain
+    futures = {tuple(q): r for q, r in zip(prompts[:16], refs, strict=True)}
+    for graphs in (True, False):
+        llm = LLM(path, device="cuda", dtype="bfloat16", disable_prefix_cache=True,
+                  disable_cuda_graph=not graphs, speculative_algorithm="ngram",
+                  speculative_num_draft_tokens=3)
+        llm.engine.spec.cost = StepCost(fitted=False, prior_tokens=math.inf)
+        llm.engine.spec.drafter = ScriptedDrafter(None, 3, llm.config.vocab_size, futures, {2})
+        for _ in range(2):  # the first run captures
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompt_token_ids=prompts[:16], sampling_params=p)
+            torch.cuda.synchronize()
+            took = time.perf_counter() - t0
+        same = sum(o.token_ids == r for o, r in zip(outs, refs, strict=True))
+        verifies = llm.get_metrics()["spec_num_verifies"] / 2
+        print(f"verify bench bf16 batch 16 {'graphs' if graphs else 'eager'}: {took:.2f} s "
+              f"for 16 x 64 tokens ({16 * 64 / took:.0f} tok/s, {verifies:.0f} request "
+              f"verifies a run), {same}/16 outputs equal the plain engine's", flush=True)
+        del llm
+except Exception as e:  # noqa: BLE001 - the kernel rows still print
+    print(f"verify graphs: FAILED {type(e).__name__}: {e}")
 
 # The fused MoE (kdaserve/kernels/triton/moe.py) alone, on Kimi Linear's expert shapes (256
 # experts top-8, hidden 2304, expert width 1024), bf16: time per call against the reference's

@@ -1,5 +1,5 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (SGLang's
-CudaGraphRunner, vLLM's capture sizes).
+"""Decode and verify steps replayed from CUDA graphs, one graph per (batch-size bucket, tokens
+per sequence, hidden rows kept) (SGLang's CudaGraphRunner, vLLM's capture sizes).
 
 On a GPU a decode step of a small model is host-bound: every layer launches dozens of small
 kernels, and Python's dispatch of them takes longer than they run. A graph captured once per
@@ -10,7 +10,13 @@ request may grow. So nothing captured may read a value back to the host or size 
 data: the kernels bound their work by shapes alone (the paged MLA's splits by the block
 table's width, the fused MoE's blocks by T * k + E * (BLOCK_M - 1)).
 
-Graphs are captured on first use of a bucket, with every row of the buffers padding, so the
+A verify step (speculative decoding) is a graph too when every sequence verifies the same
+number k of drafts: 1 + k tokens each, padding sequences of 1 + k tokens in the scratch block
+(so 1 + k may not exceed the block size), the KDA step record the rollback replays and, for a
+block drafter, the hidden rows it drafts from written to static buffers like the logits. The
+MLA kernel learns that the step is a verify from `max_seqlen`, not by reading cu_seqlens.
+
+Graphs are captured on first use of a key, with every row of the buffers padding, so the
 warm-up runs touch only the scratch rows. Without CUDA (the tests) the runner replays the same
 static-buffer forward eagerly: buffers, padding and buckets are checked on the CPU, the
 capture itself only on a GPU.
@@ -21,6 +27,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -29,10 +36,14 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.config import EngineConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
-from kdaserve.kernels.triton.kda import kda_decode_triton
+from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS
+from kdaserve.kernels.triton import tile
+from kdaserve.kernels.triton.kda import FUSED_MAX_STATE, kda_decode_triton
 from kdaserve.kernels.triton.mla import mla_attention_triton
 from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton
+from kdaserve.layers.kda import FUSED_MAX_TOKENS, KDAttention
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+from kdaserve.step_record import KDASteps, StepRecord
 
 logger = logging.getLogger("kdaserve")
 
@@ -56,6 +67,18 @@ def capture_sizes(max_bs: int) -> list[int]:
     return sorted({s for s in (1, 2, 4) if s < max_bs} | set(range(8, max_bs, 8)) | {max_bs})
 
 
+def verify_tokens(config: EngineConfig, model: KimiLinearForCausalLM, block_size: int) -> int:
+    """The most tokens per sequence a verify graph takes: 1 + the drafts, where speculation
+    is on and the verify can sit in a graph (padding in one scratch block, the fused KDA
+    step and the absorbed MLA kernel, whose fla fallbacks read lengths back); else 1."""
+    if config.speculative_algorithm is None:
+        return 1
+    q = 1 + config.speculative_num_draft_tokens
+    fused_kda = all(tile(m.head_dim) ** 2 <= FUSED_MAX_STATE
+                    for m in model.modules() if isinstance(m, KDAttention))
+    return q if q <= min(block_size, FUSED_MAX_TOKENS, VERIFY_MAX_TOKENS) and fused_kda else 1
+
+
 def graph_runner(config: EngineConfig, kernels: Kernels, model: KimiLinearForCausalLM,
                  states: StatePool, blocks: BlockPool, max_num_seqs: int,
                  max_context: int) -> CudaGraphRunner | None:
@@ -65,136 +88,205 @@ def graph_runner(config: EngineConfig, kernels: Kernels, model: KimiLinearForCau
     if config.device.startswith("cuda") and not config.disable_cuda_graph and \
             graph_safe(kernels) and config.tp_size == 1 and not config.enable_dp_attention:
         return CudaGraphRunner(model, states, blocks, config.cuda_graph_max_bs or max_num_seqs,
-                               max_context)
+                               max_context, verify_tokens(config, model, blocks.block_size))
     if config.cuda_graph_max_bs is not None:  # asked for, so not silently dropped
         raise ValueError("cuda_graph_max_bs: CUDA graphs need the triton kernel backend "
                          "(triton and fla-core importable); this engine runs eagerly")
     return None
 
 
+class GraphKey(NamedTuple):
+    bs: int  # sequences: a batch-size bucket
+    q: int  # new tokens per sequence: 1 a decode, 1 + k a verify of k drafts
+    hidden: tuple[int, ...] | None  # hidden rows kept: None none, () final-normed, taps
+
+
 class CudaGraphRunner:
-    """Decode forwards (one new token per sequence, logits for every row) of up to `max_bs`
-    sequences whose contexts fit `max_context` tokens. `capture`: record CUDA graphs (False:
-    replay the static-buffer forward eagerly, the CPU tests' mode)."""
+    """Decode forwards (one new token per sequence) and verify forwards (1 + k tokens per
+    sequence, k < max_q), logits for every row, of up to `max_bs` sequences whose contexts fit
+    `max_context` tokens. `capture`: record CUDA graphs (False: replay the static-buffer
+    forward eagerly, the CPU tests' mode)."""
 
     def __init__(self, model: KimiLinearForCausalLM, states: StatePool, blocks: BlockPool,
-                 max_bs: int, max_context: int, capture: bool = True) -> None:
+                 max_bs: int, max_context: int, max_q: int = 1, capture: bool = True) -> None:
+        if not 1 <= max_q <= blocks.block_size:
+            raise ValueError(f"verify graphs of {max_q} tokens per sequence need them in one "
+                             f"scratch block of {blocks.block_size}")
         self.model, self.states, self.blocks = model, states, blocks
         self.sizes = capture_sizes(max_bs)
-        self.max_bs, self.capture = max_bs, capture
+        self.max_bs, self.max_q, self.capture = max_bs, max_q, capture
         self.width = blocks.blocks_needed(max_context)
-        dev = model.embed_tokens.weight.device
-        pad_row = blocks.scratch * blocks.block_size  # the scratch block's first token
+        self.dev = dev = model.embed_tokens.weight.device
+        self.pad_row = blocks.scratch * blocks.block_size  # the scratch block's first token
+        rows = max_bs * max_q
 
         def full(shape: tuple[int, ...], value: int) -> torch.Tensor:
             return torch.full(shape, value, dtype=torch.int64, device=dev)
 
-        # every row starts as padding: position 0 of a one-token context in the scratch
         self.buffers = ForwardBatch(
-            input_ids=full((max_bs,), 0), positions=full((max_bs,), 0),
+            input_ids=full((rows,), 0), positions=full((rows,), 0),
             cu_seqlens=torch.arange(max_bs + 1, device=dev), context_lens=full((max_bs,), 1),
             state_slots=full((max_bs,), states.scratch),
             block_table=full((max_bs, self.width), blocks.scratch),
-            slot_mapping=full((max_bs,), pad_row),
-            logits_indices=torch.arange(max_bs, device=dev), is_decode=True, max_seqlen=1)
-        self.pad_row = pad_row
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # every graph writes its logits here (one [max_bs, vocab] buffer, not one per bucket)
-        self.logits = torch.empty(max_bs, model.config.vocab_size, dtype=torch.float32,
-                                  device=dev) if capture else None
+            slot_mapping=full((rows,), self.pad_row),
+            logits_indices=torch.arange(rows, device=dev), is_decode=True, max_seqlen=1)
+        self.cu = {1: self.buffers.cu_seqlens}  # per q: [0, q, 2q, ...]
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        # every graph writes its outputs here (one buffer each, not one per key): the logits,
+        # the hidden rows per kind asked, and the KDA layers' step record
+        self.logits = torch.empty(rows, model.config.vocab_size, dtype=torch.float32,
+                                  device=dev)
+        self.hidden: dict[tuple[int, ...], torch.Tensor] = {}
+        self.record: list[KDASteps] = []
         self.pool = None  # the graphs' shared memory pool
-        self.filled = 0  # rows of the buffers holding the last step's sequences
+        self.filled = 0  # sequence rows of the buffers holding the last step's sequences
+        self.padded_q = 0  # the tokens per sequence the other rows are padding for
         self.failed = False  # a capture failed: every step runs eagerly from then on
+        self.pad(0, max_bs, 1)
 
-    def takes(self, fb: ForwardBatch) -> bool:
-        """A plain decode step: one token per sequence, every row's logits, nothing kept
-        beside them (verify records, snapshots, routing, taps need the eager forward)."""
-        return (not self.failed and fb.is_decode and fb.num_seqs <= self.max_bs
-                and fb.block_table.shape[1] <= self.width
-                and fb.logits_indices.shape[0] == fb.num_seqs
-                and fb.record is None and fb.snapshots is None and fb.routing is None
-                and not fb.taps)
+    def key(self, fb: ForwardBatch, hidden: tuple[int, ...] | None = None) -> GraphKey | None:
+        """The graph for this batch, or None where it runs eagerly. A decode, or a verify with
+        the same 1 + k tokens for every sequence and every row recorded; logits for every row
+        and nothing else kept beside them but the hidden rows asked (snapshots and routing
+        need the eager forward)."""
+        B, T = fb.num_seqs, fb.num_tokens
+        if self.failed or B > self.max_bs or fb.block_table.shape[1] > self.width \
+                or fb.logits_indices.shape[0] != T or fb.snapshots is not None \
+                or fb.routing is not None:
+            return None
+        q = 1 if fb.is_decode else fb.max_seqlen
+        if q == 1:
+            if fb.record is not None:
+                return None
+        # every sequence has q tokens when the longest has q and they sum to B * q
+        elif not (1 < q <= self.max_q and T == B * q and fb.record is not None
+                  and fb.record.num_leading == T):
+            return None
+        return GraphKey(self.bucket(B), q, hidden)
 
     def bucket(self, n: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def view(self, bs: int) -> ForwardBatch:
-        """The first `bs` rows of the static buffers as a batch (views: a replay reads what
-        the last `load` wrote)."""
-        b = self.buffers
-        return replace(b, input_ids=b.input_ids[:bs], positions=b.positions[:bs],
-                       cu_seqlens=b.cu_seqlens[:bs + 1], context_lens=b.context_lens[:bs],
+    def view(self, key: GraphKey) -> ForwardBatch:
+        """The first rows of the static buffers as the key's batch (views: a replay reads
+        what the last `load` wrote)."""
+        b, bs, q = self.buffers, key.bs, key.q
+        if q not in self.cu:
+            self.cu[q] = torch.arange(self.max_bs + 1, device=self.dev) * q
+        t = bs * q
+        return replace(b, input_ids=b.input_ids[:t], positions=b.positions[:t],
+                       cu_seqlens=self.cu[q][:bs + 1], context_lens=b.context_lens[:bs],
                        state_slots=b.state_slots[:bs], block_table=b.block_table[:bs],
-                       slot_mapping=b.slot_mapping[:bs], logits_indices=b.logits_indices[:bs])
+                       slot_mapping=b.slot_mapping[:t], logits_indices=b.logits_indices[:t],
+                       is_decode=q == 1, max_seqlen=q, taps=key.hidden or (),
+                       record=StepRecord(list(range(t)), {}, self.dev) if q > 1 else None)
 
-    def load(self, fb: ForwardBatch) -> None:
+    def load(self, fb: ForwardBatch, q: int) -> None:
         """Copies the batch into the buffers' first rows; rows the last step used past them
-        become padding again."""
+        become padding again (all rows, where the last step had other tokens per sequence)."""
         b, n, w = self.buffers, fb.num_seqs, fb.block_table.shape[1]
-        for dst, src in ((b.input_ids, fb.input_ids), (b.positions, fb.positions),
-                         (b.context_lens, fb.context_lens), (b.state_slots, fb.state_slots),
-                         (b.slot_mapping, fb.slot_mapping)):
-            dst[:n].copy_(src, non_blocking=True)
+        t = fb.num_tokens
+        for dst, src in ((b.input_ids[:t], fb.input_ids), (b.positions[:t], fb.positions),
+                         (b.slot_mapping[:t], fb.slot_mapping),
+                         (b.context_lens[:n], fb.context_lens),
+                         (b.state_slots[:n], fb.state_slots)):
+            dst.copy_(src, non_blocking=True)
         # columns past w keep stale block ids: a row never reads past its context
         b.block_table[:n, :w].copy_(fb.block_table, non_blocking=True)
-        if self.filled > n:
-            self.pad(n, self.filled)
+        if q != self.padded_q:
+            self.pad(n, self.max_bs, q)
+        elif self.filled > n:
+            self.pad(n, self.filled, q)
         self.filled = n
 
-    def pad(self, lo: int, hi: int) -> None:
+    def pad(self, lo: int, hi: int, q: int) -> None:
+        """Sequence rows [lo, hi) become padding of q tokens each: positions 0..q-1 of a
+        q-token context in the scratch block, on the scratch state slot."""
         b = self.buffers
-        b.input_ids[lo:hi] = 0
-        b.positions[lo:hi] = 0
-        b.context_lens[lo:hi] = 1
+        steps = torch.arange(q, device=self.dev).repeat(hi - lo)
+        b.input_ids[lo * q:hi * q] = 0
+        b.positions[lo * q:hi * q] = steps
+        b.slot_mapping[lo * q:hi * q] = steps + self.pad_row
+        b.context_lens[lo:hi] = q
         b.state_slots[lo:hi] = self.states.scratch
         b.block_table[lo:hi, 0] = self.blocks.scratch
-        b.slot_mapping[lo:hi] = self.pad_row
+        self.padded_q = q
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        return self.model.compute_logits(
-            self.model.forward_hidden(fb, self.states, self.blocks))
+    def forward(self, key: GraphKey, fb: ForwardBatch) -> None:
+        """The key's forward on its view `fb`, its outputs written to the static buffers."""
+        hidden = self.model.forward_hidden(fb, self.states, self.blocks)
+        t = fb.num_tokens
+        self.logits[:t].copy_(self.model.compute_logits(hidden))
+        if key.hidden is not None:
+            kept = fb.tapped if key.hidden else hidden
+            assert kept is not None
+            out = self.hidden.get(key.hidden)
+            if out is None:
+                out = self.hidden[key.hidden] = kept.new_empty(self.max_bs * self.max_q,
+                                                                kept.shape[1])
+            out[:t].copy_(kept)
+        if fb.record is not None:
+            if not self.record:
+                self.record = [KDASteps(*(x.new_empty(self.max_bs * self.max_q, *x.shape[1:])
+                                          for x in steps)) for steps in fb.record.layers]
+            for buf, steps in zip(self.record, fb.record.layers, strict=True):
+                for dst, src in zip(buf, steps, strict=True):
+                    dst[:t].copy_(src)
 
-    def run(self, fb: ForwardBatch) -> torch.Tensor:
-        """fp32 logits [B, vocab] of a batch `takes` accepted."""
-        n = fb.num_seqs
-        bs = self.bucket(n)
-        if self.capture and bs not in self.graphs:
+    def run(self, fb: ForwardBatch, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """fp32 logits [T, vocab] and the hidden rows asked (or None) of a batch `key`
+        accepted; a verify's `fb.record` then holds the KDA steps. All are views of the
+        static buffers, overwritten by the next step: read before it."""
+        if self.capture and key not in self.graphs:
             try:
-                self._capture(bs)
+                self._capture(key)
             except Exception:  # noqa: BLE001 - served eagerly, said once, loudly
-                logger.exception("CUDA graph capture failed at batch size %d: decode steps "
-                                 "run eagerly from now on", bs)
+                logger.exception("CUDA graph capture failed at %s: decode and verify steps "
+                                 "run eagerly from now on", key)
                 self.failed = True
                 self.reset()
-                return self.forward(fb)
-        self.load(fb)
-        if not self.capture:
-            return self.forward(self.view(bs))[:n]
-        self.graphs[bs].replay()
-        assert self.logits is not None
-        return self.logits[:n]  # overwritten by the next replay: read before it
+                self.pad(0, self.max_bs, 1)
+                self.filled = 0
+                return self.eager(fb, key)
+        self.load(fb, key.q)
+        if self.capture:
+            self.graphs[key].replay()
+        else:
+            self.forward(key, self.view(key))
+        t = fb.num_tokens
+        if fb.record is not None:
+            fb.record.layers = [KDASteps(*(x[:t] for x in steps)) for steps in self.record]
+        hidden = None if key.hidden is None else self.hidden[key.hidden][:t]
+        return self.logits[:t], hidden
 
-    def _capture(self, bs: int) -> None:
-        """Records the bucket's graph with every buffer row padding (the warm-up runs, which
+    def eager(self, fb: ForwardBatch, key: GraphKey) -> tuple[torch.Tensor,
+                                                               torch.Tensor | None]:
+        """The plain forward of a batch `key` accepted (after a failed capture)."""
+        fb.taps = key.hidden or ()
+        hidden = self.model.forward_hidden(fb, self.states, self.blocks)
+        kept = None if key.hidden is None else fb.tapped if key.hidden else hidden
+        return self.model.compute_logits(hidden), kept
+
+    def _capture(self, key: GraphKey) -> None:
+        """Records the key's graph with every buffer row padding (the warm-up runs, which
         compile and autotune the kernels outside the capture, touch only the scratch rows)."""
-        self.pad(0, self.max_bs)
+        self.pad(0, self.max_bs, key.q)
         self.filled = 0
-        fb = self.view(bs)
+        fb = self.view(key)
         with torch.cuda.device(fb.input_ids.device):  # the engine's GPU, not the default one
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.forward(fb)
+                    self.forward(key, self.view(key))
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            assert self.logits is not None
             # thread_local: CUDA calls other threads make meanwhile (a weight-sync rendezvous,
             # a transfer engine's workers) do not invalidate the capture
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.logits[:bs].copy_(self.forward(fb))
+                self.forward(key, fb)
         self.pool = graph.pool()
-        self.graphs[bs] = graph
+        self.graphs[key] = graph
 
     def reset(self) -> None:
         """Drops every graph (they hold the addresses of tensors an RL memory release frees);

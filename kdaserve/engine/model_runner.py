@@ -68,7 +68,7 @@ class ModelRunner:
                  device: torch.device, followers: Followers | None = None) -> None:
         self.model, self.blocks, self.states, self.device = model, blocks, states, device
         self.followers = followers  # tensor-parallel ranks running every forward with us
-        self.graphs: CudaGraphRunner | None = None  # plain decode steps replayed (CUDA)
+        self.graphs: CudaGraphRunner | None = None  # decode and verify steps replayed (CUDA)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request],
                                                       list[Rows]]:
@@ -131,14 +131,18 @@ class ModelRunner:
         if any(r.params.return_routed_experts for r in batch.reqs):
             fb.routing = []
         # every row samples (a prompt-logprob row of a one-token chunk is a decode-shaped
-        # row that does not) and nothing but the logits comes back
-        if self.graphs is not None and return_hidden is None and self.graphs.takes(fb) \
-                and len(to_sample) == fb.num_seqs and not any(x.prompt_k for x in layout) \
-                and not any(r.params.return_hidden_states for r in batch.reqs):
-            logits = self.graphs.run(fb)  # the graph's own buffer: read before the next step
-            for req in batch.reqs:
-                req.num_computed_tokens += 1
-            return StepOutput(logits, to_sample, None, [])
+        # row that does not) and nothing but the logits (and a drafter's rows) comes back
+        key = self.graphs.key(fb, return_hidden) if self.graphs is not None \
+            and len(to_sample) == fb.num_seqs and not any(x.prompt_k for x in layout) \
+            and not any(r.params.return_hidden_states for r in batch.reqs) else None
+        if key is not None:
+            assert self.graphs is not None
+            # the graph's own buffers (and, for a verify, the record's): read before the next
+            # step
+            logits, kept = self.graphs.run(fb, key)
+            for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+                req.num_computed_tokens += n
+            return StepOutput(logits, to_sample, kept, [])
         if self.followers is not None:
             self.followers.forward(fb, self.states)
         hidden = self.model.forward_hidden(fb, self.states, self.blocks)

@@ -67,5 +67,5 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self.absorbed_weights()
         o = self.kernels.mla_attention(q[..., : self.dn], q[..., self.dn:], kv_cache,
                                        batch.block_table, batch.cu_seqlens, batch.context_lens,
-                                       w_uk, w_uv, self.scale)
+                                       w_uk, w_uv, self.scale, max_seqlen=batch.max_seqlen)
         return self.o_proj(o.reshape(T, H * self.dv))

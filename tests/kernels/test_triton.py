@@ -247,10 +247,48 @@ def test_cuda_graph_replay_equals_eager(tiny_ckpt: Path, dtype: str) -> None:
         runner = llm.engine.runner.graphs
         assert (runner is not None) == graphs
         if graphs:
-            assert sorted(runner.graphs) == [1, 2, 4, 6]
+            assert sorted(key.bs for key in runner.graphs) == [1, 2, 4, 6]
         llm.engine.check_integrity()
         del llm
     assert out[True] == out[False]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_verify_graphs_equal_eager_verifies(tiny_ckpt: Path) -> None:
+    """Speculation with 3 drafts a step, each request drafting the plain engine's own tokens
+    corrupted at position 2 (every verify keeps 2 and rolls back): verify steps replay from
+    graphs of 4 tokens a sequence, the KDA rollback fed from the graph's record, and the
+    tokens equal eager verifies' and the plain engine's."""
+    import math
+
+    from kdaserve import LLM, SamplingParams
+    from kdaserve.speculative.schedule import StepCost
+    from tests.model.speculative_helpers import ScriptedDrafter
+
+    prompts = [[(11 * i + 5 * j) % 900 + 3 for j in range(4 + 9 * i)] for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=7 + 6 * i, ignore_eos=True)
+              for i in range(5)]
+    plain = LLM(tiny_ckpt, device="cuda", dtype="float32", disable_prefix_cache=True)
+    refs = [o.token_ids for o in plain.generate(prompt_token_ids=prompts,
+                                                sampling_params=params)]
+    del plain
+    futures = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
+    for graphs in (True, False):
+        llm = LLM(tiny_ckpt, device="cuda", dtype="float32", disable_prefix_cache=True,
+                  disable_cuda_graph=not graphs, speculative_algorithm="ngram",
+                  speculative_num_draft_tokens=3)
+        spec = llm.engine.spec
+        spec.cost = StepCost(fitted=False, prior_tokens=math.inf)
+        spec.drafter = ScriptedDrafter(None, 3, llm.config.vocab_size, futures, {2})
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
+                                                 sampling_params=params)]
+        assert got == refs
+        assert all(j == 2 for n, j in spec.drafter.log if n == 3)
+        if graphs:
+            assert any(key.q == 4 for key in llm.engine.runner.graphs.graphs)
+        llm.engine.check_integrity()
+        del llm
 
 
 @pytest.mark.gpu

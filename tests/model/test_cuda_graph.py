@@ -7,6 +7,7 @@ the captured forward's freedom from host reads under Triton's interpreter
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -14,25 +15,31 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.config import EngineConfig
-from kdaserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
+from kdaserve.engine.cuda_graph import CudaGraphRunner, GraphKey, capture_sizes
 from kdaserve.forward_batch import ForwardBatch
 
 
-def attach(llm: LLM, max_bs: int) -> list[int]:
-    """Gives the engine an eager-replay runner; returns the batch sizes it ran, in order."""
+def attach(llm: LLM, max_bs: int, max_q: int = 1) -> list[int]:
+    """Gives the engine an eager-replay runner; returns the batch sizes it ran, in order (and
+    keeps the graph keys in `KEYS`)."""
     e = llm.engine
     graphs = CudaGraphRunner(e.model, e.states, e.blocks, max_bs,
-                             e.scheduler.max_request_tokens(), capture=False)
+                             e.scheduler.max_request_tokens(), max_q, capture=False)
     ran: list[int] = []
+    KEYS.clear()
     run = graphs.run
 
-    def counted(fb):  # noqa: ANN001, ANN202
+    def counted(fb, key):  # noqa: ANN001, ANN202
         ran.append(fb.num_seqs)
-        return run(fb)
+        KEYS.append(key)
+        return run(fb, key)
 
     graphs.run = counted  # type: ignore[method-assign]
     e.runner.graphs = graphs
     return ran
+
+
+KEYS: list[GraphKey] = []
 
 
 def test_capture_sizes() -> None:
@@ -87,7 +94,8 @@ def test_padding_touches_only_the_scratch_rows(tiny_ckpt: Path) -> None:
         fb = ForwardBatch.build([[7], [8], [9]], [len(p) for p in ps], slots, tables,
                                 e.blocks.block_size)
         before = (e.states.recurrent.clone(), e.states.conv.clone(), e.blocks.kv.clone())
-        got = graphs.run(fb)
+        got, kept = graphs.run(fb, graphs.key(fb))
+        assert kept is None
         after = (e.states.recurrent.clone(), e.states.conv.clone(), e.blocks.kv.clone())
         # the eager forward from the same starting pools
         e.states.recurrent.copy_(before[0])
@@ -191,4 +199,53 @@ def test_speculation_and_prefix_cache_beside_graphs(tiny_ckpt: Path) -> None:
     ran = attach(llm, max_bs=8)
     got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
     assert got == want and ran
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("drafter", ["scripted", "dspark"])
+def test_verify_steps_replay_with_rollback(tiny_ckpt: Path, drafter: str,
+                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Verify steps of 1 + 3 tokens a sequence replay from the static buffers (padded to
+    buckets as requests finish at different steps), the KDA step record the rollback replays
+    and, for DSpark, the tapped rows it drafts from included. Each request drafts the plain
+    engine's own tokens corrupted at position 2 (every verify keeps 2 of 3, so every one
+    rolls back): the tokens equal the plain engine's and the acceptance is exact."""
+    from kdaserve.checkpoint import preset_config
+    from kdaserve.speculative.dspark import make_dspark_drafter
+    from kdaserve.speculative.schedule import StepCost
+
+    from .speculative_helpers import ScriptedDrafter
+
+    k = 3
+    ps = prompts(5)
+    # 3 tokens a verify: the steps before a request's last one (whose drafts max_tokens
+    # trims) are uniform verifies of 5, 4, 3 (padded to 4), 2 and 1 sequences
+    params = [SamplingParams(temperature=0, max_tokens=7 + 6 * i, ignore_eos=True)
+              for i in range(5)]
+    refs = [o.token_ids for o in LLM(tiny_ckpt).generate(prompt_token_ids=ps,
+                                                          sampling_params=params)]
+    kw: dict = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": k}
+    if drafter == "dspark":
+        path = make_dspark_drafter(tmp_path_factory.mktemp("dspark-graphs"),
+                                   preset_config("tiny"), taps=[0, 2], seed=4)
+        kw.update(speculative_algorithm="dspark", speculative_draft_model=str(path))
+    llm = LLM(tiny_ckpt, **kw)
+    spec = llm.engine.spec
+    assert spec is not None
+    spec.cost = StepCost(fitted=False, prior_tokens=math.inf)
+    futures = {tuple(p): r for p, r in zip(ps, refs, strict=True)}
+    scripted = ScriptedDrafter(spec.drafter if drafter == "dspark" else None, k,
+                               llm.config.vocab_size, futures, {2}, min_survival=0.0)
+    spec.drafter = scripted
+    ran = attach(llm, max_bs=8, max_q=1 + k)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert got == refs
+    verified = [(n, j) for n, j in scripted.log if n]
+    assert verified and all(j == scripted.expected_accepts(n) for n, j in verified)
+    verifies = [(n, key) for n, key in zip(ran, KEYS, strict=True) if key.q == 1 + k]
+    assert {key.bs for _, key in verifies} >= {8, 4, 2, 1}
+    assert any(n < key.bs for n, key in verifies)  # padded verify rows
+    want_hidden = spec.drafter.taps if spec.drafter.wants_hidden else None
+    assert all(key.hidden == want_hidden for key in KEYS)
+    assert (want_hidden is not None) == (drafter == "dspark")
     llm.engine.check_integrity()

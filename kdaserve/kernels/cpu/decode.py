@@ -68,7 +68,7 @@ def short_conv_cpu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tens
 def mla_attention_cpu(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                       block_table: torch.Tensor, cu_seqlens: torch.Tensor,
                       context_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, max_seqlen: int = 0) -> torch.Tensor:
     """Decode against the paged latent cache for the whole batch at once: latents gathered
     through the block table into [B, L, R + Dr] (L = longest context), padded keys masked.
     Other batches go to the prefill path, which picks a form per sequence."""

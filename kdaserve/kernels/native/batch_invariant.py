@@ -139,7 +139,7 @@ def kda_decode_bi(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: tor
 def mla_attention_bi(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                      block_table: torch.Tensor, cu_seqlens: torch.Tensor,
                      context_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, max_seqlen: int = 0) -> torch.Tensor:
     _check(q_nope, q_pe, kv_cache, w_uk, w_uv)
     T, H, Dn = q_nope.shape
     R, Dv, Dr = w_uk.shape[-1], w_uv.shape[1], q_pe.shape[-1]

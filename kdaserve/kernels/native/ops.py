@@ -164,7 +164,7 @@ def kda_chunk_native_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                          block_table: torch.Tensor, cu_seqlens: torch.Tensor,
                          context_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, max_seqlen: int = 0) -> torch.Tensor:
     """Decode attention computed against the compressed latents where they lie in the block
     pool (no gather copy), the W_UK / W_UV absorptions in the same C++ call (as two `bmm`s
     they cost a small model's decode step ~30 us a layer in dispatch). Sequences of up to

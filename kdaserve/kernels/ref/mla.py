@@ -26,12 +26,15 @@ def gather_latent(kv_cache: torch.Tensor, block_table: torch.Tensor, n: int) -> 
 def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                       block_table: torch.Tensor, cu_seqlens: torch.Tensor,
                       context_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, max_seqlen: int = 0) -> torch.Tensor:
     """Causal attention of the new tokens against each sequence's cached context.
 
     q_nope: [T, H, Dn]; q_pe: [T, H, Dr]; kv_cache: [NB, BS, R + Dr] (new tokens already
     stored); block_table: [B, M]; context_lens: [B] tokens in cache incl. the new ones;
     w_uk: [H, Dn, R], w_uv: [H, Dv, R]. Returns [T, H, Dv] in q's dtype; softmax in fp32.
+    max_seqlen: the most new tokens of any sequence where the caller knows it (0: not known),
+    so a backend that picks its form by it need not read cu_seqlens back (a CUDA graph's
+    verify step); the answer never depends on it.
     """
     cu = cu_seqlens.tolist()
     ctx = context_lens.tolist()

@@ -48,7 +48,7 @@ def _kernel() -> Any:
 def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                          block_table: torch.Tensor, cu_seqlens: torch.Tensor,
                          context_lens: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float, max_seqlen: int = 0) -> torch.Tensor:
     """q_nope: [T, H, Dn]; q_pe: [T, H, Dr]; kv_cache: [NB, BS, R + Dr] (new tokens already
     stored); block_table: [B, M]; cu_seqlens: [B+1]; context_lens: [B] incl. the new tokens;
     w_uk: [H, Dn, R]; w_uv: [H, Dv, R]. Returns [T, H, Dv] in q's dtype; scores, softmax and
@@ -56,9 +56,12 @@ def mla_attention_triton(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: tor
 
     Sequences with more than VERIFY_MAX_TOKENS new tokens (prefill chunks) take the expanded
     form (`mla_prefill_sdpa`); decodes and verifies the absorbed kernel. A batch of decodes
-    only (T == B) is told apart by its shapes: no value is read back, as a CUDA graph needs."""
+    only (T == B) is told apart by its shapes, a verify by `max_seqlen`: no value is read
+    back, as a CUDA graph needs."""
     T, B = q_nope.shape[0], cu_seqlens.shape[0] - 1
-    if T == B or int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) <= VERIFY_MAX_TOKENS:
+    if not max_seqlen and T > B:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    if T == B or max_seqlen <= VERIFY_MAX_TOKENS:
         return mla_absorbed_triton(q_nope, q_pe, kv_cache, block_table, cu_seqlens,
                                    context_lens, w_uk, w_uv, scale)
     return mla_split_chunks(mla_absorbed_triton, mla_prefill_sdpa_all, q_nope, q_pe,

@@ -22,7 +22,7 @@ from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.checkpoint import make_checkpoint
 from kdaserve.config import ModelConfig
-from kdaserve.engine.cuda_graph import CudaGraphRunner
+from kdaserve.engine.cuda_graph import CudaGraphRunner, GraphKey
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels, linear_ref
 from kdaserve.kernels.cpu.decode import kda_recurrent_cpu
@@ -41,6 +41,7 @@ from kdaserve.kernels.triton.kda import kda_decode_triton
 from kdaserve.kernels.triton.mla import mla_attention_triton
 from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton
 from kdaserve.models.loader import build_model
+from kdaserve.step_record import StepRecord
 
 aten = torch.ops.aten
 # ops that read a tensor's value on the host (.item(), bool(), int()) or size their output by
@@ -107,16 +108,61 @@ def test_captured_decode_reads_nothing_back(tmp_path: Path) -> None:
                               states, blocks)
             fb = ForwardBatch.build([[7], [8], [9]], [len(p) for p in prompts], slots,
                                     tables, blocks.block_size)
-            runner.load(fb)
+            runner.load(fb, 1)
         if triton:
             # under no_grad, not inference_mode: in inference mode a scalar read skips the
             # Python dispatch mode and would go unseen
+            key = GraphKey(4, 1, None)
             with torch.no_grad(), no_host_reads():
-                logits[triton] = runner.forward(runner.view(4))[:3]
+                runner.forward(key, runner.view(key))
+            logits[triton] = runner.logits[:3].clone()
         else:  # the reference kernels, eagerly, unpadded
             with torch.inference_mode():
                 logits[triton] = model.forward(fb, states, blocks)
     torch.testing.assert_close(logits[True], logits[False], atol=2e-4, rtol=2e-4)
+
+
+def test_captured_verify_reads_nothing_back(tmp_path: Path) -> None:
+    """A verify step (3 sequences, 1 + 2 tokens each, padded to 4 sequences) as a graph holds
+    it: no host read (the MLA kernel told it is a verify by max_seqlen), and its logits and
+    KDA step record equal the reference's eager verify."""
+    path = make_checkpoint(tmp_path / "tiny", "tiny", seed=0)
+    prompts = [[(5 * i + 3 * j) % 700 + 2 for j in range(3 + 4 * i)] for i in range(3)]
+    drafts = [[7, 8, 9], [10, 11, 12], [13, 14, 15]]
+    out = {}
+    for triton in (True, False):
+        model, blocks, states = build(path, triton)
+        slots = [states.allocate() for _ in prompts]
+        tables = [blocks.allocate(blocks.blocks_needed(len(p) + 3)) for p in prompts]
+        runner = CudaGraphRunner(model, states, blocks, 4, 64, max_q=3, capture=False)
+        with torch.inference_mode():
+            for s, t, p in zip(slots, tables, prompts, strict=True):
+                model.forward(ForwardBatch.build([p], [0], [s], [t], blocks.block_size),
+                              states, blocks)
+        fb = ForwardBatch.build(drafts, [len(p) for p in prompts], slots, tables,
+                                blocks.block_size, num_logits=[3, 3, 3])
+        fb.record = StepRecord(list(range(9)), {}, "cpu")
+        if triton:
+            key = runner.key(fb)
+            assert key == GraphKey(4, 3, None)
+            with torch.inference_mode():
+                runner.load(fb, 3)
+            view = runner.view(key)  # built before a capture, as _capture does
+            with torch.no_grad(), no_host_reads():
+                runner.forward(key, view)
+            logits = runner.logits[:9].clone()
+            record = [[x[:9].clone() for x in steps] for steps in runner.record]
+        else:
+            with torch.inference_mode():
+                logits = model.forward(fb, states, blocks)
+            record = [list(steps) for steps in fb.record.layers]
+        out[triton] = logits, record, states.recurrent[:, slots].clone()
+    torch.testing.assert_close(out[True][0], out[False][0], atol=2e-4, rtol=2e-4)
+    assert len(out[True][1]) == len(out[False][1]) > 0
+    for a, b in zip(out[True][1], out[False][1], strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[True][2], out[False][2], atol=2e-4, rtol=2e-4)
 
 
 def test_the_guard_sees_host_reads() -> None:
