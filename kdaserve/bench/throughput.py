@@ -49,6 +49,7 @@ def run_hf(hf: Any, prompts: list[list[int]], output_len: int) -> float:
 
 def main(args: argparse.Namespace) -> None:
     from kdaserve import LLM
+    from kdaserve.kernels import OPS
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     backends = args.backends.split(",")
@@ -100,7 +101,7 @@ def main(args: argparse.Namespace) -> None:
               f"{(f'{ratio:.2f}x' if ratio else '-'):>6}")
     result = {"model": str(llm.path), "input_len": args.input_len,
               "output_len": args.output_len, "threads": torch.get_num_threads(),
-              "kernels": {op: fn.__name__ for op, fn in llm.engine.kernels._asdict().items()},
+              "kernels": {op: getattr(llm.engine.kernels, op).__name__ for op in OPS},
               "rows": rows}
     write_result(args.out, result)
     print(f"\nwrote {args.out}")

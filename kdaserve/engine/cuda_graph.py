@@ -10,11 +10,14 @@ request may grow. So nothing captured may read a value back to the host or size 
 data: the kernels bound their work by shapes alone (the paged MLA's splits by the block
 table's width, the fused MoE's blocks by T * k + E * (BLOCK_M - 1)).
 
-A verify step (speculative decoding) is a graph too when every sequence verifies the same
-number k of drafts: 1 + k tokens each, padding sequences of 1 + k tokens in the scratch block
-(so 1 + k may not exceed the block size), the KDA step record the rollback replays and, for a
-block drafter, the hidden rows it drafts from written to static buffers like the logits. The
-MLA kernel learns that the step is a verify from `max_seqlen`, not by reading cu_seqlens.
+A verify step (speculative decoding) is a graph too when every sequence verifies the
+configured number k of drafts (shorter verifies run eagerly: one verify graph per bucket):
+1 + k tokens each, padding sequences of 1 + k tokens in the scratch block (so 1 + k may not
+exceed the block size), the KDA step record the rollback replays and, for a block drafter,
+the hidden rows it drafts from written to static buffers like the logits. The MLA kernel
+learns that the step is a verify from `max_seqlen`, not by reading cu_seqlens. With
+speculation on, the logits and record buffers hold max_bs * (1 + k) rows (allocated once,
+outside the pools' memory budget).
 
 Graphs are captured on first use of a key, with every row of the buffers padding, so the
 warm-up runs touch only the scratch rows. Without CUDA (the tests) the runner replays the same
@@ -102,8 +105,8 @@ class GraphKey(NamedTuple):
 
 
 class CudaGraphRunner:
-    """Decode forwards (one new token per sequence) and verify forwards (1 + k tokens per
-    sequence, k < max_q), logits for every row, of up to `max_bs` sequences whose contexts fit
+    """Decode forwards (one new token per sequence) and verify forwards (max_q = 1 + k tokens
+    per sequence), logits for every row, of up to `max_bs` sequences whose contexts fit
     `max_context` tokens. `capture`: record CUDA graphs (False: replay the static-buffer
     forward eagerly, the CPU tests' mode)."""
 
@@ -145,8 +148,8 @@ class CudaGraphRunner:
         self.pad(0, max_bs, 1)
 
     def key(self, fb: ForwardBatch, hidden: tuple[int, ...] | None = None) -> GraphKey | None:
-        """The graph for this batch, or None where it runs eagerly. A decode, or a verify with
-        the same 1 + k tokens for every sequence and every row recorded; logits for every row
+        """The graph for this batch, or None where it runs eagerly. A decode, or a verify of
+        max_q tokens for every sequence with every row recorded; logits for every row
         and nothing else kept beside them but the hidden rows asked (snapshots and routing
         need the eager forward)."""
         B, T = fb.num_seqs, fb.num_tokens
@@ -159,7 +162,7 @@ class CudaGraphRunner:
             if fb.record is not None:
                 return None
         # every sequence has q tokens when the longest has q and they sum to B * q
-        elif not (1 < q <= self.max_q and T == B * q and fb.record is not None
+        elif not (1 < q == self.max_q and T == B * q and fb.record is not None
                   and fb.record.num_leading == T):
             return None
         return GraphKey(self.bucket(B), q, hidden)

@@ -142,7 +142,9 @@ class ModelRunner:
             logits, kept = self.graphs.run(fb, key)
             for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
                 req.num_computed_tokens += n
-            return StepOutput(logits, to_sample, kept, [])
+            # a drafter keeps its rows past this step (a request left out of the next step
+            # drafts from them later): its own copy, not the graph's buffer
+            return StepOutput(logits, to_sample, None if kept is None else kept.clone(), [])
         if self.followers is not None:
             self.followers.forward(fb, self.states)
         hidden = self.model.forward_hidden(fb, self.states, self.blocks)

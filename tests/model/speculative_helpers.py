@@ -27,6 +27,7 @@ class ScriptedDrafter(Drafter):
         self.taps = inner.taps if inner is not None else ()
         self.proposed: dict[int, list[int]] = {}
         self.log: list[tuple[int, int]] = []
+        self.drafted: list[list[int]] = []  # every proposal, in order
 
     def propose(self, reqs: list[Request]) -> None:
         if self.inner is not None:
@@ -41,6 +42,7 @@ class ScriptedDrafter(Drafter):
             req.draft_ids = [(t + 1) % self.vocab if i in self.corrupt else t
                              for i, t in enumerate(req.draft_ids)]
             self.proposed[id(req)] = list(req.draft_ids)
+            self.drafted.append(list(req.draft_ids))
 
     def survival(self, req: Request) -> list[float] | None:
         return [1.0] * len(self.proposed.get(id(req), []))

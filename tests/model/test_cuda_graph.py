@@ -249,3 +249,44 @@ def test_verify_steps_replay_with_rollback(tiny_ckpt: Path, drafter: str,
     assert all(key.hidden == want_hidden for key in KEYS)
     assert (want_hidden is not None) == (drafter == "dspark")
     llm.engine.check_integrity()
+
+
+def test_drafter_rows_from_graphs(tiny_ckpt: Path,
+                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """DSpark drafting its own 3 drafts a step (uniform verifies) from the tapped rows the
+    graphs return. A 12-token budget leaves running requests out of some steps, so a request
+    drafts from rows kept since an earlier step, while other steps replay and rewrite the
+    graph's buffers: every proposal equals the eager engine's, the tokens the plain
+    engine's."""
+    from kdaserve.checkpoint import preset_config
+    from kdaserve.speculative.dspark import make_dspark_drafter
+    from kdaserve.speculative.schedule import StepCost
+
+    from .speculative_helpers import ScriptedDrafter
+
+    k = 3
+    path = make_dspark_drafter(tmp_path_factory.mktemp("dspark-rows"), preset_config("tiny"),
+                               taps=[0, 2], seed=4)
+    ps = prompts(5)
+    params = [SamplingParams(temperature=0, max_tokens=7 + 6 * i, ignore_eos=True)
+              for i in range(5)]
+    refs = [o.token_ids for o in LLM(tiny_ckpt).generate(prompt_token_ids=ps,
+                                                          sampling_params=params)]
+    drafted = {}
+    for graphs in (True, False):
+        llm = LLM(tiny_ckpt, speculative_algorithm="dspark", speculative_draft_model=str(path),
+                  speculative_num_draft_tokens=k, max_num_batched_tokens=12,
+                  speculative_min_acceptance_rate=0.0)
+        spec = llm.engine.spec
+        assert spec is not None
+        spec.cost = StepCost(fitted=False, prior_tokens=math.inf)
+        scripted = ScriptedDrafter(spec.drafter, k, llm.config.vocab_size, min_survival=0.0)
+        spec.drafter = scripted
+        if graphs:
+            ran = attach(llm, max_bs=8, max_q=1 + k)
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+        assert got == refs
+        drafted[graphs] = scripted.drafted
+        llm.engine.check_integrity()
+    assert any(key.q == 1 + k and key.hidden == (0, 2) for key in KEYS) and ran
+    assert drafted[True] == drafted[False] and any(drafted[True])

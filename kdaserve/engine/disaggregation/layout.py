@@ -20,6 +20,8 @@ import torch
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
+from kdaserve.layers.parallel import tensor_of
+from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,13 +98,17 @@ class PoolLayout:
         return None
 
 
-def model_fingerprint(config: dict[str, Any], model: torch.nn.Module) -> str:
-    """Identifies a model by its config and a sample of every parameter (64 values each):
-    two servers with the same fingerprint compute the same caches for the same prompt."""
+def model_fingerprint(config: dict[str, Any], model: KimiLinearForCausalLM) -> str:
+    """Identifies a model by its config and a sample of every checkpoint tensor (64 values
+    each, by the checkpoint's names): two servers with the same fingerprint compute the same
+    caches for the same prompt, whatever layout their kernels keep the weights in (the
+    triton backend's shared expert stacked with the routed ones, say)."""
     h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, p in model.named_parameters():
+    for name, dest in sorted(model.checkpoint_tensors().items()):
+        if dest is None:  # another rank's expert
+            continue
         h.update(name.encode())
-        h.update(p.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+        h.update(tensor_of(dest).detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
