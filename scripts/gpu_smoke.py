@@ -103,20 +103,26 @@ for preset, other in (("bench", "eager"), ("bench", "graphs no-overlap"),
         same = sum(x == y for x, y in zip(a, b, strict=True))
         print(f"{preset} bf16 graphs vs {other}: {same}/{len(a)} greedy tokens equal")
 first["float32"] = first.get("bench float32 graphs", [])[:32]
-cpu = LLM(path, kernel_backend="ref").generate(prompt_token_ids=prompts[:1],
-                                               sampling_params=params)[0].token_ids
-same = sum(a == b for a, b in zip(first["float32"], cpu, strict=True))
-print(f"fp32 cuda vs cpu ref: {same}/32 greedy tokens equal (first {first['float32'][:8]})")
+if first["float32"]:
+    cpu = LLM(path, kernel_backend="ref").generate(prompt_token_ids=prompts[:1],
+                                                   sampling_params=params)[0].token_ids
+    same = sum(a == b for a, b in zip(first["float32"], cpu, strict=True))
+    print(f"fp32 cuda vs cpu ref: {same}/32 greedy tokens equal (first {first['float32'][:8]})")
+else:
+    print("fp32 cuda vs cpu ref: no fp32 CUDA run to compare")
 
 # GSM8K 5-shot prompts, fixed-length output (256 tokens, no stops) at parallel 64: output
-# tok/s on the bench preset in bf16 with graphs (the data: GSM8K_DATA or ../shared's copy)
+# tok/s on both presets in bf16 with graphs (the data: GSM8K_DATA or ../shared's copy)
 from kdaserve.bench.gsm8k import build_prompts, load_data  # noqa: E402
 
 data = os.environ.get("GSM8K_DATA", "../shared/data/gsm8k/test.jsonl")
-if os.path.isfile(data):
+for preset in ("bench", "kimi-shaped"):
+    if not os.path.isfile(data) or preset not in made:
+        print(f"gsm8k {preset}: no data at {data} (set GSM8K_DATA) or no checkpoint")
+        continue
     try:
         texts, _ = build_prompts(load_data(data), 5, 64)
-        llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=64)
+        llm = LLM(made[preset], device="cuda", dtype="bfloat16", max_num_seqs=64)
         p = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
         llm.generate(texts[:8], p)  # warm-up: compiles, captures, fills the prefix cache
         torch.cuda.synchronize()
@@ -125,13 +131,11 @@ if os.path.isfile(data):
         torch.cuda.synchronize()
         took = time.perf_counter() - t0
         n = sum(len(o.token_ids) for o in outs)
-        print(f"gsm8k 5-shot bench bf16 parallel 64, 256 tokens each: {n / took:.0f} output "
-              f"tok/s ({took:.2f} s)", flush=True)
+        print(f"gsm8k 5-shot {preset} bf16 parallel 64, 256 tokens each: {n / took:.0f} "
+              f"output tok/s ({took:.2f} s)", flush=True)
         del llm
     except Exception as e:  # noqa: BLE001 - the other rows still print
-        print(f"gsm8k: FAILED {type(e).__name__}: {e}")
-else:
-    print(f"gsm8k: no data at {data} (set GSM8K_DATA)")
+        print(f"gsm8k {preset}: FAILED {type(e).__name__}: {e}")
 
 # Verify steps from CUDA graphs against eager ones (bench, bf16, batch 16): every request
 # drafts the plain engine's own next 3 tokens corrupted at the third (each verify of 4 tokens
