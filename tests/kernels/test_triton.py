@@ -152,17 +152,20 @@ def test_moe_experts_triton_vs_ref(T: int, dtype: torch.dtype) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("groups,kept", [(1, 1), (8, 4)])
 @pytest.mark.parametrize("T", [1, 64, 1000])
-def test_moe_route_triton_vs_ref(T: int) -> None:
+def test_moe_route_triton_vs_ref(T: int, groups: int, kept: int) -> None:
     """Kimi's routing (256 experts, sigmoid scores, bias for selection, top 8 renormalised
-    and scaled) in one kernel against the reference: the same experts in the same order."""
+    and scaled) in one kernel against the reference: the same experts in the same order; and
+    DeepSeek-V3's group-limited form (8 groups, 4 kept)."""
     from kdaserve.kernels.ref.moe import moe_route_ref
     from kdaserve.kernels.triton.moe import moe_route_triton
 
     g = gen(T)
     logits, bias = torch.randn(T, 256, generator=g) * 2, torch.randn(256, generator=g) * 0.3
-    w_ref, ids_ref = moe_route_ref(logits, bias, 8, 1, 1, True, 2.446, "sigmoid")
-    w, ids = moe_route_triton(logits.to(CUDA), bias.to(CUDA), 8, 1, 1, True, 2.446, "sigmoid")
+    w_ref, ids_ref = moe_route_ref(logits, bias, 8, groups, kept, True, 2.446, "sigmoid")
+    w, ids = moe_route_triton(logits.to(CUDA), bias.to(CUDA), 8, groups, kept, True, 2.446,
+                              "sigmoid")
     # the GPU's exp is not torch's: rows whose top 9 choices come within 1e-4 of each other
     # may order them otherwise, so those are left out (and must be few)
     top = (torch.sigmoid(logits) + bias).topk(9, dim=-1).values

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from kdaserve.kernels.ref.moe import moe_route_ref
 from kdaserve.kernels.triton import jit_module, tile
 
 BLOCK_M = 16  # sorted rows per block: tl.dot's least M on tensor cores
@@ -59,26 +58,34 @@ def _kernels() -> Any:
     return jit_module("moe_kernels")
 
 
+def route_block_t(num_group: int) -> int:
+    """Tokens per routing program: 8 for grouped routing, whose group scores and masks
+    beside the [tokens, experts] tiles spilled registers at 16 (sm_90, 256 experts in 8
+    groups: 40 bytes of stack; check_sm90.py), 16 otherwise."""
+    return 8 if num_group > 1 else 16
+
+
 def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
                      num_group: int, topk_group: int, renormalize: bool, scaling: float,
                      activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_route_ref`'s contract in one kernel for ungrouped routing (Kimi's num_group 1):
-    logits [T, E] -> (fp32 weights [T, k], int64 ids [T, k]), ids in descending choice.
-    Grouped routing (num_group > 1) stays on the reference."""
-    if num_group > 1:
-        return moe_route_ref(logits, bias, top_k, num_group, topk_group, renormalize, scaling,
-                             activation)
+    """`moe_route_ref`'s contract in one kernel, grouped or not (Kimi's num_group 1;
+    DeepSeek-V3's group-limited choice where num_group > 1): logits [T, E] -> (fp32 weights
+    [T, k], int64 ids [T, k]), ids in descending choice."""
     T, E = logits.shape
+    if num_group > 1 and (E % num_group or not 0 < topk_group <= num_group):
+        raise ValueError(f"{E} experts do not split into {num_group} groups with "
+                         f"{topk_group} kept")
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T == 0:
         return weights, ids
-    block_t = 16
+    block_t = route_block_t(num_group)
     _kernels().route_kernel[(-(-T // block_t),)](
         logits.contiguous(), bias.float().contiguous() if bias is not None else logits,
         weights, ids, T, E, scaling, HAS_BIAS=bias is not None,
         SIGMOID=activation == "sigmoid", RENORMALIZE=renormalize, TOP_K=top_k,
-        BLOCK_T=block_t, BLOCK_E=tile(E), BLOCK_K=tile(top_k))
+        NUM_GROUP=max(num_group, 1), TOPK_GROUP=topk_group, BLOCK_T=block_t,
+        BLOCK_E=tile(E), BLOCK_K=tile(top_k), BLOCK_G=tile(max(num_group, 1), least=2))
     return weights, ids
 
 

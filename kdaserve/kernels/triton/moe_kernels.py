@@ -80,13 +80,40 @@ def down_kernel(h_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, weights_ptr, o
 
 
 @triton.jit
+def keep_top_groups(choice, es, group_size, NUM_GROUP: tl.constexpr,
+                    TOPK_GROUP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr):
+    """DeepSeek-V3's group-limited choice: each group of `group_size` consecutive experts
+    scores the sum of its best two choices; experts outside the TOPK_GROUP best groups drop
+    to -inf."""
+    group = es // group_size
+    gs = tl.arange(0, BLOCK_G)
+    scores = tl.full((BLOCK_T, BLOCK_G), float("-inf"), dtype=tl.float32)
+    for g in tl.static_range(NUM_GROUP):
+        mine = tl.where((group == g)[None, :], choice, float("-inf"))
+        best = tl.argmax(mine, 1)
+        first = tl.max(mine, 1)
+        # a group of one expert has no second: its score is its one choice
+        second = tl.max(tl.where(es[None, :] == best[:, None], float("-inf"), mine), 1)
+        score = tl.where(second == float("-inf"), first, first + second)
+        scores = tl.where(gs[None, :] == g, score[:, None], scores)
+    keep = tl.zeros_like(choice) != 0
+    for _ in tl.static_range(TOPK_GROUP):
+        g = tl.argmax(scores, 1)
+        keep = keep | (group[None, :] == g[:, None])
+        scores = tl.where(gs[None, :] == g[:, None], float("-inf"), scores)
+    return tl.where(keep, choice, float("-inf"))
+
+
+@triton.jit
 def route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, scaling,
                  HAS_BIAS: tl.constexpr, SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr,
-                 TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 TOP_K: tl.constexpr, NUM_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_G: tl.constexpr):
     """BLOCK_T tokens' routing: scores (sigmoid or softmax), the bias added for selection
-    only, the top k by repeated argmax (ties to the lower expert), the unbiased scores of
-    the chosen as weights, renormalised and scaled."""
+    only, the groups limited to the best TOPK_GROUP where NUM_GROUP > 1, the top k by
+    repeated argmax (ties to the lower expert), the unbiased scores of the chosen as
+    weights, renormalised and scaled."""
     ts = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     es = tl.arange(0, BLOCK_E)
     t_ok, e_ok = ts < T, es < E
@@ -102,6 +129,9 @@ def route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, scaling,
     if HAS_BIAS:
         choice = choice + tl.load(bias_ptr + es, mask=e_ok, other=0.0)[None, :]
     choice = tl.where(e_ok[None, :], choice, float("-inf"))
+    if NUM_GROUP > 1:
+        choice = keep_top_groups(choice, es, E // NUM_GROUP, NUM_GROUP, TOPK_GROUP, BLOCK_T,
+                                 BLOCK_G)
     ks = tl.arange(0, BLOCK_K)
     w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     ids = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)

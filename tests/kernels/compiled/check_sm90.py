@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kdaserve.kernels.triton import conv_kernels, kda_kernels, mla, mla_kernels, moe_kernels
+from kdaserve.kernels.triton import conv_kernels, kda_kernels, mla, mla_kernels, moe, moe_kernels
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -81,8 +81,16 @@ CASES = {
         moe_kernels.route_kernel,
         {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64"},
         {"T": "i32", "E": "i32", "scaling": "fp32"},
-        {"HAS_BIAS": True, "SIGMOID": True, "RENORMALIZE": True, "TOP_K": 8, "BLOCK_T": 16,
-         "BLOCK_E": 256, "BLOCK_K": 8}),
+        {"HAS_BIAS": True, "SIGMOID": True, "RENORMALIZE": True, "TOP_K": 8, "NUM_GROUP": 1,
+         "TOPK_GROUP": 1, "BLOCK_T": 16, "BLOCK_E": 256, "BLOCK_K": 8, "BLOCK_G": 2}),
+    # DeepSeek-V3's group-limited routing: 256 experts in 8 groups, 4 kept
+    "moe_route_grouped": lambda: resources(
+        moe_kernels.route_kernel,
+        {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64"},
+        {"T": "i32", "E": "i32", "scaling": "fp32"},
+        {"HAS_BIAS": True, "SIGMOID": True, "RENORMALIZE": True, "TOP_K": 8, "NUM_GROUP": 8,
+         "TOPK_GROUP": 4, "BLOCK_T": moe.route_block_t(8), "BLOCK_E": 256, "BLOCK_K": 8,
+         "BLOCK_G": 8}),
     "mla_split": lambda: resources(
         mla_kernels.mla_split_kernel,
         {"q_lat_ptr": BF16, "q_pe_ptr": BF16, "kv_ptr": BF16, "block_table_ptr": "*i64",

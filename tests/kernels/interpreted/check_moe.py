@@ -106,11 +106,37 @@ def test_route_matches_reference(T: int, E: int, k: int, activation: str, bias: 
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
 
 
-def test_grouped_route_is_the_reference() -> None:
+@pytest.mark.parametrize("T,E,k,groups,kept,bias", [
+    (6, 16, 4, 4, 2, True),  # the small preset's routing
+    (19, 256, 8, 8, 4, True),  # DeepSeek-V3's: 8 groups of 32, 4 kept
+    (5, 64, 6, 8, 3, False),
+    (7, 8, 2, 8, 3, True),  # groups of one expert: a group scores its one choice
+])
+def test_grouped_route_matches_reference(T: int, E: int, k: int, groups: int, kept: int,
+                                         bias: bool) -> None:
+    """Group-limited choice in the kernel: the best two choices of each group score it,
+    only the `kept` best groups' experts can be chosen."""
     from kdaserve.kernels.ref.moe import moe_route_ref
     from kdaserve.kernels.triton.moe import moe_route_triton
 
-    logits = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
-    args = (logits, torch.zeros(16), 4, 4, 2, True, 1.0, "sigmoid")
-    for a, b in zip(moe_route_triton(*args), moe_route_ref(*args), strict=True):
-        assert torch.equal(a, b)
+    g = torch.Generator().manual_seed(T + E + groups)
+    logits = torch.randn(T, E, generator=g) * 2
+    b = torch.randn(E, generator=g) * 0.5 if bias else None
+    args = (logits, b, k, groups, kept, True, 2.446, "sigmoid")
+    w, ids = moe_route_triton(*args)
+    w_ref, ids_ref = moe_route_ref(*args)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
+    # the chosen experts lie in `kept` groups at most; with groups of several experts plain
+    # top-k would differ somewhere (groups of one only bind past k = kept)
+    assert all(len({int(e) // (E // groups) for e in row}) <= kept for row in ids)
+    if E // groups > 1:
+        plain = moe_route_ref(logits, b, k, 1, 1, True, 2.446, "sigmoid")[1]
+        assert not torch.equal(plain, ids_ref)
+
+
+def test_grouped_route_refuses_uneven_groups() -> None:
+    from kdaserve.kernels.triton.moe import moe_route_triton
+
+    with pytest.raises(ValueError, match="groups"):
+        moe_route_triton(torch.randn(2, 10), None, 2, 4, 2, True, 1.0, "sigmoid")
