@@ -15,6 +15,7 @@ import functools
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -93,8 +94,9 @@ def build(path: Path, triton: bool) -> tuple:
     return model, BlockPool(config, 32, 4, torch.float32), StatePool(config, 6, torch.float32)
 
 
-def test_captured_decode_reads_nothing_back(tmp_path: Path) -> None:
-    path = make_checkpoint(tmp_path / "tiny", "tiny", seed=0)
+@pytest.mark.parametrize("preset", ["tiny", "small"])  # small: 4 expert groups, a q LoRA
+def test_captured_decode_reads_nothing_back(tmp_path: Path, preset: str) -> None:
+    path = make_checkpoint(tmp_path / preset, preset, seed=0)
     prompts = [[(5 * i + 3 * j) % 700 + 2 for j in range(3 + 4 * i)] for i in range(3)]
     logits = {}
     for triton in (True, False):
