@@ -236,10 +236,12 @@ class CudaGraphRunner:
                 for dst, src in zip(buf, steps, strict=True):
                     dst[:t].copy_(src)
 
-    def run(self, fb: ForwardBatch, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, fb: ForwardBatch, key: GraphKey
+            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """fp32 logits [T, vocab] and the hidden rows asked (or None) of a batch `key`
         accepted; a verify's `fb.record` then holds the KDA steps. All are views of the
-        static buffers, overwritten by the next step: read before it."""
+        static buffers, overwritten by the next step: read before it. None where the key's
+        capture failed: the caller runs the step eagerly."""
         if self.capture and key not in self.graphs:
             try:
                 self._capture(key)
@@ -250,7 +252,7 @@ class CudaGraphRunner:
                 self.reset()
                 self.pad(0, self.max_bs, 1)
                 self.filled = 0
-                return self.eager(fb, key)
+                return None
         self.load(fb, key.q)
         if self.capture:
             self.graphs[key].replay()
@@ -261,14 +263,6 @@ class CudaGraphRunner:
             fb.record.layers = [KDASteps(*(x[:t] for x in steps)) for steps in self.record]
         hidden = None if key.hidden is None else self.hidden[key.hidden][:t]
         return self.logits[:t], hidden
-
-    def eager(self, fb: ForwardBatch, key: GraphKey) -> tuple[torch.Tensor,
-                                                               torch.Tensor | None]:
-        """The plain forward of a batch `key` accepted (after a failed capture)."""
-        fb.taps = key.hidden or ()
-        hidden = self.model.forward_hidden(fb, self.states, self.blocks)
-        kept = None if key.hidden is None else fb.tapped if key.hidden else hidden
-        return self.model.compute_logits(hidden), kept
 
     def _capture(self, key: GraphKey) -> None:
         """Records the key's graph with every buffer row padding (the warm-up runs, which

@@ -135,11 +135,11 @@ class ModelRunner:
         key = self.graphs.key(fb, return_hidden) if self.graphs is not None \
             and len(to_sample) == fb.num_seqs and not any(x.prompt_k for x in layout) \
             and not any(r.params.return_hidden_states for r in batch.reqs) else None
-        if key is not None:
-            assert self.graphs is not None
-            # the graph's own buffers (and, for a verify, the record's): read before the next
-            # step
-            logits, kept = self.graphs.run(fb, key)
+        # the graph's own buffers (and, for a verify, the record's): read before the next step
+        replayed = self.graphs.run(fb, key) if self.graphs is not None and key is not None \
+            else None
+        if replayed is not None:
+            logits, kept = replayed
             for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
                 req.num_computed_tokens += n
             # a drafter keeps its rows past this step (a request left out of the next step

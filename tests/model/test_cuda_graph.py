@@ -290,3 +290,30 @@ def test_drafter_rows_from_graphs(tiny_ckpt: Path,
         llm.engine.check_integrity()
     assert any(key.q == 1 + k and key.hidden == (0, 2) for key in KEYS) and ran
     assert drafted[True] == drafted[False] and any(drafted[True])
+
+
+def test_a_failed_capture_leaves_steps_to_the_eager_forward(tiny_ckpt: Path) -> None:
+    """A capture that raises (here: no CUDA to capture on) is said once and every step from
+    then on runs the plain forward, verifies with their rollback included: the tokens equal
+    the plain engine's and no padding is left where a later step would read it."""
+    from kdaserve.speculative.schedule import StepCost
+
+    from .speculative_helpers import ScriptedDrafter
+
+    ps = prompts(3)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    refs = [o.token_ids for o in LLM(tiny_ckpt).generate(prompt_token_ids=ps,
+                                                          sampling_params=params)]
+    llm = LLM(tiny_ckpt, speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+    e = llm.engine
+    assert e.spec is not None
+    e.spec.cost = StepCost(fitted=False, prior_tokens=math.inf)
+    e.spec.drafter = ScriptedDrafter(None, 3, llm.config.vocab_size,
+                                     {tuple(p): r for p, r in zip(ps, refs, strict=True)}, {2})
+    graphs = CudaGraphRunner(e.model, e.states, e.blocks, 4, e.scheduler.max_request_tokens(),
+                             4, capture=True)
+    e.runner.graphs = graphs
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+    assert got == refs and graphs.failed and not graphs.graphs
+    assert e.spec.num_verifies > 0
+    e.check_integrity()
