@@ -159,3 +159,19 @@ def test_kda_chunk_snapshots_are_the_states_of_prefixes(backend: str) -> None:
         ref(*(x[s:r + 1] for x in (q, k, v, f, beta)), A_log, dt_bias, alone,
             torch.tensor([0]), torch.tensor([0, r + 1 - s]))
         torch.testing.assert_close(pool[d], alone[0], atol=2e-5, rtol=1e-4)
+
+
+def test_conv_windows_are_the_last_rows_of_old_then_new() -> None:
+    """The snapshot windows after n[s] more rows, against concatenating per sequence: n below,
+    at and above W-1 (windows mixing old and new rows, and only new ones)."""
+    from kdaserve.layers.kda import conv_windows
+
+    g = torch.Generator().manual_seed(0)
+    S, W1, C = 5, 3, 7
+    old = torch.randn(S, W1, C, generator=g)
+    rows = torch.randn(40, C, generator=g)
+    starts = torch.tensor([0, 4, 10, 21, 30])
+    n = torch.tensor([1, 2, 3, 6, 10])
+    want = torch.stack([torch.cat([old[s], rows[starts[s]:starts[s] + n[s]]])[-W1:]
+                        for s in range(S)])
+    assert torch.equal(conv_windows(old, rows, starts, n), want)
