@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     b = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = b.add_subparsers(dest="bench", required=True)
     from kdaserve.bench import (
+        accuracy,
         disaggregation,
         grammar,
         gsm8k,
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     soak.add_parser(bench_sub)
     weight_sync.add_parser(bench_sub)
     disaggregation.add_parser(bench_sub)
+    accuracy.add_parser(bench_sub)
     from kdaserve.training import drafter as train_drafter
     from kdaserve.training import lm as train_lm
     from kdaserve.training import token_map

@@ -1,5 +1,7 @@
 """`kdaserve bench kernels`: every backend of each hot op on a model's shapes, side by side in
-one run (ms per call and speed-up over the `ref` oracle), plus the engine's per-step host
+one run (ms per call and speed-up over the `ref` oracle; for the projections and the experts
+also the weight bytes a call reads per second, against the host's read bandwidth on a buffer
+of that size, with weights stored as `--weights`), plus the engine's per-step host
 overhead at batch 1, 16 and 64 (decode steps of the `tiny` preset, whose compute is small),
 split into the model's forward and the rest of the step, with the one-call native decode
 forward against the per-op one in alternate steps."""
@@ -33,8 +35,10 @@ def _time(fn: Callable[[], Any], min_s: float = 0.3) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def _cases(c: ModelConfig, batches: list[int], prompt_len: int) -> list[tuple[str, str, dict]]:
-    """(op, shape label, kwargs) on the model's dimensions; pools hold batch + 8 slots."""
+def _cases(c: ModelConfig, batches: list[int], prompt_len: int,
+           weights: str = "float32") -> list[tuple[str, str, dict]]:
+    """(op, shape label, kwargs) on the model's dimensions; pools hold batch + 8 slots;
+    projection and expert weights stored as `weights` (float32, bfloat16 or int8)."""
     H, K, W = c.kda_num_heads, c.kda_head_dim, c.kda_conv_size
     C, D = 3 * H * K, c.hidden_size
     r = torch.randn
@@ -65,15 +69,46 @@ def _cases(c: ModelConfig, batches: list[int], prompt_len: int) -> list[tuple[st
             "w_uk": r(Hm, c.qk_nope_head_dim, R) * 0.05, "w_uv": r(Hm, c.v_head_dim, R),
             "scale": c.qk_head_dim ** -0.5}))
     E, k, inter = c.num_experts, c.num_experts_per_token, c.moe_intermediate_size
-    w13, w2 = r(E, 2 * inter, D) * 0.05, r(E, D, inter) * 0.05
+    w13, s13 = _stored(r(E, 2 * inter, D) * 0.05, weights)
+    w2, s2 = _stored(r(E, D, inter) * 0.05, weights)
     for T in [*batches, prompt_len]:
         cases.append(("moe_experts", f"{T} tokens", {
             "x": r(T, D), "weights": torch.rand(T, k), "w13": w13, "w2": w2,
+            "scale13": s13, "scale2": s2,
             "ids": torch.stack([torch.randperm(E)[:k] for _ in range(T)])}))
-    lm_head = r(c.vocab_size, D)
-    for B in batches:
-        cases.append(("linear", f"lm_head, {B} rows", {"x": r(B, D), "weight": lm_head}))
+    # the decode step's projections by size: KDA's fused q/k/v, an output projection, the
+    # dense MLP's gate/up, and the lm_head (the largest weight)
+    projections = {"q/k/v": (C, D), "o_proj": (D, H * K),
+                   "dense gate/up": (2 * c.intermediate_size, D), "lm_head": (c.vocab_size, D)}
+    for name, shape in projections.items():
+        w, scale = _stored(r(*shape), weights)
+        for B in batches:
+            cases.append(("linear", f"{name} {shape[0]}x{shape[1]}, {B} rows",
+                          {"x": r(B, D if name != "o_proj" else H * K), "weight": w,
+                           "scale": scale}))
     return cases
+
+
+def _stored(w: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight as the engine stores it for `--weights` (int8: per output row, with scales)."""
+    if weights == "int8":
+        from kdaserve.kernels.ref.quant import quantize_int8
+
+        return quantize_int8(w)
+    return w.to(getattr(torch, weights)), None
+
+
+def weight_bytes(op: str, kw: dict[str, Any]) -> int:
+    """Weight bytes one call must read: the whole matrix for a projection, the experts the
+    batch routes to for the MoE (each read once whatever its token count), scales included."""
+    def size(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    if op == "linear":
+        return size(kw["weight"]) + size(kw.get("scale"))
+    touched = kw["ids"].unique().numel()
+    E = kw["w13"].shape[0]
+    return touched * sum(size(kw[n]) for n in ("w13", "w2", "scale13", "scale2")) // E
 
 
 def host_overhead(model: str, batch: int = 1) -> dict[str, float | None]:
@@ -134,7 +169,7 @@ def main(args: argparse.Namespace) -> None:
     # a weight's roofline is reading that many bytes: caches (a large L3) and page sizes make
     # the rate depend on the size, so each weight size is probed with a buffer of its own
     read_at: dict[int, float] = {}
-    for op, shape, kw in _cases(config, batches, args.prompt_len):
+    for op, shape, kw in _cases(config, batches, args.prompt_len, args.weights):
         ref_s = None
         # ref first: the baseline of the row
         for b in sorted(registry.backends(op), key=lambda b: (b.name != "ref", b.priority)):
@@ -142,26 +177,32 @@ def main(args: argparse.Namespace) -> None:
                 continue
             # the ops update their pools in place: repeated calls keep evolving the same
             # states (bounded: L2-normalised keys, decays below 1), as serving does
-            s = _time(lambda b=b, kw=kw: b.fn(**kw))
+            try:
+                s = _time(lambda b=b, kw=kw: b.fn(**kw))
+            except ValueError:  # a backend that refuses these weights (batch_invariant: fp32)
+                continue
             ref_s = s if b.name == "ref" else ref_s
             row = {"op": op, "shape": shape, "backend": b.name, "ms": s * 1e3,
                    "vs_ref": (ref_s / s) if ref_s else None}
-            if op == "linear":  # weight streaming: bytes of the weight per call
-                mb = max(1, kw["weight"].numel() * 4 // 2**20)
+            if op in ("linear", "moe_experts"):  # weight streaming: bytes read per call
+                nbytes = weight_bytes(op, kw)
+                mb = max(1, nbytes // 2**20)
                 if mb not in read_at:
                     read_at[mb] = roofline.read_gbps(mb)
-                row["gbps"] = kw["weight"].numel() * 4 / s / 1e9
+                row["weight_bytes"] = nbytes
+                row["gbps"] = nbytes / s / 1e9
                 row["read_fraction"] = row["gbps"] / read_at[mb]
             rows.append(row)
     overhead = [host_overhead(args.overhead_model, b) for b in (1, 16, 64)]
     probes = ", ".join(f"{mb} MB: {g:.1f} GB/s" for mb, g in read_at.items())
-    print(f"measured read bandwidth {read:.1f} GB/s (512 MB); linear: weight GB/s and its "
-          f"fraction of reading as many bytes ({probes})")
-    print(f"{'op':14} {'shape':28} {'backend':15} {'ms':>10} {'vs ref':>8} {'GB/s':>7}")
+    print(f"measured read bandwidth {read:.1f} GB/s (512 MB); {args.weights} weights; "
+          f"linear and moe_experts: weight GB/s and its fraction of reading as many bytes "
+          f"({probes})")
+    print(f"{'op':14} {'shape':34} {'backend':15} {'ms':>10} {'vs ref':>8} {'GB/s':>7}")
     for r in rows:
         vs = f"{r['vs_ref']:.1f}x" if r["vs_ref"] else "-"
         bw = f"{r['gbps']:6.1f} ({r['read_fraction']:.0%})" if "gbps" in r else ""
-        print(f"{r['op']:14} {r['shape']:28} {r['backend']:15} {r['ms']:10.3f} {vs:>8} {bw}")
+        print(f"{r['op']:14} {r['shape']:34} {r['backend']:15} {r['ms']:10.3f} {vs:>8} {bw}")
     for o in overhead:
         per_op = f" (per-op forward: {o['per_op_step_ms']:.2f} ms)" \
             if o["per_op_step_ms"] is not None else ""
@@ -170,7 +211,8 @@ def main(args: argparse.Namespace) -> None:
               f"{o['forward_ms']:.2f} ms and scheduling + batch building + sampling "
               f"{o['rest_ms']:.2f} ms")
     out = Path(args.out)
-    write_result(out, {"model": args.model, "threads": torch.get_num_threads(),
+    write_result(out, {"model": args.model, "weights": args.weights,
+                       "threads": torch.get_num_threads(),
                        "read_gbps": read, "rows": rows, "host_overhead": overhead})
     print(f"wrote {out}")
 
@@ -180,6 +222,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default="bench", help="checkpoint folder or preset (shapes only)")
     p.add_argument("--batch-sizes", default="1,16,64")
     p.add_argument("--prompt-len", type=int, default=900)
+    p.add_argument("--weights", choices=("float32", "bfloat16", "int8"), default="float32",
+                   help="how projection and expert weights are stored (as --dtype bfloat16 "
+                        "and --quantization int8 store them)")
     p.add_argument("--overhead-model", default="tiny",
                    help="model whose decode steps (batch 1, 16, 64) measure the host overhead")
     p.add_argument("--out", default="bench_results/kernels.json")

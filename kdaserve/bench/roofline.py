@@ -114,14 +114,16 @@ def expected_distinct_experts(m: ModelCosts, rows: int) -> float:
 
 
 def decode_step_bytes(m: ModelCosts, batch: int, distinct_experts: float | None = None,
-                      context: int = 0) -> float:
+                      context: int = 0, bytes_per_weight: float = 4) -> float:
     """Bytes a decode step of `batch` sequences moves: every row weight and the lm_head once,
     each touched expert once per MoE layer (`distinct_experts`, else the uniform expectation),
-    the KDA states read and written, and `context` cached positions' latents read."""
+    the KDA states read and written, and `context` cached positions' latents read. Weights
+    take `bytes_per_weight` each (2 for bf16, 1 for int8, whose per-row scales add 1/K);
+    states and latents stay fp32 in every mode."""
     distinct = expected_distinct_experts(m, batch) if distinct_experts is None \
         else distinct_experts
     weights = m.row_params + m.lm_head_params + m.num_moe_layers * distinct * m.expert_params
-    return 4 * weights + batch * m.kda_state_bytes + context * m.latent_bytes
+    return bytes_per_weight * weights + batch * m.kda_state_bytes + context * m.latent_bytes
 
 
 def limits() -> dict[str, Any]:

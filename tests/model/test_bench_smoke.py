@@ -13,11 +13,12 @@ def test_bench_throughput_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     cli_main(["bench", "throughput", "--model", str(tiny_ckpt), "--batch-sizes", "1,3",
               "--input-len", "8", "--output-len", "4", "--backends",
-              "kdaserve,hf,deterministic", "--out", str(out)])
+              "kdaserve,hf,deterministic,nocache", "--rounds", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["backend"], r["batch"]) for r in rows} == {
-        (b, n) for b in ("kdaserve", "hf", "deterministic") for n in (1, 3)}
-    assert all(r["vs_plain"] > 0 for r in rows if r["backend"] == "deterministic")
+    assert sorted((r["round"], r["backend"], r["batch"]) for r in rows) == sorted(
+        (k, b, n) for k in (0, 1) for b in ("kdaserve", "hf", "deterministic", "nocache")
+        for n in (1, 3))
+    assert all(r["vs_plain"] > 0 for r in rows if r["backend"] in ("deterministic", "nocache"))
     assert all(r["output_tokens"] == r["batch"] * 4 for r in rows)
 
 
@@ -163,3 +164,17 @@ def test_bench_pd_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     t = r["pd"]["transfer"]
     assert t["state_bytes_per_request"] > 0 and t["writes_per_request"] > 1
     assert r["pd"]["decode_prompt_tokens"] == 0
+
+
+def test_bench_accuracy_smoke(small_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> None:
+    out = tmp_path / "acc.json"
+    cli_main(["bench", "accuracy", "--model", str(small_ckpt), "--data", str(gsm8k_file),
+              "--variants", "fp32,bf16", "--positions", "40", "--window", "16",
+              "--greedy-prompts", "2", "--greedy-tokens", "4", "--out", str(out)])
+    fp32, bf16 = json.loads(out.read_text())["rows"]
+    assert fp32["positions"] == bf16["positions"] == 40
+    # fp32 against itself reads exactly zero; the small preset is stored fp32, so rounding
+    # its weights to bf16 moves the logits
+    assert fp32["max_abs_dlogit"] == fp32["mean_kl"] == 0
+    assert fp32["top1_agreement"] == fp32["greedy_identical"] == 1
+    assert bf16["max_abs_dlogit"] > 0 and bf16["mean_kl"] > 0

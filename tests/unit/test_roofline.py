@@ -1,9 +1,11 @@
 """The benches' cost model against a hand count on the tiny preset: FLOPs per phase (the
-lm_head only for rows that produce logits) and bytes per decode step."""
+lm_head only for rows that produce logits) and bytes per decode step, and the weight bytes
+`bench kernels` divides its times into."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kdaserve.bench import roofline
 from kdaserve.checkpoint import preset_config
@@ -46,3 +48,20 @@ def test_decode_step_bytes() -> None:
     assert many == 4 * (ROW + D * VOCAB + 3 * 8 * EXPERT) + 64 * 3 * 2 * 32 * 32 * 8 \
         + 1000 * 160
     assert roofline.expected_distinct_experts(m, 1) == pytest.approx(2)
+    # bf16 weights: half the weight bytes, the same fp32 states
+    half = 2 * (ROW + D * VOCAB + 3 * 2 * EXPERT) + 3 * 2 * 32 * 32 * 8
+    assert roofline.decode_step_bytes(m, 1, bytes_per_weight=2) == pytest.approx(half)
+
+
+def test_bench_kernels_weight_bytes_by_hand() -> None:
+    from kdaserve.bench.kernels import _stored, weight_bytes
+
+    w, scale = _stored(torch.randn(6, 4), "int8")
+    assert weight_bytes("linear", {"weight": w, "scale": scale}) == 6 * 4 + 6 * 4  # + fp32 scales
+    w, _ = _stored(torch.randn(6, 4), "bfloat16")
+    assert weight_bytes("linear", {"weight": w, "scale": None}) == 6 * 4 * 2
+    # 8 experts of w13 [2 x 3, 5] and w2 [5, 3] fp32; tokens route to experts 1, 2 and 6 only
+    w13, w2 = torch.zeros(8, 6, 5), torch.zeros(8, 5, 3)
+    ids = torch.tensor([[1, 2], [2, 6], [6, 1]])
+    kw = {"w13": w13, "w2": w2, "scale13": None, "scale2": None, "ids": ids}
+    assert weight_bytes("moe_experts", kw) == 3 * (6 * 5 + 5 * 3) * 4
