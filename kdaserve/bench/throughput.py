@@ -7,7 +7,8 @@ deterministic inference (batch-invariant kernels) for the `deterministic` backen
 weight-only bf16 (`dtype="bfloat16"` on a CPU) for `bf16`, weight-only int8 for `int8`, and
 with the prefix cache off for `nocache` (random prompts share nothing, so this is what the
 cache costs when it cannot help). Backends alternate per batch size, and `--rounds` repeats
-the whole alternation with fresh prompts, so drift on a shared machine hits both alike.
+the whole alternation with fresh prompts, in reverse order every other round, so drift on a
+shared machine hits both alike.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def main(args: argparse.Namespace) -> None:
     for rnd, bs in ((r, b) for r in range(args.rounds) for b in batch_sizes):
         # fresh prompts each round: a repeated one would hit the prefix cache
         prompts = _prompts(bs, args.input_len, vocab, seed=bs + 1000 * rnd)
-        for backend in backends:
+        # each round reverses the order: the second engine of a pair runs on what the
+        # first left in the caches and on a machine that has warmed (or throttled) for it
+        for backend in (backends if rnd % 2 == 0 else backends[::-1]):
             dt = (run_hf(hf, prompts, args.output_len) if backend == "hf"
                   else run_kdaserve(engines[backend], prompts, args.output_len))
             rows.append({"backend": backend, "batch": bs, "round": rnd,
