@@ -1,8 +1,9 @@
 """bf16 weights on AMX tiles (csrc/amx_cpu.cpp), against float64 arithmetic on the same bf16
 values: the activations' two-part bf16 split keeps the products within 2^-16 of exact, far
 inside the error of rounding the activations to bf16 (which the test shows the kernel does
-not do). Skipped where the host has no AMX (AVX2 hosts, AMD): ops.amx() is then False and
-bf16 products take the widening paths, which test_native.py covers."""
+not do); int8 weights (weight-only int8) as exact bf16 panels on the same tiles. Skipped where
+the host has no AMX (AVX2 hosts, AMD): ops.amx() is then False and bf16 and int8 products take
+the widening paths, which test_native.py covers."""
 
 from __future__ import annotations
 
@@ -88,3 +89,81 @@ def test_linear_native_runs_bf16_weights_on_amx_at_any_row_count(
         assert torch.equal(y, amx_linear(x, w))
     exact = x.double() @ w.double().t()
     assert bool(((y.double() - exact).abs() <= bound(x, w)).all())
+
+
+def amx_linear_int8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
+                    team: int = 1) -> torch.Tensor:
+    y = torch.empty(x.shape[0], w.shape[0])
+    rc = ops.library().linear_amx_int8w(x.data_ptr(), w.data_ptr(),
+                                        None if scale is None else scale.data_ptr(),
+                                        y.data_ptr(), x.shape[0], w.shape[0], x.shape[1], team)
+    assert rc == 0
+    return y
+
+
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 1, 32), (5, 17, 40), (16, 130, 768),
+                                           (33, 64, 70), (300, 96, 128)])
+def test_amx_product_on_int8_weights_is_exact_bf16_panels(M: int, N: int, K: int) -> None:
+    """int8 weights converted to bf16 panels on the way (exact: 8-bit integers), the same
+    fp32-class bound as bf16 weights against float64 on the dequantized weights; the row
+    scales applied after, or left to the caller (None)."""
+    from kdaserve.kernels.ref.quant import dequantize, quantize_int8
+
+    g = gen(M * N + K + 1)
+    x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 4
+    w, scale = quantize_int8(torch.randn(N, K, generator=g))
+    deq = dequantize(w, scale, torch.float64)
+    exact = x.double() @ deq.t()
+    err = (amx_linear_int8(x, w, scale).double() - exact).abs()
+    b = (2.0**-16 + K * 2.0**-23) * (x.double().abs() @ deq.abs().t())
+    assert bool((err <= b).all()), float((err / b).max())
+    unscaled = amx_linear_int8(x, w, None)
+    assert bool(((unscaled.double() - x.double() @ w.double().t()).abs()
+                 <= bound(x, w.bfloat16())).all())
+    assert torch.equal(amx_linear_int8(x, w, scale, team=0), amx_linear_int8(x, w, scale))
+
+
+@pytest.mark.parametrize("rows", [8, 16, 700])
+def test_linear_native_runs_int8_weights_on_amx(rows: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 weights stay native at every row count (no dequantized copy for a GEMM) and take
+    the tiles from 16 rows, bit for bit the AMX product's."""
+    from kdaserve.kernels.ref.quant import dequantize, quantize_int8
+    from tests.kernels.test_native import spy_on_native_calls
+
+    g = gen(rows + 7)
+    x = torch.randn(rows, 96, generator=g)
+    w, scale = quantize_int8(torch.randn(80, 96, generator=g))
+    assert ops.linear_native_max_rows(w) >= 2**40
+    calls = spy_on_native_calls(monkeypatch)
+    y = ops.linear_native(x, w, scale)
+    assert calls == ["linear_small_int8w"]
+    monkeypatch.undo()
+    if rows >= 16:
+        assert torch.equal(y, amx_linear_int8(x, w, scale))
+    deq = dequantize(w, scale, torch.float64)
+    err = (y.double() - x.double() @ deq.t()).abs()
+    assert bool((err <= (2.0**-16 + 96 * 2.0**-23) * (x.double().abs() @ deq.abs().t())).all())
+
+
+def test_int8_experts_blocks_on_amx_equal_the_reference() -> None:
+    """Experts with 8+ tokens run as AMX token blocks for int8 weights too (their scales on
+    the way out of each product); against the reference on the dequantized weights."""
+    from kdaserve.kernels.ref.moe import moe_experts_ref
+    from kdaserve.kernels.ref.quant import dequantize, quantize_int8
+
+    assert ops.moe_blocked_from(torch.int8) == ops.MOE_BLOCKED_FROM_AMX
+    g = gen(3)
+    E, inter, D, T, k = 8, 64, 96, 48, 2
+    x = torch.randn(T, D, generator=g)
+    w13, s13 = quantize_int8(torch.randn(E, 2 * inter, D, generator=g) * 0.1)
+    w2, s2 = quantize_int8(torch.randn(E, D, inter, generator=g) * 0.1)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    y = ops.moe_experts_native(x, weights, ids, w13, w2, s13, s2)
+    ref = moe_experts_ref(x.double(), weights.double(), ids, dequantize(w13, s13, torch.float64),
+                          dequantize(w2, s2, torch.float64))
+    torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+    # the row-split path (blocked_from past every expert's count) computes the same products
+    rows = ops.moe_experts_native(x, weights, ids, w13, w2, s13, s2, blocked_from=T + 1)
+    torch.testing.assert_close(y, rows, atol=1e-5, rtol=1e-5)

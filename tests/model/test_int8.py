@@ -34,7 +34,10 @@ def test_int8_engine_is_fp32_math_on_the_dequantized_weights(small_ckpt: Path) -
                 mods[name].w13.copy_(dequantize(m.w13, m.w13_scale, torch.float32))
                 mods[name].w2.copy_(dequantize(m.w2, m.w2_scale, torch.float32))
     ids = list(range(3, 300))
-    torch.testing.assert_close(q.prefill_logits(ids), ref.prefill_logits(ids), atol=1e-4,
+    # on an AMX host the prefill's int8 products run on the tiles as exact bf16 panels
+    # against split fp32 activations (2^-16 relative a term, test_native_amx.py): a few of
+    # 4.9M logits then land past 1e-4 (1.2e-4 seen)
+    torch.testing.assert_close(q.prefill_logits(ids), ref.prefill_logits(ids), atol=3e-4,
                                rtol=1e-4)
     a = q.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     b = ref.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)

@@ -56,6 +56,7 @@ LIBRARIES = {
         "linear_small_bf16w": [_P] * 3 + [_I] * 3,
         "linear_amx_ready": ([], _I),
         "linear_amx_bf16w": ([_P] * 3 + [_I] * 4, _I),
+        "linear_amx_int8w": ([_P] * 4 + [_I] * 4, _I),
         "moe_experts_bf16w": [_P] * 6 + [_I] * 6,
         "linear_small_int8w": [_P] * 4 + [_I] * 3,
         "moe_experts_int8w": [_P] * 8 + [_I] * 6,

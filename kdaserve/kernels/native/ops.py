@@ -239,7 +239,7 @@ MOE_BLOCKED_FROM, MOE_BLOCKED_FROM_AVX2, MOE_BLOCKED_FROM_AMX = 16, 8, 8
 
 
 def moe_blocked_from(expert_dtype: torch.dtype = torch.float32) -> int:
-    if expert_dtype == torch.bfloat16 and amx():
+    if expert_dtype in (torch.bfloat16, torch.int8) and amx():
         return MOE_BLOCKED_FROM_AMX
     return MOE_BLOCKED_FROM if avx512() else MOE_BLOCKED_FROM_AVX2
 
@@ -433,7 +433,7 @@ def linear_native_max_rows(weight: torch.Tensor) -> int:
     """Up to how many rows `linear_native` runs the native kernel for this weight (more go to
     oneDNN or sgemm)."""
     large = weight.numel() >= LARGE_WEIGHT
-    if weight.dtype == torch.bfloat16 and amx():
+    if weight.dtype in (torch.bfloat16, torch.int8) and amx():
         return AMX_MAX_ROWS
     if weight.dtype != torch.float32:
         return QUANTIZED_LARGE_MAX_ROWS if large else QUANTIZED_MAX_ROWS

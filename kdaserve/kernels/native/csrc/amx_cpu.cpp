@@ -181,6 +181,38 @@ inline const bf16* panel_rows(const bf16* w, int64_t N, int64_t K, int64_t Kp, i
   return pad.get();
 }
 
+// int8 weights (weight-only int8, per-row scales applied by the caller) as bf16 panels: an
+// integer of at most 8 bits is exact in bf16, and its fp32 form has nothing in the low 16
+// bits, so the conversion is a widening and a shift. Always copied into pad (32 rows x Kp,
+// 48 KB at K = 768: it stays in L2 while the panel's columns pass over it).
+inline const bf16* panel_rows(const int8_t* w, int64_t N, int64_t K, int64_t Kp, int64_t n0,
+                              std::unique_ptr<bf16[]>& pad, int64_t& lda) {
+  const int64_t rows = std::min(kPanel, N - n0);
+  if (!pad) pad.reset(new bf16[kPanel * Kp]);
+  bf16* dst = pad.get();
+  for (int64_t r = 0; r < kPanel; ++r) {
+    const int8_t* src = w + (n0 + r) * K;
+    const int64_t n = r < rows ? K : 0;
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+      const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(src + k)));
+      const __m512i bits = _mm512_castps_si512(_mm512_cvtepi32_ps(wide));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * Kp + k),
+                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    }
+    for (; k < n; ++k) {
+      const float f = static_cast<float>(src[k]);
+      uint32_t u;
+      std::memcpy(&u, &f, sizeof(u));
+      dst[r * Kp + k] = static_cast<bf16>(u >> 16);
+    }
+    std::fill(dst + r * Kp + n, dst + (r + 1) * Kp, 0);
+  }
+  lda = Kp;
+  return dst;
+}
+
 // Columns [j0, j1) of the packed activations xb against panel n0 of w, into y.
 inline void panel_columns(const bf16* a, int64_t lda, const uint32_t* xb, int64_t nkc,
                           int64_t j0, int64_t j1, float* ct, float* y, int64_t M, int64_t N,
@@ -214,9 +246,11 @@ struct Packed {
   }
 };
 
-// y [M, N] = x [M, K] w [N, K]^T, w bf16: tasks are panels of 32 weight rows, each against
-// every 32-column block of split activations (16 rows of x) of the pass.
-void linear_amx(const float* x, const bf16* w, float* y, int64_t M, int64_t N, int64_t K) {
+// y [M, N] = x [M, K] w [N, K]^T, w bf16 (or int8, converted a panel at a time): tasks are
+// panels of 32 weight rows, each against every 32-column block of split activations (16 rows
+// of x) of the pass.
+template <typename W>
+void linear_amx(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   std::vector<uint32_t> buffer;
   const Packed b(x, M, K, true, buffer);
   const int64_t panels = (N + kPanel - 1) / kPanel;
@@ -240,7 +274,8 @@ void linear_amx(const float* x, const bf16* w, float* y, int64_t M, int64_t N, i
 
 // The same product on the calling thread alone (one task of a parallel loop: an expert's
 // block of tokens), its few rows' activations packed once and every panel passed over them.
-void block_amx(const float* x, const bf16* w, float* y, int64_t M, int64_t N, int64_t K) {
+template <typename W>
+void block_amx(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   // kept per thread: a fresh 300 KB buffer per expert block went to mmap, and its page
   // faults cost as much as the block's products (64 experts top-8 at hidden 768, 2,048
   // tokens: 98 ms)
@@ -286,6 +321,33 @@ int64_t linear_amx_bf16w(const float* x, const bf16* w, float* y, int64_t M, int
   return 0;
 #else
   (void)x, (void)w, (void)y, (void)M, (void)N, (void)K, (void)team;
+  return -1;
+#endif
+}
+
+// The same for int8 weights with per-row scales (scale [N], nullable: the caller applies
+// them), exact int8 -> bf16 panels on the same tiles: the activations keep their fp32 class
+// where a VNNI int8 product would round them to 8 bits.
+int64_t linear_amx_int8w(const float* x, const int8_t* w, const float* scale, float* y,
+                         int64_t M, int64_t N, int64_t K, int64_t team) {
+#if defined(KDASERVE_AMX)
+  if (!granted()) return -1;
+  if (team != 0) {
+    linear_amx(x, w, y, M, N, K);
+    if (scale != nullptr) {
+#pragma omp parallel for schedule(static)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= scale[n];
+    }
+  } else {
+    block_amx(x, w, y, M, N, K);
+    if (scale != nullptr)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= scale[n];
+  }
+  return 0;
+#else
+  (void)x, (void)w, (void)scale, (void)y, (void)M, (void)N, (void)K, (void)team;
   return -1;
 #endif
 }

@@ -18,6 +18,8 @@ extern "C" {
 int64_t linear_amx_ready();
 int64_t linear_amx_bf16w(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
                          int64_t K, int64_t team);
+int64_t linear_amx_int8w(const float* x, const int8_t* w, const float* scale, float* y,
+                         int64_t M, int64_t N, int64_t K, int64_t team);
 }
 
 namespace {
@@ -69,6 +71,13 @@ void linear_small(const float* x, const W* w, const float* scale, float* y, int6
   if constexpr (std::is_same_v<W, bf16>) {
     if (M >= (N * K >= kLargeWeight ? kAmxFromLarge : kAmxFrom) && linear_amx_ready() == 1 &&
         linear_amx_bf16w(x, w, y, M, N, K, 1) == 0)
+      return;
+  }
+  // int8 from the same row counts (converted to bf16 panels on the way; at 16 rows 2304 x 768
+  // took 0.80 ms widened in registers, 0.48 fp32 and 0.30 bf16 on the tiles)
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (M >= (N * K >= kLargeWeight ? kAmxFromLarge : kAmxFrom) && linear_amx_ready() == 1 &&
+        linear_amx_int8w(x, w, scale, y, M, N, K, 1) == 0)
       return;
   }
   if (M >= kLanes) return linear_bcast(x, w, scale, y, M, N, K);

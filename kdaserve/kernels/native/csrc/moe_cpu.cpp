@@ -19,6 +19,8 @@ extern "C" {
 int64_t linear_amx_ready();
 int64_t linear_amx_bf16w(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N,
                          int64_t K, int64_t team);
+int64_t linear_amx_int8w(const float* x, const int8_t* w, const float* scale, float* y,
+                         int64_t M, int64_t N, int64_t K, int64_t team);
 }
 
 namespace {
@@ -96,15 +98,22 @@ void expert_block(const float* x, const int64_t* order, const float* weights, co
                   int64_t s0, int64_t s1, int64_t k, int64_t I, int64_t D, BlockScratch& b) {
   const int64_t M = s1 - s0, Mp = round_up(M, kLanes);
   float *xt = b.xt.get(), *ht = b.ht.get(), *at = b.at.get(), *yt = b.yt.get();
-  if constexpr (std::is_same_v<W, bf16>) {
-    // bf16 weights on AMX tiles where the host has them (amx_cpu.cpp), row-major throughout:
-    // the scratch's buffers hold x [M, D], h [M, 2I], a [M, I] and y [M, D]
+  if constexpr (std::is_same_v<W, bf16> || std::is_same_v<W, int8_t>) {
+    // bf16 (and int8, as exact bf16 panels) weights on AMX tiles where the host has them
+    // (amx_cpu.cpp), row-major throughout: the scratch's buffers hold x [M, D], h [M, 2I],
+    // a [M, I] and y [M, D]; int8 row scales applied to h and y as they come out
     if (linear_amx_ready() == 1) {
       for (int64_t m = 0; m < M; ++m)
         std::copy(x + (order[s0 + m] / k) * D, x + (order[s0 + m] / k + 1) * D, xt + m * D);
-      linear_amx_bf16w(xt, w13 + e * 2 * I * D, ht, M, 2 * I, D, 0);
+      if constexpr (std::is_same_v<W, bf16>)
+        linear_amx_bf16w(xt, w13 + e * 2 * I * D, ht, M, 2 * I, D, 0);
+      else
+        linear_amx_int8w(xt, w13 + e * 2 * I * D, s13 + e * 2 * I, ht, M, 2 * I, D, 0);
       for (int64_t m = 0; m < M; ++m) silu_mul_row(ht + m * 2 * I, ht + m * 2 * I + I, at + m * I, I);
-      linear_amx_bf16w(at, w2 + e * D * I, yt, M, D, I, 0);
+      if constexpr (std::is_same_v<W, bf16>)
+        linear_amx_bf16w(at, w2 + e * D * I, yt, M, D, I, 0);
+      else
+        linear_amx_int8w(at, w2 + e * D * I, s2 + e * D, yt, M, D, I, 0);
       for (int64_t m = 0; m < M; ++m) {
         const float wt = weights[order[s0 + m]];
         for (int64_t d = 0; d < D; ++d) ys[(s0 + m) * D + d] = yt[m * D + d] * wt;
