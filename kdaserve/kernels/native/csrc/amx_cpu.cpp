@@ -7,6 +7,8 @@
 // parts, hi = bf16(x) and lo = bf16(x - hi), and both are multiplied: hi + lo holds 16 of x's
 // 24 mantissa bits (error <= 2^-17 |x|), products and sums stay fp32 in the tiles. That error
 // is ~1/256 of what the bf16 weights themselves already carry, at twice the tile work.
+// int8 weights (weight-only int8) ride on the same tiles: an 8-bit integer is exact in bf16, so
+// each 32-row panel is converted on the way in and the row scales applied to the products.
 // Built into the kda_cpu library (build.py); tested against fp32 arithmetic on the same bf16
 // weights (tests/kernels/test_native_amx.py). Without AMX the entry points report it
 // (linear_amx_ready() == 0) and ops.py never calls the product.
