@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> None:
     if ggufs:
         if "f32" not in ggufs:
             raise ValueError("--gguf needs f32=PATH, the reference the others are compared with")
-        n_ctx = max(args.window, max(len(p) for p in prompts) + n)
+        n_ctx = max(args.window, max((len(p) for p in prompts), default=0) + n)
         ref = _llama_cpp(ggufs.pop("f32"), n_ctx)
         rows.append(compare("llama.cpp f32", "kdaserve fp32", windows, prompts, n, ours, ref))
         for name, path in ggufs.items():

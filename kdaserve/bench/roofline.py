@@ -118,7 +118,7 @@ def decode_step_bytes(m: ModelCosts, batch: int, distinct_experts: float | None 
     """Bytes a decode step of `batch` sequences moves: every row weight and the lm_head once,
     each touched expert once per MoE layer (`distinct_experts`, else the uniform expectation),
     the KDA states read and written, and `context` cached positions' latents read. Weights
-    take `bytes_per_weight` each (2 for bf16, 1 for int8, whose per-row scales add 1/K);
+    take `bytes_per_weight` each (2 for bf16, 1 for int8, whose fp32 row scales add 4/K);
     states and latents stay fp32 in every mode."""
     distinct = expected_distinct_experts(m, batch) if distinct_experts is None \
         else distinct_experts

@@ -13,6 +13,7 @@ import torch
 from kdaserve import LLM, SamplingParams
 from kdaserve.config import EngineConfig
 from kdaserve.engine import rl
+from kdaserve.kernels.native import ops as native_ops
 from kdaserve.kernels.ref.quant import dequantize
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.moe import MoE
@@ -36,9 +37,9 @@ def test_int8_engine_is_fp32_math_on_the_dequantized_weights(small_ckpt: Path) -
     ids = list(range(3, 300))
     # on an AMX host the prefill's int8 products run on the tiles as exact bf16 panels
     # against split fp32 activations (2^-16 relative a term, test_native_amx.py): a few of
-    # 4.9M logits then land past 1e-4 (1.2e-4 seen)
-    torch.testing.assert_close(q.prefill_logits(ids), ref.prefill_logits(ids), atol=3e-4,
-                               rtol=1e-4)
+    # 4.9M logits then land past 1e-4 (1.2e-4 seen); elsewhere fp32 arithmetic throughout
+    torch.testing.assert_close(q.prefill_logits(ids), ref.prefill_logits(ids),
+                               atol=3e-4 if native_ops.amx() else 1e-4, rtol=1e-4)
     a = q.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     b = ref.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [x.token_ids for x in a] == [y.token_ids for y in b]

@@ -232,9 +232,9 @@ def avx512() -> bool:
 # built for AVX2 (8 lanes, 32-token blocks: 64 tokens 9.7 / 9.5 / 7.8; 256: 27.6 / 19.0 / 21.3).
 # The per-expert oneDNN/MKL GEMMs of the `cpu` backend were slower at every size (2,048
 # tokens 124-183 ms; gathering and scattering through torch cost more than the products).
-# bf16 experts' blocks run on AMX tiles where the host has them, which pay from fewer tokens
-# (block / row split, ms a layer, 7 layers cold: 64 tokens 5.8 / 6.3, 128 tokens 7.3 / 8.8;
-# 16 and 32 tokens equal).
+# bf16 and int8 experts' blocks run on AMX tiles where the host has them, which pay from
+# fewer tokens (block / row split, ms a layer, 7 layers cold: 64 tokens 5.8 / 6.3, 128
+# tokens 7.3 / 8.8; 16 and 32 tokens equal).
 MOE_BLOCKED_FROM, MOE_BLOCKED_FROM_AVX2, MOE_BLOCKED_FROM_AMX = 16, 8, 8
 
 
@@ -406,26 +406,28 @@ def onednn_native_max_rows(elements: int, K: int) -> int:
     return ONEDNN_NATIVE_MAX_ROWS_AVX2
 
 
-# bf16 / int8 weights: above these caps they are widened to fp32 for the GEMM, a pass over the
-# whole weight per call. The native kernel widens in registers and is ahead of that up to ~64
-# rows on the projections (ms, in_proj 2816 x 768 bf16 at 32 / 64 / 128 rows: 0.49 / 0.93 /
-# 1.70 native, 0.54 / 0.88 / 1.48 widened + oneDNN) and far longer on the lm_head (100k x 768
-# at 128 / 256 rows: bf16 65 / 146 against 148 / 209; int8 66 / 136 against 237 / 288).
+# bf16 / int8 weights without AMX: above these caps they are widened to fp32 for the GEMM, a
+# pass over the whole weight per call. The native kernel widens in registers and is ahead of
+# that up to ~64 rows on the projections (ms, in_proj 2816 x 768 bf16 at 32 / 64 / 128 rows:
+# 0.49 / 0.93 / 1.70 native, 0.54 / 0.88 / 1.48 widened + oneDNN) and far longer on the
+# lm_head (100k x 768 at 128 / 256 rows: bf16 65 / 146 against 148 / 209; int8 66 / 136
+# against 237 / 288).
 QUANTIZED_MAX_ROWS = 64
 QUANTIZED_LARGE_MAX_ROWS = 512
 
 
-# With AMX (amx_cpu.cpp) bf16 weights stay native at every row count: the tiles are ahead of
-# widening + oneDNN fp32 at all sizes (2,048 x 2304 x 768: 239 GFLOP/s against oneDNN's 180
-# before its widening pass, 64 rows of the lm_head 49 ms against 130).
+# With AMX (amx_cpu.cpp) bf16 and int8 weights stay native at every row count: the tiles are
+# ahead of widening + oneDNN fp32 at all sizes (bf16 2,048 x 2304 x 768: 239 GFLOP/s against
+# oneDNN's 180 before its widening pass, 64 rows of the lm_head 49 ms against 130; int8, as
+# exact bf16 panels, 64 rows of the lm_head 26 ms against 73-83 widened in registers).
 AMX_MAX_ROWS = 1 << 40
 
 
 @functools.cache
 def amx() -> bool:
-    """Whether bf16 weights' products from a few rows on run on AMX tiles: the build has them
-    (an Intel Sapphire Rapids or later host) and the kernel granted the process the tile
-    state."""
+    """Whether bf16 and int8 weights' products from a few rows on run on AMX tiles: the build
+    has them (an Intel Sapphire Rapids or later host) and the kernel granted the process the
+    tile state."""
     return available()[0] and library().linear_amx_ready() == 1
 
 

@@ -193,8 +193,8 @@ inline const bf16* panel_rows(const int8_t* w, int64_t N, int64_t K, int64_t Kp,
   if (!pad) pad.reset(new bf16[kPanel * Kp]);
   bf16* dst = pad.get();
   for (int64_t r = 0; r < kPanel; ++r) {
-    const int8_t* src = w + (n0 + r) * K;
-    const int64_t n = r < rows ? K : 0;
+    const int64_t n = r < rows ? K : 0;  // rows past the weight: all padding
+    const int8_t* src = r < rows ? w + (n0 + r) * K : w;
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
       const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(
