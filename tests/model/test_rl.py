@@ -163,10 +163,13 @@ def _trainer(port: int, out) -> None:  # noqa: ANN001 - a multiprocessing queue
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
-                            rank=0, timeout=datetime.timedelta(seconds=120))
     t0 = __import__("time").monotonic()
     try:
+        # the engine may leave the group while this side still completes its connections
+        # (its own join returned first): that is the same quick failure as a broadcast's
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
+                                rank=0, timeout=datetime.timedelta(seconds=120))
+        t0 = __import__("time").monotonic()
         dist.broadcast(torch.ones(32 * 2**20), src=0)
         out.put(("sent", 0.0))
     except Exception as e:  # noqa: BLE001 - reported to the test
