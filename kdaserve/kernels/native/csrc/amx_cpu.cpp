@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #endif
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
@@ -187,6 +188,23 @@ inline const bf16* panel_rows(const bf16* w, int64_t N, int64_t K, int64_t Kp, i
 // integer of at most 8 bits is exact in bf16, and its fp32 form has nothing in the low 16
 // bits, so the conversion is a widening and a shift. Always copied into pad (32 rows x Kp,
 // 48 KB at K = 768: it stays in L2 while the panel's columns pass over it).
+inline void int8_row_to_bf16(const int8_t* src, bf16* dst, int64_t K) {
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(src + k)));
+    const __m512i bits = _mm512_castps_si512(_mm512_cvtepi32_ps(wide));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+  for (; k < K; ++k) {
+    const float f = static_cast<float>(src[k]);
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof(u));
+    dst[k] = static_cast<bf16>(u >> 16);
+  }
+}
+
 inline const bf16* panel_rows(const int8_t* w, int64_t N, int64_t K, int64_t Kp, int64_t n0,
                               std::unique_ptr<bf16[]>& pad, int64_t& lda) {
   const int64_t rows = std::min(kPanel, N - n0);
@@ -194,21 +212,7 @@ inline const bf16* panel_rows(const int8_t* w, int64_t N, int64_t K, int64_t Kp,
   bf16* dst = pad.get();
   for (int64_t r = 0; r < kPanel; ++r) {
     const int64_t n = r < rows ? K : 0;  // rows past the weight: all padding
-    const int8_t* src = r < rows ? w + (n0 + r) * K : w;
-    int64_t k = 0;
-    for (; k + 16 <= n; k += 16) {
-      const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(src + k)));
-      const __m512i bits = _mm512_castps_si512(_mm512_cvtepi32_ps(wide));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * Kp + k),
-                          _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-    }
-    for (; k < n; ++k) {
-      const float f = static_cast<float>(src[k]);
-      uint32_t u;
-      std::memcpy(&u, &f, sizeof(u));
-      dst[r * Kp + k] = static_cast<bf16>(u >> 16);
-    }
+    if (n != 0) int8_row_to_bf16(w + (n0 + r) * K, dst + r * Kp, K);
     std::fill(dst + r * Kp + n, dst + (r + 1) * Kp, 0);
   }
   lda = Kp;
@@ -253,6 +257,21 @@ struct Packed {
 // of x) of the pass.
 template <typename W>
 void linear_amx(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+    // several passes over the panels (a prefill chunk: 16 at 2,048 rows) would convert each
+    // panel again every pass; a weight that fits is converted once instead, in parallel, and
+    // the product runs as the bf16 one (an lm_head never gets here with many rows: only
+    // logits rows reach it)
+    constexpr int64_t kWholeMax = int64_t{8} << 20;  // elements (16 MB of bf16)
+    if (2 * M > kPassCols && N * K <= kWholeMax) {
+      thread_local std::vector<bf16> whole;
+      if (whole.size() < static_cast<size_t>(N * K)) whole.resize(N * K);
+      bf16* dst = whole.data();
+#pragma omp parallel for schedule(static)
+      for (int64_t n = 0; n < N; ++n) int8_row_to_bf16(w + n * K, dst + n * K, K);
+      return linear_amx(x, static_cast<const bf16*>(dst), y, M, N, K);
+    }
+  }
   std::vector<uint32_t> buffer;
   const Packed b(x, M, K, true, buffer);
   const int64_t panels = (N + kPanel - 1) / kPanel;
