@@ -184,10 +184,8 @@ inline const bf16* panel_rows(const bf16* w, int64_t N, int64_t K, int64_t Kp, i
   return pad.get();
 }
 
-// int8 weights (weight-only int8, per-row scales applied by the caller) as bf16 panels: an
-// integer of at most 8 bits is exact in bf16, and its fp32 form has nothing in the low 16
-// bits, so the conversion is a widening and a shift. Always copied into pad (32 rows x Kp,
-// 48 KB at K = 768: it stays in L2 while the panel's columns pass over it).
+// An int8 weight row as bf16: an integer of at most 8 bits is exact in bf16, and its fp32
+// form has nothing in the low 16 bits, so the conversion is a widening and a shift.
 inline void int8_row_to_bf16(const int8_t* src, bf16* dst, int64_t K) {
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
@@ -205,6 +203,9 @@ inline void int8_row_to_bf16(const int8_t* src, bf16* dst, int64_t K) {
   }
 }
 
+// int8 weights (weight-only int8, per-row scales applied by the caller) as bf16 panels,
+// always copied into pad (32 rows x Kp, 48 KB at K = 768: it stays in L2 while the panel's
+// columns pass over it).
 inline const bf16* panel_rows(const int8_t* w, int64_t N, int64_t K, int64_t Kp, int64_t n0,
                               std::unique_ptr<bf16[]>& pad, int64_t& lda) {
   const int64_t rows = std::min(kPanel, N - n0);
@@ -353,18 +354,14 @@ int64_t linear_amx_int8w(const float* x, const int8_t* w, const float* scale, fl
                          int64_t M, int64_t N, int64_t K, int64_t team) {
 #if defined(KDASERVE_AMX)
   if (!granted()) return -1;
-  if (team != 0) {
+  if (team != 0)
     linear_amx(x, w, y, M, N, K);
-    if (scale != nullptr) {
-#pragma omp parallel for schedule(static)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= scale[n];
-    }
-  } else {
+  else
     block_amx(x, w, y, M, N, K);
-    if (scale != nullptr)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) y[m * N + n] *= scale[n];
+  if (scale != nullptr) {
+#pragma omp parallel for schedule(static) if (team != 0)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] *= scale[n];
   }
   return 0;
 #else
