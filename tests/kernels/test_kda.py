@@ -161,6 +161,26 @@ def test_kda_chunk_snapshots_are_the_states_of_prefixes(backend: str) -> None:
         torch.testing.assert_close(pool[d], alone[0], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("lengths", [[1, 70, 3, 128, 40], [33, 5, 64]])
+def test_native_scan_bits_do_not_depend_on_snapshots(lengths: list[int]) -> None:
+    """The native scan with snapshot rows gives the outputs and states of the call without
+    them to the bit (deterministic inference runs on it, and where snapshots fall depends on
+    the chunking and the cache). Seen broken on an AVX2 host when the compiler contracted
+    the sweep with snapshot stores into other fused multiply-adds than the one without."""
+    fn = registry.resolve("kda_chunk", torch.device("cpu"), "native")
+    q, k, v, f, beta, A_log, dt_bias, cu = make_inputs(lengths, seed=7)
+    B, T = len(lengths), int(cu[-1])
+    init = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(8))
+    rows = torch.arange(0, T, 3)
+    pool, plain = torch.zeros(B + len(rows), H, K, V), torch.zeros(B, H, K, V)
+    pool[:B], plain[:] = init, init
+    slots = torch.arange(B)
+    o = fn(q, k, v, f, beta, A_log, dt_bias, pool, slots, cu,
+           snapshots=(rows, torch.arange(B, B + len(rows))))
+    o_plain = fn(q, k, v, f, beta, A_log, dt_bias, plain, slots, cu)
+    assert torch.equal(o, o_plain) and torch.equal(pool[:B], plain)
+
+
 def test_conv_windows_are_the_last_rows_of_old_then_new() -> None:
     """The snapshot windows after n[s] more rows, against concatenating per sequence: n below,
     at and above W-1 (windows mixing old and new rows, and only new ones)."""

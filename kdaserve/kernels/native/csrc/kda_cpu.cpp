@@ -125,6 +125,24 @@ template <typename Vec> inline Vec vload(const float* p) {
 }
 template <typename Vec> inline void vstore(float* p, Vec x) { __builtin_memcpy(p, &x, sizeof(x)); }
 
+// a * b + c as one fused multiply-add (b broadcast), so the scan's rounding is fixed by the
+// source: left to the compiler's contraction, the sweeps with and without snapshot stores
+// (an intrinsic in the loop) were contracted differently on an AVX2 host, and a snapshot
+// changed the state's low bits; deterministic inference needs the same bits wherever
+// snapshots fall.
+template <typename Vec> inline Vec fmadd(Vec a, float b, Vec c) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(Vec) == 64)
+    return (Vec)_mm512_fmadd_ps((__m512)a, _mm512_set1_ps(b), (__m512)c);
+#endif
+#if defined(__FMA__)
+  if constexpr (sizeof(Vec) == 32)
+    return (Vec)_mm256_fmadd_ps((__m256)a, _mm256_set1_ps(b), (__m256)c);
+  if constexpr (sizeof(Vec) == 4) return std::fma(a, b, c);
+#endif
+  return a * b + c;  // no FMA unit: nothing to contract either
+}
+
 // A prefix-cache snapshot is written once and not read until a later request hits it, so it
 // bypasses the caches: a plain store first reads each line of the cold slot (24 snapshots of
 // a bench prefill step, 9.4 MB a layer, cost ~5 ms against ~1 ms into one hot slot).
@@ -173,12 +191,12 @@ inline void sweep(float* __restrict S, const Prepared& in, int64_t r, const Vec*
   for (int64_t i = 0; i < in.K; ++i) {
     float* row = S + i * in.V;
     for (int n = 0; n < N; ++n) {
-      Vec s = vload<Vec>(row + n * W) + k[i] * delta[n];
-      o[n] += q[i] * s;
+      Vec s = fmadd(delta[n], k[i], vload<Vec>(row + n * W));
+      o[n] = fmadd(s, q[i], o[n]);
       if (kSnap) vstore_stream(dst + i * in.V + n * W, s);
       if (kNext) {
         s *= d2[i];
-        pred[n] += k2[i] * s;
+        pred[n] = fmadd(s, k2[i], pred[n]);
       }
       vstore(row + n * W, s);
     }
@@ -200,7 +218,7 @@ void scan_columns(const Prepared& in, float* __restrict S, int64_t h, int64_t c0
     for (int64_t i = 0; i < K; ++i)
       for (int n = 0; n < N; ++n) {
         const Vec s = vload<Vec>(S + i * V + n * W) * d[i];
-        pred[n] += k[i] * s;
+        pred[n] = fmadd(s, k[i], pred[n]);
         vstore(S + i * V + n * W, s);
       }
   }
