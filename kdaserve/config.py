@@ -343,6 +343,10 @@ class EngineConfig:
     # every decoding stream waits for the whole step, so a 2,048-token chunk is a 1 s stall of
     # each stream on a 2-core CPU; idle decoders leave prompts the full budget
     max_prefill_tokens_with_decodes: int | None = None
+    # an inter-token-latency target (ms): while requests decode, prompts get the tokens a
+    # step-cost model fitted on the engine's own steps says fit beside the decodes within it
+    # (engine/prefill_budget.py; at least one block a step); overlap scheduling is off with it
+    itl_target_ms: float | None = None
     max_total_tokens: int | None = None  # MLA latent cache capacity in tokens
     num_state_slots: int | None = None
     mem_fraction: float = 0.5  # of physical memory that model + caches may use
@@ -409,6 +413,8 @@ class EngineConfig:
                      "max_prefill_tokens_with_decodes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.itl_target_ms is not None and not self.itl_target_ms > 0:
+            raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
         if self.snapshot_interval < 1 or self.snapshot_interval % self.block_size:
             raise ValueError(f"snapshot_interval={self.snapshot_interval} must be a positive "
                              f"multiple of block_size={self.block_size}")

@@ -33,6 +33,7 @@ from kdaserve.engine.logprobs import record_prompt_logprobs
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.overlap import OverlapSteps, Pending, overlappable
 from kdaserve.engine.pools import make_pools, num_snapshot_slots
+from kdaserve.engine.prefill_budget import PrefillBudget
 from kdaserve.engine.rl import EngineAsleep
 from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
 from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
@@ -124,7 +125,7 @@ class LLMEngine(Introspection, OverlapSteps):
         # CPU it is synchronous and the order gains nothing (tests set this to run it there)
         self.overlap = (self.device.type == "cuda" and not config.disable_overlap_schedule
                         and self.spec is None and self.pd is None and self.ep.size == 1
-                        and self.followers is None)
+                        and self.followers is None and config.itl_target_ms is None)
         self._inflight: Pending | None = None  # the overlapped step whose tokens are unread
         self._serial: set[str] = set()  # groups that do not overlap (overlap.overlappable)
         torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
@@ -156,6 +157,9 @@ class LLMEngine(Introspection, OverlapSteps):
                                    if config.prefill_snapshot_stride is None
                                    else config.prefill_snapshot_stride,
                                    config.max_prefill_tokens_with_decodes)
+        if config.itl_target_ms is not None:
+            self.scheduler.itl_budget = PrefillBudget(config.itl_target_ms / 1e3,
+                                                      config.block_size)
 
     # ---- set-up ----
     def grammar_backend(self) -> GrammarBackend:
@@ -291,6 +295,8 @@ class LLMEngine(Introspection, OverlapSteps):
         if batch.is_empty:
             self.flush()
             return outputs + self.drain_outputs()
+        prompt_tokens = sum(n for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True)
+                            if r.is_prefilling)
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             if req.num_computed_tokens < len(req.prompt_ids):
                 self.counters["prompt_tokens"] += min(n, len(req.prompt_ids)
@@ -400,6 +406,9 @@ class LLMEngine(Introspection, OverlapSteps):
         if isinstance(self.pd, PrefillSide):
             self.pd.after_sample(batch)
         self.scheduler.take_snapshots(batch.reqs)
+        if self.scheduler.itl_budget is not None:
+            self.scheduler.itl_budget.observe(batch.num_tokens - prompt_tokens, prompt_tokens,
+                                              time.perf_counter() - started)
         return outputs + self._updates(touched)
 
     def _lockstep(self, batch: ScheduledBatch) -> bool:

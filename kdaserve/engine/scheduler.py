@@ -25,6 +25,7 @@ from typing import Protocol
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
+from kdaserve.engine.prefill_budget import PrefillBudget
 from kdaserve.request import Request, RequestStatus
 
 LPM_MAX_QUEUE = 128
@@ -87,6 +88,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
+        self.itl_budget: PrefillBudget | None = None  # set by an engine with an ITL target
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._in_flight: list[tuple[Request, int, int]] = []  # planned in-chunk snapshots
@@ -176,23 +178,22 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # decodes before prefill chunks, so a long prompt never stalls running streams; while
-        # some decode, prompts get at most max_prefill_tokens_with_decodes (their step is each
-        # stream's inter-token latency)
+        # some decode, prompts get a smaller budget (_prefill_budget)
         order = sorted(self.running, key=lambda r: (r.is_prefilling, r.arrival))
-        decoding = bool(order) and not order[0].is_prefilling
-        prefill_budget = budget
-        if decoding and self.max_prefill_tokens_with_decodes is not None:
-            prefill_budget = self.max_prefill_tokens_with_decodes
+        prefill_budget: int | None = None  # set at the first prompt: decodes come first
         scheduled: set[int] = set()
         for req in order:
             prefilling = req.is_prefilling
+            if prefilling and prefill_budget is None:
+                prefill_budget = self._prefill_budget(self.max_num_batched_tokens - budget)
             if budget == 0 or (prefilling and prefill_budget == 0):
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             if req.ends_when_read:
                 continue
-            n = self._chunk(req, min(budget, prefill_budget) if prefilling else budget)
+            n = self._chunk(req, min(budget, prefill_budget) if prefill_budget is not None
+                            and prefilling else budget)
             while not self._grow(req, req.num_computed_tokens + n):
                 victims = [r for r in self.running if id(r) not in scheduled]
                 victim = max(victims, key=lambda r: r.arrival)
@@ -206,8 +207,10 @@ class Scheduler:
             batch.reqs.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
-            if prefilling:
+            if prefilling and prefill_budget is not None:
                 prefill_budget -= n
+        if prefill_budget is None:
+            prefill_budget = self._prefill_budget(self.max_num_batched_tokens - budget)
         self._order_waiting()
         # admission pops from the front and stops at the first request that does not fit:
         # O(admitted) a step, whatever the queue's length (thousands of n > 1 siblings)
@@ -243,6 +246,19 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))  # in their places, at the front
         self._plan_snapshots(batch)
         return batch
+
+    def _prefill_budget(self, decode_tokens: int) -> int:
+        """Prompt tokens this step may take, decode_tokens already scheduled (each decoding
+        stream waits for the whole step, so while some decode, prompts are capped: by the
+        fixed cap and by the ITL target's fitted budget, whichever is lower)."""
+        cap = self.max_num_batched_tokens
+        if decode_tokens:
+            if self.max_prefill_tokens_with_decodes is not None:
+                cap = min(cap, self.max_prefill_tokens_with_decodes)
+            fitted = self.itl_budget.tokens(decode_tokens) if self.itl_budget else None
+            if fitted is not None:
+                cap = min(cap, fitted)
+        return cap
 
     # ---- prefix cache ----
     def _order_waiting(self) -> None:

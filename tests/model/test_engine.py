@@ -83,6 +83,46 @@ def test_staggered_arrival(tiny_ckpt: Path, cases) -> None:
     engine.check_integrity()
 
 
+def test_itl_target_caps_prompts_beside_decodes(tiny_ckpt: Path, cases) -> None:
+    """itl_target_ms, with staggered arrivals: the step cost is fitted from the engine's own
+    steps; once fitted, a target no step can meet leaves prompts one block a step beside
+    decodes (and the full budget with none), and tokens stay transformers'."""
+    config = EngineConfig(model=str(tiny_ckpt), max_num_batched_tokens=64, block_size=4,
+                          itl_target_ms=1e-3)
+    engine = LLMEngine(config)
+    budget = engine.scheduler.itl_budget
+    assert budget is not None and not engine.overlap
+    schedule = engine.scheduler.schedule
+    mixed: list[int] = []  # prompt tokens of steps beside decodes, once the cost was fitted
+
+    def recording_schedule():
+        decoding = {id(r) for r in engine.scheduler.running if not r.is_prefilling}
+        fitted = budget.coef is not None
+        batch = schedule()
+        prompt = sum(n for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True)
+                     if id(r) not in decoding)
+        if decoding and prompt and fitted:
+            mixed.append(prompt)
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    results: dict[str, list[int]] = {}
+    pending = list(enumerate(cases))
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % 3 == 0:
+            i, (prompt, _) = pending.pop(0)
+            engine.add_request(prompt, GREEDY, rid=str(i))
+        for out in engine.step():
+            if out.finished:
+                results[out.rid] = out.token_ids
+        step += 1
+    assert [results[str(i)] for i in range(len(cases))] == [r for _, r in cases]
+    assert budget.coef is not None and len(mixed) >= 10
+    assert max(mixed) == 4, mixed  # the floor: one block
+    engine.check_integrity()
+
+
 def test_preemption_under_tiny_pool(tiny_ckpt: Path, cases) -> None:
     # room for ~2 long requests at a time: most get preempted and recomputed at least once
     for llm in make_llm(tiny_ckpt, block_size=4, max_total_tokens=2 * (200 + NEW) + 8,

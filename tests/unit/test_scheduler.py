@@ -19,6 +19,7 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.checkpoint import preset_config
+from kdaserve.engine.prefill_budget import PrefillBudget
 from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
 from kdaserve.request import Request, RequestStatus, SamplingParams
 
@@ -260,6 +261,40 @@ def test_prompt_tokens_capped_while_requests_decode() -> None:
     assert capped >= 5  # the long prompt and `other` ran 5-token steps beside the decode
     h.run_until_done(max_steps=40)
     assert {r.rid: r.output_ids for r in (short, long, other)} == reference_outputs(specs)
+
+
+def test_itl_target_budget_follows_the_decodes() -> None:
+    """An ITL target's fitted budget: prompt tokens beside d decodes are what the target
+    leaves after them (fewer as more decode, the floor when they alone exceed it), the
+    fixed cap still applies where lower, and outputs stay those of an unconstrained run."""
+    budget = PrefillBudget(target_s=0.010, floor=2)
+    for d, p in [(0, 16), (1, 4), (2, 0), (3, 8), (1, 0), (0, 9), (4, 2), (2, 6)]:
+        budget.observe(d, p, 0.002 + 0.002 * d + 0.0005 * p)  # 1 decode: 12 prompt tokens
+    assert [budget.tokens(d) for d in (1, 2, 3, 4, 5)] == [12, 8, 4, 2, 2]
+    specs = [Spec("a", 3, 10), Spec("b", 2, 9), Spec("c", 3, 8), Spec("long", 60, 2),
+             Spec("other", 30, 2)]
+    reqs = {sp.rid: sp.make() for sp in specs}
+    h = Harness(make_scheduler(num_blocks=128, budget=16, prefill_with_decodes=10))
+    h.scheduler.itl_budget = budget
+    h.add(reqs["a"])
+    capped = {}
+    for rid in ("b", "c", "long", "other"):
+        h.step()
+        h.add(reqs[rid])
+    while any(r.is_prefilling and not r.is_finished for r in reqs.values()):
+        decoding = [r for r in h.scheduler.running if not r.is_prefilling]
+        decode_tokens = len(decoding)
+        batch = h.step()
+        prompt = sum(n for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True)
+                     if r not in decoding)
+        if decode_tokens and prompt:
+            allowed = min(10, budget.tokens(decode_tokens))
+            assert prompt <= allowed, (decode_tokens, batch.num_new_tokens)
+            capped[decode_tokens] = max(capped.get(decode_tokens, 0), prompt)
+    # beside 1 decode the fixed cap (10) is the lower, beside 3 the fit's 4: both filled
+    assert capped.get(1) == 10 and capped.get(3) == 4, capped
+    h.run_until_done(max_steps=100)
+    assert {r.rid: r.output_ids for r in reqs.values()} == reference_outputs(specs)
 
 
 def test_continuous_batching_joins_next_step_and_finished_leave() -> None:

@@ -1,0 +1,73 @@
+"""The ITL target's prompt budget: the step-cost fit against known costs, and the budget
+it gives."""
+import random
+
+import pytest
+
+from kdaserve.config import EngineConfig
+from kdaserve.engine.prefill_budget import MIN_STEPS, PrefillBudget
+
+A, B, C = 0.020, 0.004, 0.0005  # s a step, s a decode token, s a prompt token
+
+
+def cost(decode: int, prompt: int) -> float:
+    return A + B * decode + C * prompt
+
+
+def test_fit_recovers_a_known_cost_and_budgets_the_target() -> None:
+    rng = random.Random(0)
+    budget = PrefillBudget(target_s=0.5, floor=16)
+    assert budget.tokens(8) is None  # nothing seen: no cap of its own
+    for _ in range(64):
+        d, p = rng.choice([0, rng.randint(1, 64)]), rng.choice([0, rng.randint(16, 2048)])
+        budget.observe(d, p, cost(d, p) * rng.uniform(0.98, 1.02))
+    assert budget.coef is not None
+    a, b, c = budget.coef
+    assert a == pytest.approx(A, rel=0.25) and b == pytest.approx(B, rel=0.1)
+    assert c == pytest.approx(C, rel=0.05)
+    for d in (1, 8, 64):
+        expected = (0.5 - A - B * d) / C
+        assert budget.tokens(d) == pytest.approx(expected, rel=0.08)
+        # a step of that size lands on the target
+        assert cost(d, budget.tokens(d)) == pytest.approx(0.5, rel=0.05)
+    assert budget.tokens(8) > budget.tokens(64)  # more decodes, fewer prompt tokens
+
+
+def test_decodes_alone_over_the_target_leave_the_floor() -> None:
+    budget = PrefillBudget(target_s=0.05, floor=16)
+    for i in range(MIN_STEPS * 2):
+        d, p = [(32, 0), (0, 512), (4, 100)][i % 3]
+        budget.observe(d, p, cost(d, p))
+    assert budget.tokens(32) == 16  # 0.148 s of decodes alone: prompts still progress
+    assert budget.tokens(1) == pytest.approx((0.05 - A - B) / C, abs=1)
+
+
+def test_no_budget_until_a_prompt_token_has_a_cost() -> None:
+    """Decode-only steps say nothing about a prompt token's cost: no cap from the fit."""
+    budget = PrefillBudget(target_s=0.05, floor=16)
+    for d in range(1, 3 * MIN_STEPS):
+        budget.observe(d, 0, cost(d, 0))
+    assert budget.tokens(8) is None
+    budget = PrefillBudget(target_s=0.05, floor=16)
+    for i in range(MIN_STEPS - 1):
+        budget.observe(i, 100 * i, cost(i, 100 * i))
+    assert budget.tokens(4) is None  # too few steps yet
+
+
+def test_window_follows_a_changed_cost() -> None:
+    """Costs drift (contexts lengthen, other load): the window forgets the old ones."""
+    budget = PrefillBudget(target_s=0.5, floor=16, window=32)
+    rng = random.Random(1)
+    for scale in (1.0, 3.0):
+        for _ in range(32):
+            d, p = rng.randint(0, 64), rng.randint(0, 2048)
+            budget.observe(d, p, scale * cost(d, p))
+    assert budget.tokens(8) == pytest.approx((0.5 - 3 * (A + 8 * B)) / (3 * C), rel=0.05)
+
+
+@pytest.mark.parametrize("target", [0.0, -5.0, float("nan")])
+def test_target_must_be_positive(target: float) -> None:
+    with pytest.raises(ValueError, match="itl_target_ms"):
+        EngineConfig(model="tiny", itl_target_ms=target)
+    with pytest.raises(ValueError, match="ITL target"):
+        PrefillBudget(target_s=target, floor=16)
