@@ -6,8 +6,9 @@ inter-token latency (ITL). A fixed cap (`max_prefill_tokens_with_decodes`) is ri
 load only: 512 tokens is a short step beside 4 decodes and a long one beside 64, and the
 right number differs by model and machine. Here the step's cost is learned from the steps
 the engine runs: wall time ~ a + b * decode tokens + c * prompt tokens, a least-squares fit
-over a window of recent steps, refitted every few steps. The budget is what the target
-leaves after the decodes' share, divided by the cost of a prompt token.
+(non-negative, with priors where the steps cannot tell the costs apart) over a window of
+recent steps, refitted every step. The budget is what the target leaves after the decodes'
+share, divided by the cost of a prompt token.
 
 Attention grows with context, which the linear model leaves to the window: as contexts
 lengthen, a and b drift up and the budget down with them.
@@ -18,8 +19,12 @@ from collections import deque
 
 import numpy as np
 
-MIN_STEPS = 8  # steps seen before the fit is trusted (no cap before)
-REFIT_EVERY = 4
+MIN_STEPS = 1  # the fit is used from the first step (the priors below err short)
+# pull toward the priors (scaled columns) where the steps cannot tell the costs apart: a = 0
+# (with steps of one size only, a cold wave's full chunks, the smallest intercept is the
+# cautious answer: every second charged to the tokens, short budgets) and a decode token
+# costing what a prompt token does; once the sizes vary the data decides
+PRIOR_RIDGE = 1e-3
 
 
 class PrefillBudget:
@@ -32,30 +37,37 @@ class PrefillBudget:
         self.floor = floor
         self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self.coef: tuple[float, float, float] | None = None  # (a, b, c) once fitted
-        self._since_fit = 0
 
     def observe(self, decode_tokens: int, prompt_tokens: int, seconds: float) -> None:
         """One step's measured wall time (from schedule to sampled tokens)."""
         self.steps.append((decode_tokens, prompt_tokens, seconds))
-        self._since_fit += 1
-        if len(self.steps) >= MIN_STEPS and self._since_fit >= REFIT_EVERY:
+        if len(self.steps) >= MIN_STEPS:
             self._fit()
 
     def _fit(self) -> None:
-        self._since_fit = 0
         data = np.asarray(self.steps, dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-        # scaled columns (token counts are 1e0..1e4 against a column of ones) and a small
-        # ridge, so steps that never vary one column (only decodes so far) give that column
-        # a coefficient near 0 instead of an arbitrary one
-        scale = np.maximum(np.abs(x).max(axis=0), 1.0)
+        d, p, t = data[:, 0], data[:, 1], data[:, 2]
+        # fitted as t = a + c (d + p) + e d: every token costs c, a decode token e more (the
+        # lm_head row, attention over its context), so that the prior e = 0 is a sensible
+        # answer while decode and prompt counts have barely varied apart (a handful of steps)
+        x = np.column_stack([np.ones(len(data)), d + p, d])
+        scale = np.maximum(np.abs(x).max(axis=0), 1.0)  # counts are 1e0..1e4 against 1
         xs = x / scale
-        ridge = 1e-6 * len(data)
-        coef = np.linalg.solve(xs.T @ xs + ridge * np.eye(3), xs.T @ data[:, 2]) / scale
-        a, b, c = (float(v) for v in coef)
-        # a prompt token that costs nothing (a fit that has seen no prompt beside decodes
-        # at varied sizes) gives no budget to trust
-        self.coef = (a, max(b, 0.0), c) if c > 0 else None
+        ridge = len(data) * np.array([PRIOR_RIDGE, 1e-6, PRIOR_RIDGE])
+        # no cost is negative: a column whose coefficient comes out below 0 (noise, or a
+        # column that never varied) is dropped and the rest refitted
+        keep = [0, 1, 2]
+        while True:
+            sub = xs[:, keep]
+            coef = np.linalg.solve(sub.T @ sub + np.diag(ridge[keep]), sub.T @ t)
+            if len(keep) == 1 or coef.min() >= 0:
+                break
+            del keep[int(np.argmin(coef))]
+        full = np.zeros(3)
+        full[keep] = coef / scale[keep]
+        a, c, e = (float(v) for v in full)
+        # a token that costs nothing gives no budget to trust
+        self.coef = (a, c + e, c) if c > 0 else None
 
     def tokens(self, decode_tokens: int) -> int | None:
         """Prompt tokens a step with this many decode tokens may take; None while the cost

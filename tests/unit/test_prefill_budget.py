@@ -5,7 +5,7 @@ import random
 import pytest
 
 from kdaserve.config import EngineConfig
-from kdaserve.engine.prefill_budget import MIN_STEPS, PrefillBudget
+from kdaserve.engine.prefill_budget import PrefillBudget
 
 A, B, C = 0.020, 0.004, 0.0005  # s a step, s a decode token, s a prompt token
 
@@ -35,23 +35,32 @@ def test_fit_recovers_a_known_cost_and_budgets_the_target() -> None:
 
 def test_decodes_alone_over_the_target_leave_the_floor() -> None:
     budget = PrefillBudget(target_s=0.05, floor=16)
-    for i in range(MIN_STEPS * 2):
+    for i in range(16):
         d, p = [(32, 0), (0, 512), (4, 100)][i % 3]
         budget.observe(d, p, cost(d, p))
     assert budget.tokens(32) == 16  # 0.148 s of decodes alone: prompts still progress
-    assert budget.tokens(1) == pytest.approx((0.05 - A - B) / C, abs=1)
+    assert budget.tokens(1) == pytest.approx((0.05 - A - B) / C, abs=3)
 
 
-def test_no_budget_until_a_prompt_token_has_a_cost() -> None:
-    """Decode-only steps say nothing about a prompt token's cost: no cap from the fit."""
-    budget = PrefillBudget(target_s=0.05, floor=16)
-    for d in range(1, 3 * MIN_STEPS):
-        budget.observe(d, 0, cost(d, 0))
+def test_one_step_charges_it_all_to_its_tokens() -> None:
+    """Before any step there is no fit (no cap of its own). After one step of one size the
+    costs cannot be told apart: the priors charge the whole step to its tokens (no fixed
+    cost) and a decode token as a prompt token, until steps of other sizes say otherwise."""
+    budget = PrefillBudget(target_s=0.5, floor=16)
     assert budget.tokens(8) is None
+    budget.observe(0, 2048, cost(0, 2048))
+    per_token = cost(0, 2048) / 2048
+    for d in (1, 8, 32):
+        assert budget.tokens(d) == pytest.approx(0.5 / per_token - d, rel=0.01)
+
+
+def test_decode_only_steps_charge_prompt_tokens_as_decodes() -> None:
     budget = PrefillBudget(target_s=0.05, floor=16)
-    for i in range(MIN_STEPS - 1):
-        budget.observe(i, 100 * i, cost(i, 100 * i))
-    assert budget.tokens(4) is None  # too few steps yet
+    for d in range(1, 24):
+        budget.observe(d, 0, cost(d, 0))
+    assert budget.coef is not None and budget.tokens(8) is not None
+    # every token was a decode token: c is a decode token's cost, charged to prompt tokens too
+    assert budget.tokens(2) < (0.05 - A - B * 2) / C
 
 
 def test_window_follows_a_changed_cost() -> None:
