@@ -9,6 +9,7 @@ raw HF names.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -379,7 +380,8 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     # overlap scheduling on CUDA: the host schedules step N+1 while the GPU runs step N
-    # (engine/overlap.py); not with speculation, disaggregation or parallel ranks
+    # (engine/overlap.py); not with speculation, disaggregation, parallel ranks or an ITL
+    # target
     disable_overlap_schedule: bool = False
     # Same request, same tokens and logprobs to the bit, whatever it is batched with, chunked
     # into or cached from: every op from the batch-invariant kernels (CPU, fp32)
@@ -413,8 +415,15 @@ class EngineConfig:
                      "max_prefill_tokens_with_decodes"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.itl_target_ms is not None and not self.itl_target_ms > 0:
-            raise ValueError(f"itl_target_ms must be > 0, got {self.itl_target_ms}")
+        if self.itl_target_ms is not None:
+            if not 0 < self.itl_target_ms < math.inf:
+                raise ValueError(f"itl_target_ms must be a finite number > 0, got "
+                                 f"{self.itl_target_ms}")
+            # a prefill or decode server never has both kinds of step to balance, and a DP
+            # attention rank's step waits for the other ranks' tokens, which it does not count
+            if self.disaggregation_mode is not None or self.enable_dp_attention:
+                raise ValueError("itl_target_ms does not combine with disaggregation or "
+                                 "enable_dp_attention")
         if self.snapshot_interval < 1 or self.snapshot_interval % self.block_size:
             raise ValueError(f"snapshot_interval={self.snapshot_interval} must be a positive "
                              f"multiple of block_size={self.block_size}")

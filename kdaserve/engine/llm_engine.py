@@ -278,6 +278,7 @@ class LLMEngine(Introspection, OverlapSteps):
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns an update for every request that progressed or finished."""
+        step_started = time.perf_counter()  # what each decoding stream waits, drafting included
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.pd is not None:
             outputs += self._poll_disaggregation()
@@ -408,7 +409,7 @@ class LLMEngine(Introspection, OverlapSteps):
         self.scheduler.take_snapshots(batch.reqs)
         if self.scheduler.itl_budget is not None:
             self.scheduler.itl_budget.observe(batch.num_tokens - prompt_tokens, prompt_tokens,
-                                              time.perf_counter() - started)
+                                              time.perf_counter() - step_started)
         return outputs + self._updates(touched)
 
     def _lockstep(self, batch: ScheduledBatch) -> bool:

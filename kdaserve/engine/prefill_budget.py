@@ -29,7 +29,7 @@ PRIOR_RIDGE = 1e-3
 
 class PrefillBudget:
     def __init__(self, target_s: float, floor: int, window: int = 128) -> None:
-        if not target_s > 0:
+        if not 0 < target_s < float("inf"):
             raise ValueError(f"the ITL target must be > 0, got {target_s}")
         self.target_s = target_s
         # a prompt always progresses: however slow the decodes alone, a step still takes this
@@ -66,8 +66,9 @@ class PrefillBudget:
         full = np.zeros(3)
         full[keep] = coef / scale[keep]
         a, c, e = (float(v) for v in full)
-        # a token that costs nothing gives no budget to trust
-        self.coef = (a, c + e, c) if c > 0 else None
+        # a token that costs nothing gives no budget to trust: the last fit stands
+        if c > 0:
+            self.coef = (a, c + e, c)
 
     def tokens(self, decode_tokens: int) -> int | None:
         """Prompt tokens a step with this many decode tokens may take; None while the cost
@@ -76,4 +77,5 @@ class PrefillBudget:
             return None
         a, b, c = self.coef
         room = self.target_s - a - b * decode_tokens
-        return max(self.floor, int(room / c)) if room > 0 else self.floor
+        # capped before int(): a tiny fitted cost would make an enormous float
+        return max(self.floor, int(min(room / c, 1 << 30))) if room > 0 else self.floor

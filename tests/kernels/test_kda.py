@@ -162,17 +162,20 @@ def test_kda_chunk_snapshots_are_the_states_of_prefixes(backend: str) -> None:
 
 
 @pytest.mark.parametrize("lengths", [[1, 70, 3, 128, 40], [33, 5, 64]])
-def test_native_scan_bits_do_not_depend_on_snapshots(lengths: list[int]) -> None:
+@pytest.mark.parametrize("v_dim", [V, 59])
+def test_native_scan_bits_do_not_depend_on_snapshots(lengths: list[int], v_dim: int) -> None:
     """The native scan with snapshot rows gives the outputs and states of the call without
     them to the bit (deterministic inference runs on it, and where snapshots fall depends on
     the chunking and the cache). Seen broken on an AVX2 host when the compiler contracted
     the sweep with snapshot stores into other fused multiply-adds than the one without."""
     fn = registry.resolve("kda_chunk", torch.device("cpu"), "native")
+    # V = 59: blocks of two vectors, one vector and single columns on any host's lanes
     q, k, v, f, beta, A_log, dt_bias, cu = make_inputs(lengths, seed=7)
     B, T = len(lengths), int(cu[-1])
-    init = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(8))
+    v = torch.randn(T, H, v_dim, generator=torch.Generator().manual_seed(9)) if v_dim != V else v
+    init = torch.randn(B, H, K, v_dim, generator=torch.Generator().manual_seed(8))
     rows = torch.arange(0, T, 3)
-    pool, plain = torch.zeros(B + len(rows), H, K, V), torch.zeros(B, H, K, V)
+    pool, plain = torch.zeros(B + len(rows), H, K, v_dim), torch.zeros(B, H, K, v_dim)
     pool[:B], plain[:] = init, init
     slots = torch.arange(B)
     o = fn(q, k, v, f, beta, A_log, dt_bias, pool, slots, cu,

@@ -94,6 +94,7 @@ def test_itl_target_caps_prompts_beside_decodes(tiny_ckpt: Path, cases) -> None:
     assert budget is not None and not engine.overlap
     schedule = engine.scheduler.schedule
     mixed: list[int] = []  # prompt tokens of steps beside decodes, once the cost was fitted
+    alone: list[int] = []  # prompt tokens of steps with no decode
 
     def recording_schedule():
         decoding = {id(r) for r in engine.scheduler.running if not r.is_prefilling}
@@ -103,6 +104,8 @@ def test_itl_target_caps_prompts_beside_decodes(tiny_ckpt: Path, cases) -> None:
                      if id(r) not in decoding)
         if decoding and prompt and fitted:
             mixed.append(prompt)
+        elif not decoding:
+            alone.append(prompt)
         return batch
 
     engine.scheduler.schedule = recording_schedule
@@ -120,6 +123,7 @@ def test_itl_target_caps_prompts_beside_decodes(tiny_ckpt: Path, cases) -> None:
     assert [results[str(i)] for i in range(len(cases))] == [r for _, r in cases]
     assert budget.coef is not None and len(mixed) >= 10
     assert max(mixed) == 4, mixed  # the floor: one block
+    assert max(alone) > 4, alone  # no decode, no cap: the step budget
     engine.check_integrity()
 
 

@@ -74,9 +74,25 @@ def test_window_follows_a_changed_cost() -> None:
     assert budget.tokens(8) == pytest.approx((0.5 - 3 * (A + 8 * B)) / (3 * C), rel=0.05)
 
 
-@pytest.mark.parametrize("target", [0.0, -5.0, float("nan")])
-def test_target_must_be_positive(target: float) -> None:
+@pytest.mark.parametrize("target", [0.0, -5.0, float("nan"), float("inf")])
+def test_target_must_be_finite_and_positive(target: float) -> None:
     with pytest.raises(ValueError, match="itl_target_ms"):
         EngineConfig(model="tiny", itl_target_ms=target)
     with pytest.raises(ValueError, match="ITL target"):
         PrefillBudget(target_s=target, floor=16)
+
+
+@pytest.mark.parametrize("other", [{"disaggregation_mode": "prefill"},
+                                   {"disaggregation_mode": "decode"},
+                                   {"enable_dp_attention": True, "dp_size": 2}])
+def test_target_refused_where_it_could_not_act(other: dict) -> None:
+    """A prefill or decode server never runs both kinds of token in a step, and a DP
+    attention rank's step waits on tokens it does not count: refused, not ignored."""
+    with pytest.raises(ValueError, match="itl_target_ms does not combine"):
+        EngineConfig(model="tiny", itl_target_ms=500, **other)
+
+
+def test_a_huge_target_gives_a_capped_budget() -> None:
+    budget = PrefillBudget(target_s=1e12, floor=16)
+    budget.observe(0, 2048, 1e-9)
+    assert budget.tokens(4) == 1 << 30  # no float too large for int()

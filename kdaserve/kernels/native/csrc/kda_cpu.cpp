@@ -140,7 +140,18 @@ template <typename Vec> inline Vec fmadd(Vec a, float b, Vec c) {
     return (Vec)_mm256_fmadd_ps((__m256)a, _mm256_set1_ps(b), (__m256)c);
   if constexpr (sizeof(Vec) == 4) return std::fma(a, b, c);
 #endif
+#if defined(__FP_FAST_FMAF)  // FMA hardware elsewhere (aarch64): fused lane by lane
+  if constexpr (sizeof(Vec) == 4) {
+    return __builtin_fmaf(a, b, c);
+  } else {
+    Vec r;
+    for (int l = 0; l < static_cast<int>(sizeof(Vec) / 4); ++l)
+      r[l] = __builtin_fmaf(a[l], b, c[l]);
+    return r;
+  }
+#else
   return a * b + c;  // no FMA unit: nothing to contract either
+#endif
 }
 
 // A prefix-cache snapshot is written once and not read until a later request hits it, so it
