@@ -250,7 +250,9 @@ class Scheduler:
     def _prefill_budget(self, decode_tokens: int) -> int:
         """Prompt tokens this step may take, decode_tokens already scheduled (each decoding
         stream waits for the whole step, so while some decode, prompts are capped: by the
-        fixed cap and by the ITL target's fitted budget, whichever is lower)."""
+        fixed cap and by the ITL target's fitted budget, whichever is lower). Decodes this
+        step actually runs count, not running ones it skips (read-pending on CUDA's overlap,
+        or preempted a moment ago): a step without them stalls no stream."""
         cap = self.max_num_batched_tokens
         if decode_tokens:
             if self.max_prefill_tokens_with_decodes is not None:
