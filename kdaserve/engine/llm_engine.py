@@ -296,9 +296,9 @@ class LLMEngine(Introspection, OverlapSteps):
         if batch.is_empty:
             self.flush()
             return outputs + self.drain_outputs()
-        prompt_tokens = sum(n for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True)
-                            if r.is_prefilling)
+        prompt_tokens = 0  # this step's tokens of requests still prefilling (the ITL fit's)
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+            prompt_tokens += n if req.is_prefilling else 0
             if req.num_computed_tokens < len(req.prompt_ids):
                 self.counters["prompt_tokens"] += min(n, len(req.prompt_ids)
                                                       - req.num_computed_tokens)

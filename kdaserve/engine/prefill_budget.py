@@ -15,11 +15,8 @@ lengthen, a and b drift up and the budget down with them.
 """
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
 
-MIN_STEPS = 1  # the fit is used from the first step (the priors below err short)
 # pull toward the priors (scaled columns) where the steps cannot tell the costs apart: a = 0
 # (with steps of one size only, a cold wave's full chunks, the smallest intercept is the
 # cautious answer: every second charged to the tokens, short budgets) and a decode token
@@ -35,17 +32,31 @@ class PrefillBudget:
         # a prompt always progresses: however slow the decodes alone, a step still takes this
         # many of its tokens (one block; no prompt starves behind a full decode batch)
         self.floor = floor
-        self.steps: deque[tuple[int, int, float]] = deque(maxlen=window)
-        self.coef: tuple[float, float, float] | None = None  # (a, b, c) once fitted
+        # the window as a ring of (decode tokens, prompt tokens, seconds) rows: least squares
+        # does not care about their order
+        self.steps = np.zeros((window, 3))
+        self.num_steps = 0
+        self._coef: tuple[float, float, float] | None = None  # (a, b, c) of the last fit
+        self._stale = False
 
     def observe(self, decode_tokens: int, prompt_tokens: int, seconds: float) -> None:
-        """One step's measured wall time (from schedule to sampled tokens)."""
-        self.steps.append((decode_tokens, prompt_tokens, seconds))
-        if len(self.steps) >= MIN_STEPS:
+        """One step's measured wall time (from schedule to sampled tokens). Only recorded:
+        the fit runs when a budget is asked for (a decode-only stretch costs no solves)."""
+        self.steps[self.num_steps % len(self.steps)] = (decode_tokens, prompt_tokens, seconds)
+        self.num_steps += 1
+        self._stale = True
+
+    @property
+    def coef(self) -> tuple[float, float, float] | None:
+        """(a, b, c) fitted on the window; None before any step (the fit uses the first
+        one: the priors below err short)."""
+        if self._stale:
             self._fit()
+        return self._coef
 
     def _fit(self) -> None:
-        data = np.asarray(self.steps, dtype=np.float64)
+        self._stale = False
+        data = self.steps[:min(self.num_steps, len(self.steps))]
         d, p, t = data[:, 0], data[:, 1], data[:, 2]
         # fitted as t = a + c (d + p) + e d: every token costs c, a decode token e more (the
         # lm_head row, attention over its context), so that the prior e = 0 is a sensible
@@ -68,7 +79,7 @@ class PrefillBudget:
         a, c, e = (float(v) for v in full)
         # a token that costs nothing gives no budget to trust: the last fit stands
         if c > 0:
-            self.coef = (a, c + e, c)
+            self._coef = (a, c + e, c)
 
     def tokens(self, decode_tokens: int) -> int | None:
         """Prompt tokens a step with this many decode tokens may take; None while the cost
