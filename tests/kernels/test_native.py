@@ -285,6 +285,21 @@ def test_linear_native_matches_torch(rows: int, K: int, monkeypatch) -> None:
     assert linear_native(x, w).shape == (2, rows, 70)
 
 
+@pytest.mark.parametrize("N", range(49, 57))
+@pytest.mark.parametrize("rows", [9, 33])
+def test_linear_native_every_last_panel(N: int, rows: int, monkeypatch) -> None:
+    """The broadcast tiles (9+ rows) take weight rows in panels of 6 (AVX2) or 8 (AVX-512);
+    eight consecutive output counts leave every size of last panel, which runs as one tile of
+    that many rows."""
+    from kdaserve.kernels.native import ops
+
+    monkeypatch.setattr(ops, "onednn_native_max_rows", lambda elements, K: 64)
+    g = gen(N * rows)
+    x, w = torch.randn(rows, 40, generator=g), torch.randn(N, 40, generator=g)
+    torch.testing.assert_close(linear_native(x, w), torch.nn.functional.linear(x, w),
+                               atol=1e-4, rtol=1e-5)
+
+
 def spy_on_native_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the native library's functions called from now on (in order)."""
     from kdaserve.kernels.native import ops

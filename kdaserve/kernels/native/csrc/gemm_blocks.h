@@ -204,6 +204,8 @@ void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp
       case 6: bcast_panel<6>(wp, xt, Mp, yt, K, p, false); break;
       case 7: bcast_panel<7>(wp, xt, Mp, yt, K, p, false); break;
 #endif
+      default:  // a kBN past these cases: a row at a time
+        for (int64_t i = 0; i < tn; ++i) bcast_panel<1>(wp + i * K, xt, Mp, yt, K, p + i, false);
     }
   }
 }
