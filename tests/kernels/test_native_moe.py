@@ -42,6 +42,21 @@ def test_moe_experts_match_reference(T: int, backend: str) -> None:
                                rtol=1e-4)
 
 
+def test_moe_native_gathers_many_small_rows_threaded() -> None:
+    """Every expert's weight rows split over the threads with 3,000 tokens: the gather of
+    their 9,000 x 128 rows is threaded (from 2^20 floats), the decode-sized one is not."""
+    E, inter, D, k, T = 12, 24, 128, 3, 3000
+    g = gen(7)
+    x = torch.randn(T, D, generator=g)
+    w13 = torch.randn(E, 2 * inter, D, generator=g) / D**0.5  # unit-sized sums
+    w2 = torch.randn(E, D, inter, generator=g) / inter**0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    out = moe_experts_native(x, weights, ids, w13, w2, blocked_from=2**40)
+    torch.testing.assert_close(out, moe_experts_ref(x, weights, ids, w13, w2), atol=1e-4,
+                               rtol=1e-4)
+
+
 @pytest.mark.parametrize("blocked_from", [1, 2**40])
 @pytest.mark.parametrize("T", [1, 5, 200])
 def test_moe_native_with_bf16_weights(T: int, blocked_from: int) -> None:

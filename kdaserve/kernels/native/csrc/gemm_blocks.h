@@ -189,10 +189,11 @@ void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp
       wp = wide;
     }
     constexpr bool fp32 = std::is_same_v<W, float>;
-    // A last panel of fewer rows keeps them together: a one-row tile is a single chain of
-    // dependent FMAs, and 2I or D rows are seldom whole panels (a row at a time took 10% of
-    // the experts' time: 64 experts top-8 at hidden 768, 7 layers cold, 64 / 2,048 tokens
-    // 6.8 / 102 -> 6.1 / 98 ms a layer, the decode figure with the balance in moe_cpu.cpp)
+    // A last panel of fewer rows keeps them together: a one-row tile has kBV accumulators,
+    // too few chains of dependent FMAs to fill the FMA units, and on AVX2 (6-row panels) 2I
+    // or D rows are seldom whole panels (a row at a time took ~10% of the experts' time: 64
+    // experts top-8 at hidden 768, 7 layers cold, 64 / 2,048 tokens 6.8 / 102 -> 6.1 / 98 ms
+    // a layer, the first with moe_cpu.cpp's task balance, measured together)
     switch (tn) {
       case kBN: bcast_panel<kBN>(wp, xt, Mp, yt, K, p, fp32); break;
       case 1: bcast_panel<1>(wp, xt, Mp, yt, K, p, false); break;

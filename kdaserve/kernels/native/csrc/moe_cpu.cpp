@@ -143,7 +143,8 @@ void expert_block(const float* x, const int64_t* order, const float* weights, co
 // gemm_blocks.h: each weight row read once for all its tokens), work split over (expert,
 // block of weight rows). The broadcast tiles were tried that way, split over weight rows,
 // for experts with 8+ tokens and did not pay: 8 experts top-2 at hidden 256, 48 tokens 0.74
-// ms against 0.79 (1.03 with a dynamic schedule), 64 experts top-8 at hidden 768 equal
+// ms against 0.79 (1.03 with the broadcast tiles' tasks on a dynamic schedule; the
+// small experts' own tasks below are dynamic), 64 experts top-8 at hidden 768 equal
 // within 5%; whole-expert token blocks are what pays for prefill.
 // s13 [E, 2I] and s2 [E, D] (nullable): int8 weights' per-row scales.
 template <typename W>
@@ -186,11 +187,13 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
       act(new float[small_rows * I]);
   constexpr int64_t kRows = 32;
   const int64_t iblocks = (I + kRows - 1) / kRows, dblocks = (D + kRows - 1) / kRows;
-  // The small experts' x rows are gathered before the team starts (a few KB at decode), and
-  // their tasks are taken as threads free up: a thread busy with a token block no longer
-  // holds the other at the gather's barrier or to a fixed half of the tasks (8 experts top-2
-  // at hidden 256, 7 layers cold, 16 / 48 tokens 0.43 / 0.63 -> 0.39 / 0.58 ms a layer; bf16
-  // 0.27 -> 0.24; 64 experts top-8 at hidden 768 equal).
+  // The small experts' x rows are gathered before the team starts (32 KB at batch 16,
+  // hidden 256; threaded only where many rows are small, e.g. every expert when T * D rules
+  // out blocks), and their tasks are taken as threads free up: a thread busy with a token
+  // block no longer holds the other at the gather's barrier or to a fixed half of the tasks
+  // (8 experts top-2 at hidden 256, 7 layers cold, 16 / 48 tokens 0.43 / 0.63 -> 0.39 / 0.58
+  // ms a layer; bf16 0.27 -> 0.24; 64 experts top-8 at hidden 768 equal).
+#pragma omp parallel for schedule(static) if (small_rows * D >= (int64_t{1} << 20))
   for (int64_t a = 0; a < A; ++a)
     for (int64_t s = offset[small[a]]; s < offset[small[a] + 1]; ++s)
       std::copy(x + (order[s] / k) * D, x + (order[s] / k + 1) * D, xs.get() + s * D);
