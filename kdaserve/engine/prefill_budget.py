@@ -7,8 +7,8 @@ load only: 512 tokens is a short step beside 4 decodes and a long one beside 64,
 right number differs by model and machine. Here the step's cost is learned from the steps
 the engine runs: wall time ~ a + b * decode tokens + c * prompt tokens, a least-squares fit
 (non-negative, with priors where the steps cannot tell the costs apart) over a window of
-recent steps, refitted every step. The budget is what the target leaves after the decodes'
-share, divided by the cost of a prompt token.
+recent steps, refitted when a budget is asked for after new steps. The budget is what the
+target leaves after the decodes' share, divided by the cost of a prompt token.
 
 Attention grows with context, which the linear model leaves to the window: as contexts
 lengthen, a and b drift up and the budget down with them.

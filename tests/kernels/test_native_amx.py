@@ -75,7 +75,7 @@ def test_linear_native_runs_bf16_weights_on_amx_at_any_row_count(
     """`linear_native` keeps bf16 weights native at every row count (no widened copy for
     oneDNN), and the native call takes the tiles from 16 rows (8 for an lm_head-sized
     weight): its result is then the AMX product's, bit for bit."""
-    from tests.kernels.test_native import spy_on_native_calls
+    from tests.kernels.test_native_linear import spy_on_native_calls
 
     assert ops.linear_native_max_rows(torch.empty(4, 4, dtype=torch.bfloat16)) >= 2**40
     g = gen(rows)
@@ -129,7 +129,7 @@ def test_linear_native_runs_int8_weights_on_amx(rows: int,
     """int8 weights stay native at every row count (no dequantized copy for a GEMM) and take
     the tiles from 16 rows, bit for bit the AMX product's."""
     from kdaserve.kernels.ref.quant import dequantize, quantize_int8
-    from tests.kernels.test_native import spy_on_native_calls
+    from tests.kernels.test_native_linear import spy_on_native_calls
 
     g = gen(rows + 7)
     x = torch.randn(rows, 96, generator=g)
