@@ -14,10 +14,11 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 48, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 32, 33, 48, 64])
 @pytest.mark.parametrize("K", [16, 40, 768])
 def test_linear_native_matches_torch(rows: int, K: int, monkeypatch) -> None:
-    """Row counts around the dot tiles (1-7 rows), the broadcast tiles' whole and padded
+    """Row counts around the streamed rows (1-8 on AVX2, 1-3 on AVX-512), the dot tiles
+    (4-15 rows on AVX-512), the broadcast tiles' whole and padded
     vectors of x rows (8 lanes on AVX2, 16 on AVX-512) and the size limit; K not a multiple
     of 16 too; 70 output columns, not a multiple of the tiles' weight rows (the native kernel
     at every count: oneDNN would take fp32 above onednn_native_max_rows)."""
@@ -173,11 +174,12 @@ def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch)
     assert ops.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")  # this host's
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 33, 64])
-@pytest.mark.parametrize("K", [40, 768])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 33, 64])
+@pytest.mark.parametrize("K", [40, 77, 768])
 def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
-    """Weight-only bf16: fp32 activations against bf16 weights, widened in registers (1-3
-    rows) or per block (more rows); equal to fp32 arithmetic on the same (bf16) values. From
+    """Weight-only bf16: fp32 activations against bf16 weights, widened in registers (the
+    streamed rows: 1-3 on AVX-512, 1-8 on AVX2, each row count its own number of partial sums)
+    or per block (more rows); equal to fp32 arithmetic on the same (bf16) values. From
     16 rows on an AMX host the tiles take them (within test_native_amx's bound)."""
     from kdaserve.kernels.native import ops
     from tests.kernels.test_native_amx import bound
@@ -195,15 +197,18 @@ def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
                                    rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 33, 64])
-def test_linear_native_with_int8_weights(rows: int) -> None:
-    """Weight-only int8: the native kernel equals fp32 arithmetic on the dequantized weight."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 33, 64])
+@pytest.mark.parametrize("K", [72, 77, 200])
+def test_linear_native_with_int8_weights(rows: int, K: int) -> None:
+    """Weight-only int8: the native kernel equals fp32 arithmetic on the dequantized weight.
+    K: one 64-weight step of a single row's eight sums and a vector over, a scalar tail, and
+    several steps."""
     from kdaserve.kernels import linear_ref
     from kdaserve.kernels.ref.quant import dequantize, quantize_int8
 
-    g = gen(rows)
-    x = torch.randn(rows, 72, generator=g)
-    q, scale = quantize_int8(torch.randn(130, 72, generator=g))
+    g = gen(rows + K)
+    x = torch.randn(rows, K, generator=g)
+    q, scale = quantize_int8(torch.randn(130, K, generator=g))
     assert q.dtype == torch.int8 and scale.shape == (130,)
     want = torch.nn.functional.linear(x, dequantize(q, scale, torch.float32))
     torch.testing.assert_close(linear_native(x, q, scale), want, atol=1e-4, rtol=1e-5)

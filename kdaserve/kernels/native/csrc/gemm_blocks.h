@@ -13,11 +13,17 @@
 // other (one sequential stream, which the prefetchers follow best), each dotted with every x
 // row in kUnroll independent partial sums (a single running sum per dot stalls on the add
 // latency: bf16 weights streamed at ~37 GB/s, int8 at ~30, on a host reading 70+). More x
-// rows make it compute-bound: kTileN x kTileM tiles.
+// rows make it compute-bound: kTileN x kTileM tiles. On AVX2 the tiles hold one x row
+// (kTileM 1), so from 4 rows they re-read, and for bf16 / int8 re-widen, each weight vector
+// per x row; streaming up to 8 rows (8 sums and a weight of 16 registers) was faster at every
+// count (AVX2 AMD EPYC, 2304 x 768 weights cycled past the L3, ms at 2 / 4 / 7 / 8 rows:
+// fp32 0.41 / 0.37 / 0.80 / 0.46 -> 0.34 / 0.30 / 0.49 / 0.39, int8 0.15 / 0.29 / 0.47 / 0.52
+// -> 0.12 / 0.16 / 0.28 / 0.31, bf16 0.20 / 0.39 / 0.63 / 0.78 -> 0.16 / 0.20 / 0.30 / 0.48;
+// from 12 rows fp32's broadcast tiles win).
 #if defined(__AVX512F__)
 constexpr int kFewM = 3;
 #else
-constexpr int kFewM = 1;  // 16 registers
+constexpr int kFewM = 8;
 #endif
 constexpr int kUnroll = 2;
 // Each step also prefetches its weights' cache lines this many bytes ahead: one sequential
@@ -36,14 +42,24 @@ constexpr int kStreamAhead = 1024;
 template <int TM, typename W>
 inline void dot_stream(const W* __restrict w, const float* __restrict x, float* __restrict y,
                        int64_t N, int64_t K) {
-  vtile acc[kUnroll][TM] = {};
+  // bf16 and int8 weights take more instructions per weight (widening), so their dots need
+  // more independent sums to keep the FMA units busy at the stream's rate: with two, int8
+  // weights in cache ran at ~24 GB/s, below the ~26 GB/s memory read of this AVX2 host, so a
+  // stream from memory was compute-bound (eight: 32 GB/s in cache; cycled past the L3, the
+  // 100k x 768 lm_head 16.8-18.5 -> 19.9-21.9 GB/s, 2304 x 768 15.8-16.9 -> 19.0-20.4).
+  // Up to four x rows; above, one sum per row (the registers).
+  constexpr int kU = TM > 4 ? 1
+                     : sizeof(W) == 1 ? (TM == 1 ? 8 : TM == 2 ? 4 : 2)
+                     : sizeof(W) == 2 ? (TM == 1 ? 4 : 2)
+                                      : kUnroll;
+  vtile acc[kU][TM] = {};
   int64_t j = 0;
-  for (; j + kUnroll * kLanes <= K; j += kUnroll * kLanes) {
+  for (; j + kU * kLanes <= K; j += kU * kLanes) {
     // every cache line of this step's weights, kStreamAhead bytes on (into the next rows)
     const char* ahead = reinterpret_cast<const char*>(w + j) + kStreamAhead;
-    for (size_t b = 0; b < kUnroll * kLanes * sizeof(W); b += 64)
+    for (size_t b = 0; b < kU * kLanes * sizeof(W); b += 64)
       __builtin_prefetch(ahead + b, 0, 3);
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kU; ++u) {
       const vtile wv = load_tile(w + j + u * kLanes);
       for (int tm = 0; tm < TM; ++tm) acc[u][tm] += wv * load_tile(x + tm * K + j + u * kLanes);
     }
@@ -54,7 +70,7 @@ inline void dot_stream(const W* __restrict w, const float* __restrict x, float* 
   }
   for (int tm = 0; tm < TM; ++tm) {
     vtile a = acc[0][tm];
-    for (int u = 1; u < kUnroll; ++u) a += acc[u][tm];
+    for (int u = 1; u < kU; ++u) a += acc[u][tm];
     float sum = hsum_tree(a);
     for (int64_t l = j; l < K; ++l) sum += widen(w[l]) * x[tm * K + l];
     y[tm * N] = sum;
@@ -73,6 +89,11 @@ void linear_block(const float* x, const W* wb, float* y, int64_t M, int64_t N, i
                   int64_t n0, int64_t n1) {
   if (M == 2 && kFewM >= 2) return few_rows<2>(x, wb, y, N, K, n0, n1);
   if (M == 3 && kFewM >= 3) return few_rows<3>(x, wb, y, N, K, n0, n1);
+  if (M == 4 && kFewM >= 4) return few_rows<4>(x, wb, y, N, K, n0, n1);
+  if (M == 5 && kFewM >= 5) return few_rows<5>(x, wb, y, N, K, n0, n1);
+  if (M == 6 && kFewM >= 6) return few_rows<6>(x, wb, y, N, K, n0, n1);
+  if (M == 7 && kFewM >= 7) return few_rows<7>(x, wb, y, N, K, n0, n1);
+  if (M == 8 && kFewM >= 8) return few_rows<8>(x, wb, y, N, K, n0, n1);
   if (M < kTileM || M <= 3) {
     for (int64_t m = 0; m < M; ++m) few_rows<1>(x + m * K, wb, y + m * N, N, K, n0, n1);
     return;

@@ -80,7 +80,7 @@ void linear_small(const float* x, const W* w, const float* scale, float* y, int6
         linear_amx_int8w(x, w, scale, y, M, N, K, 1) == 0)
       return;
   }
-  if (M >= kLanes) return linear_bcast(x, w, scale, y, M, N, K);
+  if (M >= std::max<int64_t>(kLanes, kFewM + 1)) return linear_bcast(x, w, scale, y, M, N, K);
   constexpr int64_t kRows = 64;
 // bf16 and int8 weights widen in registers at every row count: widening each block into an
 // fp32 buffer first (the earlier way) made them 1.5-2x slower from 4 rows on.
