@@ -137,8 +137,23 @@ constexpr int kBN = 6, kBV = 2;  // 12 + 2 + 1 of 16
 // input fell from ~140 to ~70 GFLOP/s above 32 rows.
 constexpr int64_t kKc = 4096 / (kBV * kLanes);
 
+// x^T may be stored in column blocks of kXB x rows, each block [K, its width] on its own (the
+// last one narrower), rather than as one [K, Mp] array: a strip's k rows then lie next to each
+// other. In one array they are Mp floats apart, and from 64 rows on that stride maps a strip's
+// 256 cache lines onto a fraction of L1's sets, so it no longer stays there (one thread, a 6 x
+// 768 panel against x^T in L2: 64 / 256 rows 76 / 51 GFLOP/s in one array, 83 / 76 in
+// blocks). `xw`, where a function takes it, is the block width: kXB, or Mp for one array.
+constexpr int64_t kXB = kBV * kLanes;
+
+// Where x^T element (k, m) is: blocks of xw columns.
+inline int64_t xt_index(int64_t k, int64_t m, int64_t K, int64_t Mp, int64_t xw) {
+  const int64_t b0 = m / xw * xw;
+  return b0 * K + k * std::min(xw, Mp - b0) + (m - b0);
+}
+
 // y^T[n0 + i, m] (+)= the TN weight rows at w (stride ldw) over k in [k0, k1), against x^T
-// columns [m0, m0 + TV lanes): y is given transposed (y^T, stride Mp, like x^T) and the tile
+// columns [m0, m0 + TV lanes), which start at xb with k rows ldx apart (in one block of x^T):
+// y is given transposed (y^T, stride Mp) and the tile
 // goes out as whole vectors, padding lanes too. (Row-major y took each lane on its own, which
 // on a 768-wide input, ten k chunks of adds, was as many instructions again as the FMAs: an
 // expert's 96-token block ran at ~100 GFLOP/s against ~150 transposed.) The first chunk
@@ -148,18 +163,22 @@ constexpr int64_t kKc = 4096 / (kBV * kLanes);
 // streams only part of the way: the hidden-256 MoE's batch-16 step 7-8% faster (old and new
 // builds alternated step by step in one engine; 2% at batch 64, none at 1).
 template <int TN, int TV>
-inline void bcast_tile(const float* __restrict w, int64_t ldw, const float* __restrict xt,
-                       int64_t Mp, float* __restrict yt, int64_t k0, int64_t k1, int64_t m0,
-                       int64_t n0, const float* pf = nullptr) {
+inline void bcast_tile(const float* __restrict w, int64_t ldw, const float* __restrict xb,
+                       int64_t ldx, int64_t Mp, float* __restrict yt, int64_t k0, int64_t k1,
+                       int64_t m0, int64_t n0, const float* pf = nullptr) {
   vtile acc[TN][TV] = {};
-  for (int64_t k = k0; k < k1; ++k) {
-    if (pf != nullptr && (k & 15) == 0)  // a cache line of each next-panel row per 16 k
-      for (int i = 0; i < TN; ++i) __builtin_prefetch(pf + i * ldw + k, 0, 3);
-    vtile xv[TV];
-    for (int v = 0; v < TV; ++v) xv[v] = load_tile(xt + k * Mp + m0 + v * kLanes);
-    for (int i = 0; i < TN; ++i) {
-      const vtile b = splat(w[i * ldw + k]);
-      for (int v = 0; v < TV; ++v) acc[i][v] += b * xv[v];
+  for (int64_t kb = k0; kb < k1; kb += 16) {
+    if (pf != nullptr)  // a cache line of each next-panel row per 16 k
+      for (int i = 0; i < TN; ++i) __builtin_prefetch(pf + i * ldw + kb, 0, 3);
+    const int64_t ke = std::min(k1, kb + 16);
+#pragma GCC unroll 4
+    for (int64_t k = kb; k < ke; ++k) {
+      vtile xv[TV];
+      for (int v = 0; v < TV; ++v) xv[v] = load_tile(xb + k * ldx + v * kLanes);
+      for (int i = 0; i < TN; ++i) {
+        const vtile b = splat(w[i * ldw + k]);
+        for (int v = 0; v < TV; ++v) acc[i][v] += b * xv[v];
+      }
     }
   }
   for (int i = 0; i < TN; ++i)
@@ -173,27 +192,32 @@ inline void bcast_tile(const float* __restrict w, int64_t ldw, const float* __re
 // prefetch: w is the weight itself (fp32), so the next panel follows it in memory; a bf16 or
 // int8 panel comes widened in a buffer, and the next one is read by the widening anyway.
 template <int TN>
-void bcast_panel(const float* w, const float* xt, int64_t Mp, float* yt, int64_t K, int64_t n0,
-                 bool prefetch) {
+void bcast_panel(const float* w, const float* xt, int64_t Mp, int64_t xw, float* yt, int64_t K,
+                 int64_t n0, bool prefetch) {
   const int64_t vecs = Mp / kLanes;
+  // x^T's columns from m0 on (a tile's kBV vectors never straddle two of its blocks)
+  const auto strip = [&](int64_t m0) { return xt + xt_index(0, m0, K, Mp, xw); };
+  const auto ld = [&](int64_t m0) { return std::min(xw, Mp - m0 / xw * xw); };
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
     const int64_t k1 = std::min(K, k0 + kKc);
     int64_t v = 0;
     for (; v + kBV <= vecs; v += kBV)
-      bcast_tile<TN, kBV>(w, K, xt, Mp, yt, k0, k1, v * kLanes, n0,
-                          prefetch && v == 0 ? w + TN * K : nullptr);
-    for (; v < vecs; ++v) bcast_tile<TN, 1>(w, K, xt, Mp, yt, k0, k1, v * kLanes, n0);
+      bcast_tile<TN, kBV>(w, K, strip(v * kLanes), ld(v * kLanes), Mp, yt, k0, k1, v * kLanes,
+                          n0, prefetch && v == 0 ? w + TN * K : nullptr);
+    for (; v < vecs; ++v)
+      bcast_tile<TN, 1>(w, K, strip(v * kLanes), ld(v * kLanes), Mp, yt, k0, k1, v * kLanes,
+                        n0);
   }
 }
 
-// y^T [rows, Mp] = the `rows` weight rows at w (stride K) against x^T [K, Mp] (zero-padded;
-// padding columns of y^T come out zero). bf16 / int8 weights: each panel of weight rows is
-// widened into `wide` (kBN x K floats, it stays in L1) and the fp32 tiles run on it;
-// widening each broadcast element on its own (a scalar load, shift or convert and broadcast
-// per FMA group) ran bf16 at ~50 GFLOP/s where fp32 reached 75-160.
+// y^T [rows, Mp] = the `rows` weight rows at w (stride K) against x^T [K, Mp] (zero-padded,
+// in blocks of xw columns; padding columns of y^T come out zero). bf16 / int8 weights: each
+// panel of weight rows is widened into `wide` (kBN x K floats, it stays in L1) and the fp32
+// tiles run on it; widening each broadcast element on its own (a scalar load, shift or
+// convert and broadcast per FMA group) ran bf16 at ~50 GFLOP/s where fp32 reached 75-160.
 template <typename W>
-void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp, float* yt,
-                float* wide) {
+void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp, int64_t xw,
+                float* yt, float* wide) {
   for (int64_t p = 0; p < rows; p += kBN) {
     const int64_t tn = std::min<int64_t>(kBN, rows - p);
     const float* wp;
@@ -216,18 +240,19 @@ void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp
     // experts top-8 at hidden 768, 7 layers cold, 64 / 2,048 tokens 6.8 / 102 -> 6.1 / 98 ms
     // a layer, the first with moe_cpu.cpp's task balance, measured together)
     switch (tn) {
-      case kBN: bcast_panel<kBN>(wp, xt, Mp, yt, K, p, fp32); break;
-      case 1: bcast_panel<1>(wp, xt, Mp, yt, K, p, false); break;
-      case 2: bcast_panel<2>(wp, xt, Mp, yt, K, p, false); break;
-      case 3: bcast_panel<3>(wp, xt, Mp, yt, K, p, false); break;
-      case 4: bcast_panel<4>(wp, xt, Mp, yt, K, p, false); break;
-      case 5: bcast_panel<5>(wp, xt, Mp, yt, K, p, false); break;
+      case kBN: bcast_panel<kBN>(wp, xt, Mp, xw, yt, K, p, fp32); break;
+      case 1: bcast_panel<1>(wp, xt, Mp, xw, yt, K, p, false); break;
+      case 2: bcast_panel<2>(wp, xt, Mp, xw, yt, K, p, false); break;
+      case 3: bcast_panel<3>(wp, xt, Mp, xw, yt, K, p, false); break;
+      case 4: bcast_panel<4>(wp, xt, Mp, xw, yt, K, p, false); break;
+      case 5: bcast_panel<5>(wp, xt, Mp, xw, yt, K, p, false); break;
 #if defined(__AVX512F__)
-      case 6: bcast_panel<6>(wp, xt, Mp, yt, K, p, false); break;
-      case 7: bcast_panel<7>(wp, xt, Mp, yt, K, p, false); break;
+      case 6: bcast_panel<6>(wp, xt, Mp, xw, yt, K, p, false); break;
+      case 7: bcast_panel<7>(wp, xt, Mp, xw, yt, K, p, false); break;
 #endif
       default:  // a kBN past these cases: a row at a time
-        for (int64_t i = 0; i < tn; ++i) bcast_panel<1>(wp + i * K, xt, Mp, yt, K, p + i, false);
+        for (int64_t i = 0; i < tn; ++i)
+          bcast_panel<1>(wp + i * K, xt, Mp, xw, yt, K, p + i, false);
     }
   }
 }

@@ -38,16 +38,17 @@ void linear_bcast(const float* x, const W* w, const float* scale, float* y, int6
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < K; ++k) {
-      float* row = xt.get() + k * Mp;
-      for (int64_t m = 0; m < M; ++m) row[m] = x[m * K + k];
-      for (int64_t m = M; m < Mp; ++m) row[m] = 0.0f;
-    }
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t b0 = 0; b0 < Mp; b0 += kXB) {  // x^T in blocks of kXB columns
+        float* row = xt.get() + xt_index(k, b0, K, Mp, kXB);
+        for (int64_t m = b0; m < std::min(Mp, b0 + kXB); ++m)
+          row[m - b0] = m < M ? x[m * K + k] : 0.0f;
+      }
     std::vector<float> wide(std::is_same_v<W, float> ? 0 : kBN * K), yt(kBN * Mp);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t n0 = p * kBN, rows = std::min<int64_t>(kBN, N - n0);
-      bcast_rows(w + n0 * K, rows, K, xt.get(), Mp, yt.data(), wide.data());
+      bcast_rows(w + n0 * K, rows, K, xt.get(), Mp, kXB, yt.data(), wide.data());
       for (int64_t m = 0; m < M; ++m)
         for (int64_t i = 0; i < rows; ++i)
           y[m * N + n0 + i] = yt[i * Mp + m] * (scale != nullptr ? scale[n0 + i] : 1.0f);

@@ -124,12 +124,12 @@ void expert_block(const float* x, const int64_t* order, const float* weights, co
   int32_t row[kBlockRows];  // the block's tokens' x rows, as offsets from x (int32: see below)
   for (int64_t m = 0; m < M; ++m) row[m] = static_cast<int32_t>((order[s0 + m] / k) * D);
   gather_t(x, row, M, Mp, D, xt);
-  bcast_rows(w13 + e * 2 * I * D, 2 * I, D, xt, Mp, ht, b.wide.get());
+  bcast_rows(w13 + e * 2 * I * D, 2 * I, D, xt, Mp, Mp, ht, b.wide.get());
   if (s13 != nullptr)
     for (int64_t r = 0; r < 2 * I; ++r)
       for (int64_t m = 0; m < Mp; ++m) ht[r * Mp + m] *= s13[e * 2 * I + r];
   silu_mul_row(ht, ht + I * Mp, at, I * Mp);  // zero padding stays zero: SiLU(0) * 0
-  bcast_rows(w2 + e * D * I, D, I, at, Mp, yt, b.wide.get());
+  bcast_rows(w2 + e * D * I, D, I, at, Mp, Mp, yt, b.wide.get());
   for (int64_t m = 0; m < M; ++m)
     scatter_t(yt + m, Mp, D, s2 != nullptr ? s2 + e * D : nullptr, weights[order[s0 + m]],
               ys + (s0 + m) * D);
