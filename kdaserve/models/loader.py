@@ -17,6 +17,7 @@ import torch
 
 from kdaserve.config import ModelConfig
 from kdaserve.kernels import Kernels
+from kdaserve.kernels.host_memory import advise_huge_pages
 from kdaserve.kernels.ref.quant import quantize_int8
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import MLAttention
@@ -235,9 +236,11 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
     matmul_weights = {id(m.weight) for m in streamed_linears(model)}
     matmul_weights |= {id(p) for m in model.modules() if isinstance(m, MoE) for p in (m.w13, m.w2)}
     for n, p in model.named_parameters():
-        if n.endswith(fp32_suffixes):
-            continue
-        p.data = p.data.to(weight_dtype or dtype if id(p) in matmul_weights else dtype)
+        target = p.dtype if n.endswith(fp32_suffixes) else \
+            weight_dtype or dtype if id(p) in matmul_weights else dtype
+        if p.dtype != target:  # nothing to convert: the values come next
+            p.data = torch.empty(p.shape, dtype=target, device=p.device)
+        advise_huge_pages(p.data)  # before the values are written (where memory is the host's)
     model.requires_grad_(False)
     if load_format == "dummy":
         init_random(model, seed)
@@ -267,10 +270,17 @@ def quantize_weights(model: KimiLinearForCausalLM) -> None:
     loaded float values are the source)."""
     for m in streamed_linears(model):
         q, m.scale = quantize_int8(m.weight.data)
-        m.weight = torch.nn.Parameter(q, requires_grad=False)
+        m.weight = torch.nn.Parameter(_on_huge_pages(q), requires_grad=False)
     for m in model.modules():
         if isinstance(m, MoE):
             q13, m.w13_scale = quantize_int8(m.w13.data)
             q2, m.w2_scale = quantize_int8(m.w2.data)
-            m.w13 = torch.nn.Parameter(q13, requires_grad=False)
-            m.w2 = torch.nn.Parameter(q2, requires_grad=False)
+            m.w13 = torch.nn.Parameter(_on_huge_pages(q13), requires_grad=False)
+            m.w2 = torch.nn.Parameter(_on_huge_pages(q2), requires_grad=False)
+
+
+def _on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """t copied into memory advised for huge pages (host_memory.advise_huge_pages) before
+    the copy writes it; t as it is where the advice does not apply."""
+    out = torch.empty_like(t)
+    return out.copy_(t) if advise_huge_pages(out) else t

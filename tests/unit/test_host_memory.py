@@ -1,5 +1,6 @@
 """The host allocator keeps freed large buffers: a forward's big temporaries reuse pages
-instead of faulting in fresh ones every step. Checked in a fresh process: the heap of a
+instead of faulting in fresh ones every step; weights can be put on huge pages. Checked in a
+fresh process: the heap of a
 suite's process after a thousand tests (threads, arenas, what earlier tests left) says little
 about a serving engine's."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 CHECK = """
 import resource
@@ -32,3 +34,37 @@ def test_freed_large_buffers_are_reused() -> None:
     # each 4 KB page of a newly mapped 64 MB buffer faults once (16,384 pages; measured the
     # same on every call without this setting): the reused buffers are already mapped
     assert int(run.stdout.split()[-1]) < 16384
+
+
+HUGE = """
+import torch
+from pathlib import Path
+from kdaserve.kernels.host_memory import advise_huge_pages, keep_freed_memory
+
+keep_freed_memory()
+t = torch.empty(16 * 2**20)  # 64 MB, not yet written
+small = torch.empty(1000)
+assert advise_huge_pages(t) and not advise_huge_pages(small)  # no whole 2 MB page in small
+t.copy_(torch.arange(t.numel(), dtype=torch.float32))
+assert torch.equal(t[::4097], torch.arange(0, t.numel(), 4097, dtype=torch.float32))
+middle = t.data_ptr() + 32 * 2**20  # the advice splits off a mapping of t's whole 2 MB pages
+huge_kb, start = 0, None
+for line in Path("/proc/self/smaps").read_text().splitlines():
+    if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+        lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+        start = lo if lo <= middle < hi else None
+    elif start is not None and line.startswith("AnonHugePages:"):
+        huge_kb += int(line.split()[1])
+print(huge_kb)
+"""
+
+
+def test_weights_can_sit_on_huge_pages() -> None:
+    """A buffer advised before it is written gets transparent huge pages where the kernel
+    hands them out (THP in `always` or `madvise` mode); its values are what was written."""
+    run = subprocess.run([sys.executable, "-c", HUGE], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert int(run.stdout.split()[-1]) >= 32 * 1024  # at least half of the 64 MB
