@@ -145,10 +145,56 @@ constexpr int64_t kKc = 4096 / (kBV * kLanes);
 // blocks). `xw`, where a function takes it, is the block width: kXB, or Mp for one array.
 constexpr int64_t kXB = kBV * kLanes;
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// 8 x 8 floats transposed in registers: afterwards r[j] holds lane j of each input r[i].
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // t[i] = a0 b0 a1 b1 | a4 b4 a5 b5 of rows i, i + 1
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + j] = lanes j and j + 4 of rows i..i+3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+    r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+  }
+}
+#endif
+
 // Where x^T element (k, m) is: blocks of xw columns.
 inline int64_t xt_index(int64_t k, int64_t m, int64_t K, int64_t Mp, int64_t xw) {
   const int64_t b0 = m / xw * xw;
   return b0 * K + k * std::min(xw, Mp - b0) + (m - b0);
+}
+
+// x^T [K, Mp] in blocks of kXB columns, zero-padded, its rows [k0, k1) from x [M, K]. On AVX2
+// 8 x 8 blocks transposed in registers: an element at a time (a strided load and a store
+// each) was a third of the time the hidden-256 MoE's batch-16 int8 products spent outside
+// their tiles.
+inline void fill_xt(const float* x, int64_t M, int64_t K, int64_t Mp, float* xt, int64_t k0,
+                    int64_t k1) {
+  int64_t k = k0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  for (; k + 8 <= k1; k += 8)
+    for (int64_t m0 = 0; m0 < Mp; m0 += 8) {  // Mp: whole vectors of 8 lanes
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j)
+        r[j] = m0 + j < M ? _mm256_loadu_ps(x + (m0 + j) * K + k) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(xt + xt_index(k + j, m0, K, Mp, kXB), r[j]);
+    }
+#endif
+  for (; k < k1; ++k)
+    for (int64_t b0 = 0; b0 < Mp; b0 += kXB) {
+      float* row = xt + xt_index(k, b0, K, Mp, kXB);
+      for (int64_t m = b0; m < std::min(Mp, b0 + kXB); ++m)
+        row[m - b0] = m < M ? x[m * K + k] : 0.0f;
+    }
 }
 
 // y^T[n0 + i, m] (+)= the TN weight rows at w (stride ldw) over k in [k0, k1), against x^T

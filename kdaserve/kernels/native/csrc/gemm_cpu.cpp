@@ -38,12 +38,7 @@ void linear_bcast(const float* x, const W* w, const float* scale, float* y, int6
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t b0 = 0; b0 < Mp; b0 += kXB) {  // x^T in blocks of kXB columns
-        float* row = xt.get() + xt_index(k, b0, K, Mp, kXB);
-        for (int64_t m = b0; m < std::min(Mp, b0 + kXB); ++m)
-          row[m - b0] = m < M ? x[m * K + k] : 0.0f;
-      }
+    for (int64_t k0 = 0; k0 < K; k0 += 8) fill_xt(x, M, K, Mp, xt.get(), k0, std::min(K, k0 + 8));
     std::vector<float> wide(std::is_same_v<W, float> ? 0 : kBN * K), yt(kBN * Mp);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {

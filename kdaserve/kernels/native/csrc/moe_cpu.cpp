@@ -49,27 +49,6 @@ struct BlockScratch {
         wide(new float[kBN * std::max(I, D)]) {}
 };
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// 8 x 8 floats transposed in registers: afterwards r[j] holds lane j of each input r[i].
-inline void transpose8(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {  // t[i] = a0 b0 a1 b1 | a4 b4 a5 b5 of rows i, i + 1
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {  // u[i + j] = lanes j and j + 4 of rows i..i+3
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
-    r[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
-  }
-}
-#endif
-
 // x^T of a block of rows: xt[d * Mp + m] = x[row[m] + d] for m < M, zero up to Mp. The
 // scalar transpose (a load and a store an element) was half of a block's time outside the
 // products; AVX-512 gathers a vector of rows at each d instead, AVX2 (whose gathers are
