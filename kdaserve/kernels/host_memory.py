@@ -53,8 +53,8 @@ def _madvise() -> Any:
 
 
 def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Asks Linux for transparent huge pages under the whole 2 MB pages of a host tensor's
-    memory; True where the kernel took the advice. Where THP is in `madvise` mode (many
+    """Asks Linux for transparent huge pages under the whole 2 MB pages of a contiguous host
+    tensor's memory; True where the kernel took the advice. Where THP is in `madvise` mode (many
     distributions' default) memory gets them only so advised, and only as it is first
     written: call this before filling t. Why weights: a decode step streams each of them
     once, and on 4 KB pages every 4 KB is a TLB miss and a boundary where the hardware

@@ -15,17 +15,18 @@ def gen(seed: int) -> torch.Generator:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 32, 33, 48, 64, 97])
-@pytest.mark.parametrize("K", [16, 40, 768])
+@pytest.mark.parametrize("K", [16, 40, 43, 768])
 def test_linear_native_matches_torch(rows: int, K: int, monkeypatch) -> None:
     """Row counts around the streamed rows (1-8 on AVX2, 1-3 on AVX-512), the dot tiles
-    (4-15 rows on AVX-512), the broadcast tiles' whole and padded
-    vectors of x rows (8 lanes on AVX2, 16 on AVX-512), x^T's column blocks (16 / 32 rows,
-    the last one narrower at 33 and 97) and the size limit; K not a multiple of 16 too; 70
-    output columns, not a multiple of the tiles' weight rows (the native kernel at every
-    count: oneDNN would take fp32 above onednn_native_max_rows)."""
+    (4-15 rows on AVX-512), the broadcast tiles' whole and padded vectors of x rows (8
+    lanes on AVX2, 16 on AVX-512) and x^T's column blocks (16 rows on AVX2, the last one
+    narrower at 33 and 97; 48 on AVX-512, narrower at 97); K not a multiple of 16, and of 8
+    (x^T's fill past its 8 x 8 transposes); 70 output columns, not a multiple of the tiles'
+    weight rows. The native kernel at every count (oneDNN or sgemm would take fp32 above
+    linear_native_max_rows)."""
     from kdaserve.kernels.native import ops
 
-    monkeypatch.setattr(ops, "onednn_native_max_rows", lambda elements, K: 128)
+    monkeypatch.setattr(ops, "linear_native_max_rows", lambda weight: 128)
     g = gen(rows * K)
     x, w = torch.randn(2, rows, K, generator=g), torch.randn(70, K, generator=g)
     torch.testing.assert_close(linear_native(x[1], w), torch.nn.functional.linear(x[1], w),

@@ -24,7 +24,7 @@ def test_moe_experts_match_reference(T: int, backend: str, D: int) -> None:
     kernel with its own choice per expert, with every expert in token blocks (700 tokens: ~210
     an expert, several blocks each, the last ones partial) and with every expert's weight
     rows split over the threads. D = 43: the blocks' transposes in and out (8 x 8 in
-    registers on AVX2, 16-wide gathers on AVX-512) end in a scalar tail."""
+    registers on AVX2) and the output's 16-wide gathers on AVX-512 end in a scalar tail."""
     import kdaserve.kernels.native.ops as native_ops
 
     E, inter, k = 12, 24, 3

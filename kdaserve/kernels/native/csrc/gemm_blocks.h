@@ -199,12 +199,12 @@ inline void fill_xt(const float* x, int64_t M, int64_t K, int64_t Mp, float* xt,
 
 // y^T[n0 + i, m] (+)= the TN weight rows at w (stride ldw) over k in [k0, k1), against x^T
 // columns [m0, m0 + TV lanes), which start at xb with k rows ldx apart (in one block of x^T):
-// y is given transposed (y^T, stride Mp) and the tile
-// goes out as whole vectors, padding lanes too. (Row-major y took each lane on its own, which
-// on a 768-wide input, ten k chunks of adds, was as many instructions again as the FMAs: an
-// expert's 96-token block ran at ~100 GFLOP/s against ~150 transposed.) The first chunk
-// (k0 == 0) stores, later ones add. pf (nullable): the next panel's rows, fetched into cache
-// while this one computes. A decode step streams more weights than the L3 holds, so each
+// y is given transposed (y^T, stride Mp) and the tile goes out as whole vectors, padding
+// lanes too. (Row-major y took each lane on its own, which on a 768-wide input, ten k chunks
+// of adds, was as many instructions again as the FMAs: an expert's 96-token block ran at
+// ~100 GFLOP/s against ~150 transposed.) The first chunk (k0 == 0) stores, later ones add.
+// pf (nullable): the next panel's rows, a line of each per 16 k from k0 on, fetched into
+// cache while this one computes. A decode step streams more weights than the L3 holds, so each
 // panel arrives from memory, and the hardware prefetchers follow its TN interleaved row
 // streams only part of the way: the hidden-256 MoE's batch-16 step 7-8% faster (old and new
 // builds alternated step by step in one engine; 2% at batch 64, none at 1).
