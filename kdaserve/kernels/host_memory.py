@@ -31,12 +31,18 @@ HUGE_PAGE = 2 << 20
 
 
 @functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except (OSError, TypeError):
+        return None
+
+
+@functools.cache
 def keep_freed_memory() -> bool:
     """Once per process; False (and nothing changed) where libc has no glibc mallopt."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         logger.info("no glibc mallopt: large host buffers are mapped per allocation")
         return False
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
@@ -44,11 +50,9 @@ def keep_freed_memory() -> bool:
 
 @functools.cache
 def _madvise() -> Any:
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    fn = getattr(_libc(), "madvise", None)
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return fn
 
 

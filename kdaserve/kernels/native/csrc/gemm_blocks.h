@@ -172,28 +172,32 @@ inline int64_t xt_index(int64_t k, int64_t m, int64_t K, int64_t Mp, int64_t xw)
   return b0 * K + k * std::min(xw, Mp - b0) + (m - b0);
 }
 
-// x^T [K, Mp] in blocks of kXB columns, zero-padded, its rows [k0, k1) from x [M, K]. On AVX2
-// 8 x 8 blocks transposed in registers: an element at a time (a strided load and a store
-// each) was a third of the time the hidden-256 MoE's batch-16 int8 products spent outside
-// their tiles.
-inline void fill_xt(const float* x, int64_t M, int64_t K, int64_t Mp, float* xt, int64_t k0,
-                    int64_t k1) {
+// Rows [k0, k1) of x^T [K, Mp] (in blocks of xw columns, zero-padded) from the M rows of x at
+// x + row(m). On AVX2 8 x 8 blocks transposed in registers: an element at a time (a strided
+// load and a store each) was a third of the time the hidden-256 MoE's batch-16 int8
+// products spent outside their tiles, and with the experts' y^T out (moe_cpu.cpp) 15% of a
+// 2,048-token layer's expert time.
+template <typename Row>
+inline void fill_xt(const float* x, Row row, int64_t M, int64_t K, int64_t Mp, int64_t xw,
+                    float* xt, int64_t k0, int64_t k1) {
   int64_t k = k0;
 #if defined(__AVX2__) && !defined(__AVX512F__)
   for (; k + 8 <= k1; k += 8)
-    for (int64_t m0 = 0; m0 < Mp; m0 += 8) {  // Mp: whole vectors of 8 lanes
+    for (int64_t m0 = 0; m0 < Mp; m0 += 8) {  // Mp and xw: whole vectors of 8 lanes
       __m256 r[8];
       for (int j = 0; j < 8; ++j)
-        r[j] = m0 + j < M ? _mm256_loadu_ps(x + (m0 + j) * K + k) : _mm256_setzero_ps();
+        r[j] = m0 + j < M ? _mm256_loadu_ps(x + row(m0 + j) + k) : _mm256_setzero_ps();
       transpose8(r);
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(xt + xt_index(k + j, m0, K, Mp, kXB), r[j]);
+      const int64_t width = std::min(xw, Mp - m0 / xw * xw);  // of m0's block
+      float* out = xt + xt_index(k, m0, K, Mp, xw);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(out + j * width, r[j]);
     }
 #endif
   for (; k < k1; ++k)
-    for (int64_t b0 = 0; b0 < Mp; b0 += kXB) {
-      float* row = xt + xt_index(k, b0, K, Mp, kXB);
-      for (int64_t m = b0; m < std::min(Mp, b0 + kXB); ++m)
-        row[m - b0] = m < M ? x[m * K + k] : 0.0f;
+    for (int64_t b0 = 0; b0 < Mp; b0 += xw) {
+      float* out = xt + xt_index(k, b0, K, Mp, xw);
+      for (int64_t m = b0; m < std::min(Mp, b0 + xw); ++m)
+        out[m - b0] = m < M ? x[row(m) + k] : 0.0f;
     }
 }
 

@@ -38,7 +38,9 @@ void linear_bcast(const float* x, const W* w, const float* scale, float* y, int6
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (int64_t k0 = 0; k0 < K; k0 += 8) fill_xt(x, M, K, Mp, xt.get(), k0, std::min(K, k0 + 8));
+    for (int64_t k0 = 0; k0 < K; k0 += 8)
+      fill_xt(x, [K](int64_t m) { return m * K; }, M, K, Mp, kXB, xt.get(), k0,
+              std::min(K, k0 + 8));
     std::vector<float> wide(std::is_same_v<W, float> ? 0 : kBN * K), yt(kBN * Mp);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < panels; ++p) {

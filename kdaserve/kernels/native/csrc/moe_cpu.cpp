@@ -51,9 +51,7 @@ struct BlockScratch {
 
 // x^T of a block of rows: xt[d * Mp + m] = x[row[m] + d] for m < M, zero up to Mp. The
 // scalar transpose (a load and a store an element) was half of a block's time outside the
-// products; AVX-512 gathers a vector of rows at each d instead, AVX2 (whose gathers are
-// slow) transposes 8 x 8 blocks in registers (a 2,048-token layer of 64 experts top-8 at
-// hidden 768: the scalar gather and scatter were 15% of its experts' time).
+// products; AVX-512 gathers a vector of rows at each d instead, elsewhere it is fill_xt's.
 inline void gather_t(const float* x, const int32_t* row, int64_t M, int64_t Mp, int64_t D,
                      float* xt) {
 #if defined(__AVX512F__)
@@ -65,22 +63,7 @@ inline void gather_t(const float* x, const int32_t* row, int64_t M, int64_t Mp, 
                        _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, idx, x + d, 4));
   }
 #else
-  int64_t d0 = 0;
-#if defined(__AVX2__)
-  d0 = D / 8 * 8;
-  for (int64_t m0 = 0; m0 < Mp; m0 += 8)  // Mp: whole vectors of 8
-    for (int64_t d = 0; d < d0; d += 8) {
-      __m256 r[8];
-      for (int j = 0; j < 8; ++j)
-        r[j] = m0 + j < M ? _mm256_loadu_ps(x + row[m0 + j] + d) : _mm256_setzero_ps();
-      transpose8(r);
-      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(xt + (d + j) * Mp + m0, r[j]);
-    }
-#endif
-  for (int64_t d = d0; d < D; ++d) {
-    for (int64_t m = 0; m < M; ++m) xt[d * Mp + m] = x[row[m] + d];
-    for (int64_t m = M; m < Mp; ++m) xt[d * Mp + m] = 0.0f;
-  }
+  fill_xt(x, [row](int64_t m) { return row[m]; }, M, D, Mp, Mp, xt, 0, D);  // one block
 #endif
 }
 
