@@ -39,8 +39,10 @@ class IncrementalDetokenizer:
         """Appends one token; returns the stop string if the text now contains one (the text is
         then cut right before it)."""
         skip = self.skip_special_tokens and token_id not in self.keep
-        self._pending += self.tokenizer.decode_bytes([token_id], skip)
-        cut = complete_utf8_prefix(self._pending)
+        self._pending += self.tokenizer.token_bytes(token_id, skip)
+        # ending in ASCII, the bytes are whole characters (most tokens: no scan)
+        cut = len(self._pending) if self._pending and self._pending[-1] < 0x80 \
+            else complete_utf8_prefix(self._pending)
         if cut == 0:
             return None
         old_len = len(self.text)

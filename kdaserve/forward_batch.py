@@ -96,6 +96,17 @@ class ForwardBatch:
             n = len(toks)
             if len(table) * block_size < start + n:
                 raise ValueError("block table too short for the sequence")
+            if n == 1:  # a decode: the general case's ranges cost ~2x on a step's host time
+                ids.append(toks[0])
+                positions.append(start)
+                slot_mapping.append(table[start // block_size] * block_size
+                                    + start % block_size)
+                if first == 0:
+                    logits_rows.append(cu[-1])
+                else:
+                    logits_rows.extend(range(cu[-1] + first, cu[-1] + 1))
+                cu.append(cu[-1] + 1)
+                continue
             ids.extend(toks)
             pos = range(start, start + n)
             positions.extend(pos)

@@ -186,6 +186,9 @@ class Request:
     def tokens(self, start: int, end: int) -> list[int]:
         """Positions [start, end) of prompt + output + drafts, without building the whole
         list (`all_ids` copies every token: a step's inputs need one or a few)."""
+        if end - start == 1 and end == len(self.prompt_ids) + len(self.output_ids) \
+                and self.output_ids:  # a decode's input: its last output token
+            return [self.output_ids[-1]]
         out: list[int] = []
         for part in (self.prompt_ids, self.output_ids, self.draft_ids):
             if start < len(part) and end > 0:
@@ -241,7 +244,8 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         """Some of its tokens are not in the caches yet beyond the one decode token."""
-        return self.num_tokens - self.num_computed_tokens > 1
+        # num_tokens spelled out: asked several times per request per step
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed_tokens > 1
 
 
 @dataclass(slots=True)

@@ -99,6 +99,7 @@ class Tokenizer:
         self._backend = backend
         self._special_tokens = special_tokens
         self._skip_ids = skip_ids
+        self._token_bytes: dict[int, bytes] = {}  # token_bytes' cache
         self._bos_token_id = self._config_token_id(config, "bos_token")
         eos = [self._config_token_id(config, "eos_token")]
         eos += [special_tokens.get(name) for name in _EXTRA_EOS_TOKENS]
@@ -171,6 +172,17 @@ class Tokenizer:
     def decode_bytes(self, ids: Sequence[int], skip_special_tokens: bool = False) -> bytes:
         """Raw bytes of `ids`, so an incremental detokenizer can wait for complete UTF-8 chars."""
         return self._backend.decode_bytes(self._filter(ids, skip_special_tokens))
+
+    def token_bytes(self, token_id: int, skip_special_tokens: bool = False) -> bytes:
+        """`decode_bytes([token_id])`, cached: the incremental detokenizer asks once per
+        generated token, and the backend's call path cost ~3 us against a dict lookup."""
+        if skip_special_tokens and token_id in self._skip_ids:
+            return b""
+        data = self._token_bytes.get(token_id)
+        if data is None:
+            data = self._backend.decode_bytes([token_id])
+            self._token_bytes[token_id] = data
+        return data
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a special-token name or of one vocabulary entry (HF: as spelled in its vocab)."""

@@ -10,6 +10,7 @@ over KV (leaves) and over snapshots, skipping nodes locked by in-flight requests
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -185,19 +186,31 @@ class RadixCache:
         """Frees LRU unlocked leaves until num_blocks blocks returned to the pool. Leaves whose
         blocks running requests still hold free nothing: they go last, and only when forced
         (a flush), so their snapshots are not lost for no memory."""
+        refcount = self.pool.refcount
+
+        def entry(n: Node, order: int) -> tuple[bool, float, int, Node]:
+            useless = all(refcount[b] > 1 for b in n.blocks)
+            return useless, n.last_access, order, n
+
+        # The leaves in a heap, collected once a call (a full tree walk per evicted leaf made
+        # a step that grows many block tables quadratic in the cache's size). Removing a leaf
+        # changes no other node's key (a block belongs to one node); a parent left without
+        # children becomes a candidate.
+        heap = [entry(n, i) for i, n in enumerate(self._nodes())
+                if not n.children and n.lock == 0]
+        heapq.heapify(heap)
+        order = len(heap)
         freed = 0
-        while freed < num_blocks:
-            leaves = [n for n in self._nodes() if not n.children and n.lock == 0]
-            if not leaves:
+        while freed < num_blocks and heap:
+            useless, _, _, victim = heapq.heappop(heap)
+            if useless and not force:
                 break
-
-            def useless(n: Node) -> bool:
-                return all(self.pool.refcount[b] > 1 for b in n.blocks)
-
-            victim = min(leaves, key=lambda n: (useless(n), n.last_access))
-            if useless(victim) and not force:
-                break
+            parent = victim.parent
             freed += self._remove_leaf(victim)
+            if parent is not None and parent is not self.root and not parent.children \
+                    and parent.lock == 0:
+                heapq.heappush(heap, entry(parent, order))
+                order += 1
         return freed
 
     def _remove_leaf(self, node: Node) -> int:

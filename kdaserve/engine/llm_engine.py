@@ -391,12 +391,13 @@ class LLMEngine(Introspection, OverlapSteps):
                         result.top_logprobs[i][t] = lp
             failed = {rid for rid, _ in self.failures}
             for i, req in enumerate(plain):
-                if self._group_id(req) in failed:
+                gid = self._group_id(req)
+                if gid in failed:
                     continue
                 self.append_token(req, result.token_ids[i],
                              result.logprobs[i] if result.logprobs else None,
                              result.top_logprobs[i] if result.top_logprobs else None)
-                touched[self._group_id(req)] = None
+                touched[gid] = None
         if spec is not None:  # drafter state follows what each request kept
             for req, j, r in accepted:
                 if not req.is_finished:
@@ -425,10 +426,12 @@ class LLMEngine(Introspection, OverlapSteps):
     def _updates(self, touched: dict[str, None]) -> list[RequestOutput]:
         outputs = []
         for rid in touched:
-            first = self.groups[rid][0]
+            group = self.groups[rid]
+            first = group[0]
             if first.prompt_logits_row is not None and not first.is_finished:
                 continue  # a sibling decodes before child 0 has scored the prompt: wait
-            if not self.stream_outputs and not all(r.is_finished for r in self.groups[rid]):
+            if not self.stream_outputs and not (first.is_finished if len(group) == 1 else
+                                                all(r.is_finished for r in group)):
                 continue  # each update copies every token so far: a caller may not want them
             out = self._group_output(rid)
             outputs.append(out)

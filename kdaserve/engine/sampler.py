@@ -205,17 +205,25 @@ class Sampler:
     def draw(self, logits: torch.Tensor, reqs: list[Request]) -> Drawn:
         """The tokens, on the logits' device: nothing here waits for the device, so an
         overlapped step (engine/overlap.py) reads them a step later."""
-        want_logprobs = any(r.params.logprobs is not None for r in reqs)
+        # one pass over the requests' parameters (four were ~1 us a request a step)
+        want_logprobs = biased = penalised = False
+        all_greedy = True
+        for r in reqs:
+            p = r.params
+            want_logprobs = want_logprobs or p.logprobs is not None
+            biased = biased or bool(p.logit_bias or p.min_tokens)
+            penalised = penalised or bool(p.repetition_penalty != 1.0 or p.presence_penalty
+                                          or p.frequency_penalty)
+            all_greedy = all_greedy and p.is_greedy
         raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
-        if any(r.params.logit_bias or r.params.min_tokens for r in reqs):
+        if biased:
             logits = apply_bias(logits, reqs, self.stop_ids)
-        if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty
-               or r.params.frequency_penalty for r in reqs):
+        if penalised:
             logits = apply_penalties(logits, reqs)
         tokens = argmax_rows(logits)
         # on a GPU the token ids' copy is the step's one wait for the device: whether to
         # draw is decided from the host's parameters, not from a device tensor
-        if not all(r.params.is_greedy for r in reqs):
+        if not all_greedy:
             dev = logits.device
             greedy = to_device(torch.tensor([r.params.is_greedy for r in reqs]), dev)
             probs = apply_filters(logits, reqs)

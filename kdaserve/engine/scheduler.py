@@ -384,18 +384,20 @@ class Scheduler:
             if req.is_finished or req.state_slot is None:
                 continue
             pos = req.num_computed_tokens
+            on_grid = pos % self.snapshot_interval == 0
+            prefilling = req.is_prefilling
+            planned = bool(req.snapshot_points) and pos in req.snapshot_points
             # planned points, and every prefill chunk end on the grid (a long prompt then
             # leaves a checkpoint per chunk, as SGLang caches unfinished requests)
-            chunk_end = req.is_prefilling and pos % self.snapshot_interval == 0
-            if pos in req.snapshot_points or chunk_end:
-                if pos in req.snapshot_points:
+            if planned or (prefilling and on_grid):
+                if planned:
                     req.snapshot_points.remove(pos)
                 slot = self._snapshot_slot()
                 if slot is not None:
                     self.states.copy(req.state_slot, slot)
                     if self.cache.insert(req.all_ids[:pos], req.block_ids, slot):
                         self._cap_snapshots()
-            elif not req.is_prefilling and pos % self.snapshot_interval == 0:
+            elif not prefilling and on_grid:
                 if req.track_slot is None:
                     req.track_slot = self._snapshot_slot()
                 if req.track_slot is not None:

@@ -3,9 +3,14 @@ radix_fakes.py). Integrity (tree, block pool, state pool) is checked after every
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from kdaserve.cache.radix_cache import Node, RadixCache
+
 from .radix_fakes import (
+    BS,
     TreeEnv,
     fake_state,
     find,
@@ -363,3 +368,70 @@ def test_flush_keeps_a_locked_path(env: TreeEnv) -> None:
     assert env.cache.flush()
     env.check()
     assert env.blocks.num_free == env.blocks.num_blocks
+
+
+
+def _evict_by_scanning(cache: RadixCache, num_blocks: int) -> tuple[int, list[tuple[int, ...]]]:
+    """The eviction rule spelled out: each victim the least recently used unlocked leaf,
+    leaves whose blocks running requests hold last (then none), the whole tree rescanned
+    after every removal. Returns the blocks freed and the victims' paths in order."""
+    paths, freed, order = tree_paths(cache), 0, []
+    while freed < num_blocks:
+        leaves = [n for n in cache._nodes() if not n.children and n.lock == 0]
+        if not leaves:
+            break
+
+        def held(n: Node) -> bool:
+            return all(cache.pool.refcount[b] > 1 for b in n.blocks)
+
+        victim = min(leaves, key=lambda n: (held(n), n.last_access))
+        if held(victim):
+            break
+        order.append(paths[victim])
+        freed += cache._remove_leaf(victim)
+    return freed, order
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_eviction_order_matches_a_full_scan_per_victim(seed: int) -> None:
+    """evict_blocks collects the leaves once and keeps them in a heap: the same victims, in
+    the same order, as rescanning the tree after each one (parents that become leaves
+    included; held and locked paths kept)."""
+    rng = random.Random(seed)
+    heap_env, scan_env = (TreeEnv.make(num_blocks=256, num_slots=32) for _ in range(2))
+    prefixes = [seq(100 * (i + 1), BS * rng.randint(1, 4)) for i in range(3)]
+    for _ in range(rng.randint(6, 14)):  # the same operations on both trees
+        tokens = rng.choice(prefixes) + seq(rng.randrange(1000, 5000), BS * rng.randint(1, 3))
+        op, snapshot = rng.random(), rng.random() < 0.3
+        for env in (heap_env, scan_env):
+            if op < 0.7:
+                env.insert(tokens, snapshot=snapshot)
+            else:
+                env.match(tokens)
+    # running requests: some hold a leaf's blocks (evicting it would free nothing), one has
+    # its matched path locked
+    leaves = sorted(p for n, p in tree_paths(heap_env.cache).items() if not n.children)
+    held = rng.sample(leaves, rng.randint(0, len(leaves) // 2))
+    locked = rng.choice(leaves)
+    for env in (heap_env, scan_env):
+        for path in held:
+            node = find(env.cache, path)
+            assert node is not None
+            env.share(node.blocks)
+        node = find(env.cache, locked)
+        assert node is not None
+        env.cache.lock(node)
+    paths = tree_paths(heap_env.cache)
+    recorded: list[tuple[int, ...]] = []
+    remove = heap_env.cache._remove_leaf
+
+    def record(node: Node) -> int:
+        recorded.append(paths[node])
+        return remove(node)
+
+    heap_env.cache._remove_leaf = record  # type: ignore[method-assign]
+    n = rng.randint(1, 100)
+    freed = heap_env.cache.evict_blocks(n)
+    assert (freed, recorded) == _evict_by_scanning(scan_env.cache, n)
+    assert recorded, "nothing was evicted: the case tests nothing"
+    heap_env.check()

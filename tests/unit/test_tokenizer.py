@@ -91,6 +91,22 @@ def test_skip_special_tokens_keeps_tool_markers(kimi: Tokenizer) -> None:
     assert kimi.decode_bytes(ids, skip_special_tokens=True) == ("assistantok" + call).encode()
 
 
+def test_token_bytes_equal_decode_bytes(kimi: Tokenizer) -> None:
+    """The detokenizer's cached per-token bytes: those of `decode_bytes([id])` for base and
+    special ids, skipped or kept, asked twice (the second from the cache); an id outside the
+    vocabulary is refused, not cached."""
+    nb = num_base(kimi)
+    ids = [*range(0, nb, max(1, nb // 500)), nb - 1, *range(nb, kimi.vocab_size)]
+    for skip in (False, True, False):
+        for i in ids:
+            assert kimi.token_bytes(i, skip) == kimi.decode_bytes([i], skip), (i, skip)
+    assert kimi.token_bytes(nb, skip_special_tokens=True) == b""
+    with pytest.raises(ValueError, match="outside vocab"):
+        kimi.token_bytes(kimi.vocab_size)
+    with pytest.raises(ValueError, match="outside vocab"):
+        kimi.token_bytes(kimi.vocab_size)
+
+
 def test_decode_bytes_reassembles_split_char(small_dir: Path) -> None:
     tok = Tokenizer.from_pretrained(small_dir)
     text = "🦀"  # 4 UTF-8 bytes; the 4096-rank vocab has no token for it
