@@ -232,14 +232,13 @@ class RadixCache:
     def evict_snapshots(self, num: int) -> int:
         """Drops LRU snapshots (KV stays); a snapshot is only read at admission, so none is
         locked."""
-        dropped = 0
-        while dropped < num:
-            holders = [n for n in self._nodes() if n.state_slot is not None]
-            if not holders:
-                break
-            self._drop_state(min(holders, key=lambda n: n.last_access))
-            dropped += 1
-        return dropped
+        # one tree walk: dropping a state changes no other node's age, so the num oldest
+        # (ties in tree order, as a min per victim would take them) are the victims
+        holders = [n for n in self._nodes() if n.state_slot is not None]
+        victims = heapq.nsmallest(num, holders, key=lambda n: n.last_access)
+        for n in victims:
+            self._drop_state(n)
+        return len(victims)
 
     def flush(self) -> bool:
         """Drops everything not locked by a running request; False if something was locked."""

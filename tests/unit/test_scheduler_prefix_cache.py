@@ -382,3 +382,38 @@ def test_random_chat_workload_with_prefix_cache(seed: int) -> None:
     eng.check()
     assert eng.blocks.num_free == eng.blocks.num_blocks
     assert eng.states.num_free == eng.states.num_slots
+
+
+def test_full_pool_evicts_with_headroom() -> None:
+    """Once the pool is full of cached prefixes, a block eviction frees 1/128 of the pool
+    beyond what was asked, and a snapshot eviction 1/16 of the cap: the blocks a decode grows
+    into next come from that headroom, not from another walk over the whole tree (one per
+    block before). Outputs and the cache's contents stay right (checked every step)."""
+    eng = FakeEngine(num_blocks=512, block_size=4, num_slots=48, max_num_seqs=4, budget=64,
+                     snapshot_interval=8, max_snapshots=32)
+    walks = 0  # evictions: each walks the whole tree once
+    evict_blocks, evict_snapshots = eng.cache.evict_blocks, eng.cache.evict_snapshots
+
+    def blocks(n: int, force: bool = False) -> int:
+        nonlocal walks
+        walks += 1
+        return evict_blocks(n, force)
+
+    def snapshots(n: int) -> int:
+        nonlocal walks
+        walks += 1
+        return evict_snapshots(n)
+
+    eng.cache.evict_blocks = blocks  # type: ignore[method-assign]
+    eng.cache.evict_snapshots = snapshots  # type: ignore[method-assign]
+    reqs, full_at = [], None
+    for i in range(70):  # distinct prompts: the pool is full after ~40
+        reqs.append(eng.add(f"r{i}", prompt(f"full{i}", 40), max_tokens=12))
+        eng.run_until_done()
+        if full_at is None and eng.blocks.num_free < 16:
+            full_at, walks = i, 0
+    assert full_at is not None and full_at < 50, "the pool never filled: nothing tested"
+    per_request = walks / (len(reqs) - 1 - full_at)
+    assert per_request < 2.5, f"{per_request:.2f} evictions a request"  # 4.0 without
+    for r in reqs:
+        assert r.output_ids == expected_output(r.prompt_ids, 12), r.rid
