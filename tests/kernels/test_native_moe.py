@@ -80,12 +80,15 @@ def test_moe_native_with_bf16_weights(T: int, blocked_from: int) -> None:
 
 
 @pytest.mark.parametrize("blocked_from", [1, 2**40])
-@pytest.mark.parametrize("T", [1, 5, 200])
-def test_moe_native_with_int8_weights(T: int, blocked_from: int) -> None:
+@pytest.mark.parametrize("T", [1, 5, 12, 200])
+# widths past a 64-byte line of int8 weights and with scalar tails: the row tiles of
+# 2-4-token experts (stream_rows) read weights a line a step
+@pytest.mark.parametrize(("D", "inter"), [(40, 24), (43, 37), (136, 72)])
+def test_moe_native_with_int8_weights(T: int, blocked_from: int, D: int, inter: int) -> None:
     from kdaserve.kernels.ref.quant import dequantize, quantize_int8
 
     g = gen(T + 1)
-    E, D, inter, k = 6, 40, 24, 2
+    E, k = 6, 2
     x = torch.randn(T, D, generator=g)
     (q13, s13), (q2, s2) = (quantize_int8(torch.randn(*shape, generator=g) * 0.2)
                             for shape in ((E, 2 * inter, D), (E, D, inter)))
