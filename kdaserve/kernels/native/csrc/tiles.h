@@ -128,14 +128,15 @@ inline float hsum_tree(vtile a) {
 
 // TN weight rows (stride K) dotted with TM x rows (stride K); y[tm * N + tn]. kOrdered: lanes
 // summed in order (hsum), so each value equals batch_invariant.cpp's dot. pf (nullable): the
-// next tile's rows, fetched a vector per row per step while this one computes.
+// next tile's rows, fetched a cache line per row per 64 bytes of weights while this one
+// computes (a prefetch per vector asked for an int8 line eight times).
 template <int TN, int TM, bool kOrdered = true, typename W>
 inline void dot_tile(const W* __restrict w, const float* __restrict x, float* __restrict y,
                      int64_t N, int64_t K, const W* pf = nullptr) {
   vtile acc[TN][TM] = {};
   int64_t j = 0;
   for (; j + kLanes <= K; j += kLanes) {
-    if (pf != nullptr)
+    if (pf != nullptr && j % (64 / sizeof(W)) == 0)  // once per cache line of each row
       for (int tn = 0; tn < TN; ++tn) __builtin_prefetch(pf + tn * K + j, 0, 3);
     vtile xv[TM];
     for (int tm = 0; tm < TM; ++tm) xv[tm] = load_tile(x + tm * K + j);
