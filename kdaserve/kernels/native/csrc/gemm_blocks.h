@@ -36,8 +36,12 @@ constexpr int kUnroll = 2;
 // weights that would have stayed in the L3 from one step to the next came from memory again
 // (a hidden-256 MoE, 53 MB, decode step at batch 1 4.2 -> 1.9 ms); streaming weights larger
 // than the L3 gained too (`bench` batch-1 steps fp32 31-33 -> 27-29 ms, bf16 18-20 -> 16-18,
-// int8 13-14 -> 10-12; the 100k x 768 lm_head at 1 row, bf16 13.3 -> 14.8 GB/s).
-constexpr int kStreamAhead = 1024;
+// int8 13-14 -> 10-12; the 100k x 768 lm_head at 1 row, bf16 13.3 -> 14.8 GB/s). fp32
+// weights run a little better half as far ahead on an AVX2 AMD EPYC (`bench` batch-1 decode
+// steps, libraries alternated step by step, 1,024 -> 512 bytes, six runs: -5.4, -2.7, -1.6,
+// -0.2, -0.6, -1.3%; bf16 and int8 at 512 were 4-5% slower, fp32 at 2-4 KB 4-7% slower).
+template <typename W>
+constexpr int kStreamAhead = sizeof(W) == 4 ? 512 : 1024;
 
 template <int TM, typename W>
 inline void dot_stream(const W* __restrict w, const float* __restrict x, float* __restrict y,
@@ -56,7 +60,7 @@ inline void dot_stream(const W* __restrict w, const float* __restrict x, float* 
   int64_t j = 0;
   for (; j + kU * kLanes <= K; j += kU * kLanes) {
     // every cache line of this step's weights, kStreamAhead bytes on (into the next rows)
-    const char* ahead = reinterpret_cast<const char*>(w + j) + kStreamAhead;
+    const char* ahead = reinterpret_cast<const char*>(w + j) + kStreamAhead<W>;
     for (size_t b = 0; b < kU * kLanes * sizeof(W); b += 64)
       __builtin_prefetch(ahead + b, 0, 3);
     for (int u = 0; u < kU; ++u) {
