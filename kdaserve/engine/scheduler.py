@@ -30,6 +30,11 @@ from kdaserve.request import Request, RequestStatus
 
 LPM_MAX_QUEUE = 128
 DEDUP_LEADERS = 16  # prefilling requests a waiting one is compared with for in-batch dedup
+# Evictions free this fraction of the block pool (of the snapshot cap) beyond what is asked:
+# each walks the whole tree, and freeing exactly what one request needs left the pool full,
+# so every later block (a decode crossing a block boundary) or snapshot walked it again
+# (~1.4 ms at 2,300 cached nodes; the hidden-256 MoE's decode steps ~20% slower).
+BLOCK_HEADROOM, SNAPSHOT_HEADROOM = 1 / 128, 1 / 16
 
 
 def common_prefix(a: list[int], b: list[int], limit: int) -> int:
@@ -161,18 +166,18 @@ class Scheduler:
         if self.hooks is not None:
             self.hooks.on_preempt(req)
 
+    def make_room(self, num_blocks: int) -> None:
+        """Evicts cached blocks (with BLOCK_HEADROOM) until num_blocks are free, if it can."""
+        if num_blocks > self.blocks.num_free and self.cache is not None:
+            self.cache.evict_blocks(num_blocks - self.blocks.num_free
+                                    + int(self.blocks.num_blocks * BLOCK_HEADROOM))
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Ensures req's block table covers num_tokens; False if the pool is short."""
         need = self.blocks.blocks_needed(num_tokens) - len(req.block_ids)
         if need <= 0:
             return True
-        if need > self.blocks.num_free and self.cache is not None:
-            # Freed with headroom (1/128 of the pool): each eviction walks the whole tree,
-            # and freeing exactly what one request needs left the pool full, so every later
-            # block (a decode crossing a block boundary) walked it again: with 2,300 cached
-            # nodes, ~1.4 ms a block, decode steps of the hidden-256 MoE ~20% slower.
-            self.cache.evict_blocks(need - self.blocks.num_free
-                                    + self.blocks.num_blocks // 128)
+        self.make_room(need)
         if need > self.blocks.num_free:
             return False
         req.block_ids.extend(self.blocks.allocate(need))
@@ -436,12 +441,11 @@ class Scheduler:
 
     def _cap_snapshots(self) -> None:
         """Evicts LRU snapshots beyond max_snapshots (the one just inserted is the newest),
-        with headroom (1/16 of the cap): each eviction walks the tree, and at the cap every
-        new snapshot (a prompt's, a finished request's) would walk it again."""
+        with SNAPSHOT_HEADROOM."""
         assert self.cache is not None
         excess = self.cache.num_snapshots - max(self.max_snapshots, 0)
         if excess > 0:
-            self.cache.evict_snapshots(excess + self.max_snapshots // 16)
+            self.cache.evict_snapshots(excess + int(self.max_snapshots * SNAPSHOT_HEADROOM))
 
     def check_integrity(self, reserved_blocks: list[int] | None = None,
                         reserved_slots: list[int] | None = None) -> None:

@@ -204,8 +204,7 @@ class DecodeSide(Side):
             if len(sched.running) + len(self.inflight) >= sched.max_num_seqs:
                 return
             need = blocks.blocks_needed(len(req.prompt_ids))
-            if need > blocks.num_free and cache is not None:
-                cache.evict_blocks(need - blocks.num_free)
+            sched.make_room(need)
             if states.num_free == 0 and cache is not None:
                 cache.evict_snapshots(1)
             if need > blocks.num_free or states.num_free == 0:
