@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from kdaserve.cli import main as cli_main
+from tests.ports import free_port
 
 
 def test_bench_throughput_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
@@ -131,11 +132,7 @@ def test_bench_scoring_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_bench_soak_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "soak.json"
     cli_main(["bench", "soak", "--model", str(tiny_ckpt), "--requests", "40",
               "--concurrency", "8", "--distinct", "6", "--max-tokens", "8",

@@ -20,7 +20,7 @@ from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.parallel import ExpertParallel
 from kdaserve.models.loader import build_model
-from tests.server.conftest import free_port
+from tests.ports import free_port
 
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1000], [2, 3], list(range(60, 100)), [7] * 20]
 OWNER = [0, 1, 0, 1]  # which rank serves each prompt

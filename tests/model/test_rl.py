@@ -15,6 +15,7 @@ import torch
 from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import make_checkpoint
 from kdaserve.engine import rl
+from tests.ports import free_port
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 PROMPTS = [[5, 9, 17, 33], list(range(40, 90))]
@@ -149,14 +150,6 @@ def test_pause_modes(tiny_ckpt: Path) -> None:
     llm.check_integrity()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _trainer(port: int, out) -> None:  # noqa: ANN001 - a multiprocessing queue
     """Rank 0: joins, then broadcasts a tensor too big to vanish into a socket buffer."""
     import datetime
@@ -186,7 +179,7 @@ def test_rendezvous_runs_beside_the_engine_and_failures_leave_no_trace(
     want = run(llm)
     # nobody joins: the call returns at once, the engine serves while it waits, then it fails;
     # an update sent meanwhile waits for the join and fails with it
-    waiting = rl.init_weights_update_group(e, "127.0.0.1", _free_port(), 1, 2)
+    waiting = rl.init_weights_update_group(e, "127.0.0.1", free_port(), 1, 2)
     with pytest.raises(ValueError, match="still waiting"):
         rl.destroy_weights_update_group(e)
     same(run(llm), want)
@@ -201,7 +194,7 @@ def test_rendezvous_runs_beside_the_engine_and_failures_leave_no_trace(
     monkeypatch.setattr(rl, "RENDEZVOUS_TIMEOUT_S", 60.0)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     trainer = ctx.Process(target=_trainer, args=(port, out))
     trainer.start()
     try:

@@ -19,7 +19,7 @@ from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.parallel import Shard, TensorParallel
 from kdaserve.models.loader import build_model
-from tests.server.conftest import free_port
+from tests.ports import free_port
 
 PROMPTS = [[5, 17, 300, 41, 9, 77, 1000], [2, 3], list(range(60, 100))]
 DECODES = 3

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,16 +31,11 @@ from kdaserve.request import RequestOutput
 from kdaserve.server.chat_template import ChatTemplate
 from kdaserve.tokenizer import Tokenizer
 from tests.model.conftest import MIN_MARGIN, routing_margin
+from tests.ports import free_port
 
 STARTUP_TIMEOUT_S = 90.0
 EXIT_TIMEOUT_S = 30.0
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- processes (via /proc: psutil is not installed) ----

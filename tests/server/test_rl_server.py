@@ -11,7 +11,6 @@ import concurrent.futures
 import io
 import os
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
@@ -24,6 +23,7 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import make_checkpoint
+from tests.ports import free_port
 
 from .conftest import ServerProc, start_server, stop_server
 
@@ -100,9 +100,7 @@ def test_refit_from_disk_tensor_and_distributed(h: httpx.Client, tiny_ckpt: Path
     # the trainer (this process, rank 0) broadcasts the other checkpoint's weights
     import torch.distributed as dist
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     named = [(k, v.detach().clone()) for k, v in LLM(other_ckpt).model.checkpoint_tensors().items()]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         joined = pool.submit(post, h, "/init_weights_update_group", {
