@@ -225,8 +225,11 @@ def paged_cache(ctx: list[int], block_size: int, R: int, Dr: int, seed: int):
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_mla_decode_native_matches_reference(block_size: int) -> None:
-    H, Dn, Dr, Dv, R = 3, 16, 8, 16, 32
+@pytest.mark.parametrize("H,Dv", [(3, 16), (6, 20), (13, 9)])
+def test_mla_decode_native_matches_reference(block_size: int, H: int, Dv: int) -> None:
+    """Head counts past a whole tile of queries and W_UV widths past a whole tile of rows (the
+    tails: 3, 6, 13 queries a token; 16, 20, 9 output columns)."""
+    Dn, Dr, R = 16, 8, 32
     ctx = [1, 200, 7, 64, 65, 13, 130]
     B = len(ctx)
     g = gen(block_size)
