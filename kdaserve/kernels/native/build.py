@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
-MAX_HEAD_DIM = 512  # kMaxDim in kda_cpu.cpp
+MAX_HEAD_DIM = 512  # kMaxDim in kda_common.h
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -39,8 +39,9 @@ class Library:
 
 
 LIBRARIES = {
-    "kda_cpu": Library(("kda_cpu.cpp", "gemm_cpu.cpp", "moe_cpu.cpp", "mla_cpu.cpp",
-                        "elementwise_cpu.cpp", "decode_step.cpp", "amx_cpu.cpp"), (), {
+    "kda_cpu": Library(("kda_cpu.cpp", "kda_chunked_cpu.cpp", "gemm_cpu.cpp", "moe_cpu.cpp",
+                        "mla_cpu.cpp", "elementwise_cpu.cpp", "decode_step.cpp", "amx_cpu.cpp"),
+                       (), {
         "kda_decode_f32": [_P] * 13 + [_I] * 5 + [_F],
         "kda_prefill_f32": [_P] * 3 + [_I] * 3 + [_P] * 2 + [_I] + [_P] * 7 + [_I] * 5 + [_P],
         "gated_rmsnorm_f32": [_P] * 4 + [_I] * 2 + [_F],
