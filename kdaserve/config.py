@@ -14,28 +14,18 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-KDA = "kda"
-MLA = "mla"
-DENSE = "dense"
-MOE = "moe"
+from kdaserve.hub_schema import (
+    DENSE,
+    KDA,
+    MLA,
+    MOE,
+    layer_types_of,
+    mlp_types_of,
+    reject_unsupported,
+    require,
+)
 
-# Fields of later Kimi models (K2.5/K3 family) that change the math. Loading such a checkpoint with
-# this engine would silently compute a different function, so a non-default value is an error.
-# Value: the default under which the field is harmless.
-_UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "mla_use_output_gate": False,
-    "attn_res_block_size": None,
-    "gate_lower_bound": None,
-    "use_full_rank_gate": False,
-    "moe_latent_size": None,
-    "moe_latent_dim": None,
-    "use_latent_moe": False,
-    "latent_moe": False,
-    "num_nextn_predict_layers": 0,
-    "attention_bias": False,
-    "num_v_heads": None,
-}
-
+__all__ = ["DENSE", "KDA", "MLA", "MOE", "EngineConfig", "ModelConfig"]
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
@@ -146,18 +136,18 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        _reject_unsupported(raw)
-        n = _require(raw, "num_hidden_layers")
+        reject_unsupported(raw)
+        n = require(raw, "num_hidden_layers")
         lac = raw.get("linear_attn_config") or {}
-        layer_types = _layer_types(raw, lac, n)
-        mlp_types = _mlp_types(raw, n)
+        layer_types = layer_types_of(raw, lac, n)
+        mlp_types = mlp_types_of(raw, n)
         num_experts = raw.get("num_experts", raw.get("num_local_experts")) or 0
         grouped = raw.get("use_grouped_topk", True)
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
-            vocab_size=_require(raw, "vocab_size"),
-            hidden_size=_require(raw, "hidden_size"),
+            vocab_size=require(raw, "vocab_size"),
+            hidden_size=require(raw, "hidden_size"),
             num_hidden_layers=n,
             layer_types=layer_types,
             mlp_types=mlp_types,
@@ -167,7 +157,7 @@ class ModelConfig:
             kda_num_heads=lac.get("num_heads", raw.get("linear_num_heads", 32)),
             kda_head_dim=lac.get("head_dim", raw.get("linear_head_dim", 128)),
             kda_conv_size=lac.get("short_conv_kernel_size", raw.get("linear_conv_kernel_dim", 4)),
-            num_attention_heads=_require(raw, "num_attention_heads"),
+            num_attention_heads=require(raw, "num_attention_heads"),
             q_lora_rank=raw.get("q_lora_rank"),
             kv_lora_rank=raw.get("kv_lora_rank", 512),
             qk_nope_head_dim=raw.get("qk_nope_head_dim", 128),
@@ -248,77 +238,6 @@ class ModelConfig:
         d = asdict(self)
         d.pop("extra")
         return ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("layer_types", "mlp_types"))
-
-
-def _require(raw: dict[str, Any], key: str) -> Any:
-    if key not in raw or raw[key] is None:
-        raise ValueError(f"config.json: required field {key!r} is missing")
-    return raw[key]
-
-
-def _reject_unsupported(raw: dict[str, Any]) -> None:
-    sources = [raw, raw.get("linear_attn_config") or {}]
-    for src in sources:
-        for key, harmless in _UNSUPPORTED_FIELDS.items():
-            if key in src and src[key] != harmless and src[key] is not None:
-                raise ValueError(
-                    f"config.json: field {key!r}={src[key]!r} belongs to a newer Kimi model that "
-                    "kdaserve does not implement"
-                )
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
-    if raw.get("mla_use_nope", True) is False:
-        raise ValueError("config.json: mla_use_nope=false (rotary MLA) is not supported")
-    kv_heads = raw.get("num_key_value_heads")
-    heads = raw.get("num_attention_heads")
-    if kv_heads is not None and heads is not None and kv_heads != heads:
-        raise ValueError(
-            f"config.json: num_key_value_heads={kv_heads} != num_attention_heads; MLA has no GQA"
-        )
-
-
-def _layer_types(raw: dict[str, Any], lac: dict[str, Any], n: int) -> tuple[str, ...]:
-    if raw.get("layer_types") is not None:  # transformers' schema wins, as in transformers
-        names = {"linear_attention": KDA, "full_attention": MLA, KDA: KDA, MLA: MLA}
-        try:
-            return tuple(names[t] for t in raw["layer_types"])
-        except KeyError as e:
-            raise ValueError(f"config.json: unknown layer type {e.args[0]!r} in layer_types") from e
-    if "kda_layers" in lac and "full_attn_layers" in lac:
-        types: list[str | None] = [None] * n
-        # The hub lists are 1-indexed: layer i is KDA iff (i + 1) in kda_layers.
-        for key, kind in (("kda_layers", KDA), ("full_attn_layers", MLA)):
-            for one_based in lac[key]:
-                if not 1 <= one_based <= n:
-                    raise ValueError(f"config.json: linear_attn_config.{key} has {one_based}, "
-                                     f"outside 1..{n} (the lists are 1-indexed)")
-                if types[one_based - 1] not in (None, kind):
-                    raise ValueError(f"config.json: layer {one_based - 1} (0-indexed) is in both "
-                                     "kda_layers and full_attn_layers")
-                types[one_based - 1] = kind
-        missing = [i for i, t in enumerate(types) if t is None]
-        if missing:
-            raise ValueError(f"config.json: layers {missing} (0-indexed) are in neither "
-                             "kda_layers nor full_attn_layers")
-        return tuple(t for t in types if t is not None)
-    raise ValueError("config.json: neither layer_types nor linear_attn_config.kda_layers/"
-                     "full_attn_layers is given")
-
-
-def _mlp_types(raw: dict[str, Any], n: int) -> tuple[str, ...]:
-    if raw.get("mlp_layer_types") is not None:
-        names = {"dense": DENSE, "sparse": MOE, MOE: MOE}
-        try:
-            return tuple(names[t] for t in raw["mlp_layer_types"])
-        except KeyError as e:
-            raise ValueError(f"config.json: unknown mlp type {e.args[0]!r}") from e
-    has_experts = bool(raw.get("num_experts", raw.get("num_local_experts")))
-    first_dense = raw.get("first_k_dense_replace", 1)
-    freq = raw.get("moe_layer_freq", 1) or 1
-    return tuple(
-        MOE if has_experts and i >= first_dense and i % freq == 0 else DENSE for i in range(n)
-    )
 
 
 @dataclass(frozen=True, slots=True)
