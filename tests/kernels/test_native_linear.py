@@ -157,21 +157,20 @@ def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch)
     weight); its AVX2 code only above 96 (64 for inputs wider than 512 or a large weight).
     The native MoE kernel runs an expert's tokens as blocks from 16 of them on AVX-512, from
     8 elsewhere."""
-    from kdaserve.kernels.native import ops
+    from kdaserve.kernels.native import isa, ops
 
     large, wide = ops.LARGE_WEIGHT, ops.WIDE_INPUT
-    for isa, vendor, elements, K, cap in (
-            ("AVX512", "AuthenticAMD", 2**16, 256, 4), ("AVX512", "AuthenticAMD", large, 768, 4),
-            ("AVX512", "GenuineIntel", 2**16, 256, 16), ("AVX512", "GenuineIntel", large, 768, 8),
-            ("AVX2", "GenuineIntel", 2**16, 256, 96), ("AVX2", "AuthenticAMD", 2**20, wide, 96),
-            ("AVX2", "", 2**20, wide + 1, 64), ("AVX2", "", large, 256, 64),
-            ("DEFAULT", "", 2**20, 256, 96)):
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda isa=isa: isa)
+    for level, vendor, elements, K, cap in (
+            ("avx512", "AuthenticAMD", 2**16, 256, 4),
+            ("avx512_bf16", "AuthenticAMD", large, 768, 4),
+            ("avx512", "GenuineIntel", 2**16, 256, 16), ("amx", "GenuineIntel", large, 768, 8),
+            ("avx2", "GenuineIntel", 2**16, 256, 96), ("avx2", "AuthenticAMD", 2**20, wide, 96),
+            ("avx2", "", 2**20, wide + 1, 64), ("avx2", "", large, 256, 64),
+            (None, "", 2**20, 256, 96)):
+        monkeypatch.setattr(isa, "level", lambda level=level: level)
         monkeypatch.setattr(ops, "cpu_vendor", lambda vendor=vendor: vendor)
-        ops.avx512.cache_clear()
         assert ops.onednn_native_max_rows(elements, K) == cap
-        assert ops.moe_blocked_from() == (16 if isa == "AVX512" else 8)
-    ops.avx512.cache_clear()
+        assert ops.moe_blocked_from() == (8 if level in ("avx2", None) else 16)
     monkeypatch.undo()
     assert ops.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")  # this host's
 
@@ -191,7 +190,7 @@ def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
     w = torch.randn(130, K, generator=g).bfloat16()
     y = linear_native(x, w)
     assert y.dtype == torch.float32
-    if ops.amx() and rows >= 16:
+    if ops.amx() and rows >= ops.AMX_FROM:
         err = (y.double() - x.double() @ w.double().t()).abs()
         assert bool((err <= bound(x, w)).all())
     else:
@@ -204,14 +203,23 @@ def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
 def test_linear_native_with_int8_weights(rows: int, K: int) -> None:
     """Weight-only int8: the native kernel equals fp32 arithmetic on the dequantized weight.
     K: one 64-weight step of a single row's eight sums and a vector over, a scalar tail, and
-    several steps."""
+    several steps. From 16 rows on an AMX host the tiles take them (within test_native_amx's
+    bound, on the dequantized weight)."""
     from kdaserve.kernels import linear_ref
+    from kdaserve.kernels.native import ops
     from kdaserve.kernels.ref.quant import dequantize, quantize_int8
+    from tests.kernels.test_native_amx import bound
 
     g = gen(rows + K)
     x = torch.randn(rows, K, generator=g)
     q, scale = quantize_int8(torch.randn(130, K, generator=g))
     assert q.dtype == torch.int8 and scale.shape == (130,)
-    want = torch.nn.functional.linear(x, dequantize(q, scale, torch.float32))
-    torch.testing.assert_close(linear_native(x, q, scale), want, atol=1e-4, rtol=1e-5)
+    w = dequantize(q, scale, torch.float32)
+    want = torch.nn.functional.linear(x, w)
+    y = linear_native(x, q, scale)
+    if ops.amx() and rows >= ops.AMX_FROM:
+        err = (y.double() - x.double() @ w.double().t()).abs()
+        assert bool((err <= bound(x, w)).all())
+    else:
+        torch.testing.assert_close(y, want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(linear_ref(x, q, scale), want, atol=1e-5, rtol=1e-6)

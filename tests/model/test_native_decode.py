@@ -144,9 +144,13 @@ def test_native_decode_runs_experts_as_the_per_op_forward(tiny_ckpt: Path, dtype
     """An expert with enough tokens runs as token blocks, which sum in another order than the
     split weight rows (and bf16 blocks run on AMX tiles where the host has them): the one-call
     forward takes the per-op forward's choice, asked for the experts' dtype (forced here down
-    to 2 tokens, so a batch of 16 over 8 experts blocks some and splits others)."""
+    to 2 tokens, so a batch of 16 over 8 experts blocks some and splits others). The row caps
+    are raised to 16 for it: where fp32 products of 5+ rows go to oneDNN (AMD's AVX-512) the
+    one-call forward would step aside for the whole batch."""
     from kdaserve.kernels.native import ops
 
+    cap = ops.linear_native_max_rows
+    monkeypatch.setattr(ops, "linear_native_max_rows", lambda weight: max(16, cap(weight)))
     asked: list[torch.dtype] = []
     monkeypatch.setattr(ops, "moe_blocked_from", lambda dt=torch.float32: asked.append(dt) or 2)
     llm = LLM(tiny_ckpt, dtype=dtype)

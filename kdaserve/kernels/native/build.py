@@ -2,8 +2,9 @@
 
 Why g++ + ctypes rather than `torch.utils.cpp_extension`: the source includes no torch headers,
 so it compiles in about two seconds instead of a minute, and the call costs a few microseconds.
-`-march=native` makes the binary specific to this CPU, so the cache key includes the CPU's
-feature flags as well as the source and the compiler. A machine without a compiler gets
+`-march=native` makes the binary specific to this CPU (capped to a lower instruction-set level
+with KDASERVE_ISA: isa.py), so the cache key includes the CPU's feature flags and the build's
+flags as well as the source and the compiler. A machine without a compiler gets
 `available() == (False, reason)` and the registry falls back to the torch backends.
 """
 
@@ -22,10 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kdaserve.kernels.native import isa
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 MAX_HEAD_DIM = 512  # kMaxDim in kda_common.h
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -82,13 +85,13 @@ LIBRARIES = {
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    return " ".join(sorted(isa.cpu_flags())) or platform.processor()
+
+
+def _isa_flags() -> list[str]:
+    """-march=native, less the features above KDASERVE_ISA's level where it caps them."""
+    host = isa.host_level(isa.cpu_flags()) if isa.level() is not None else None
+    return isa.compile_flags(isa.level(), host)
 
 
 def _cache_dir() -> Path:
@@ -118,7 +121,7 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     if cxx is None:
         return None, "no C++ compiler (g++) on PATH"
     spec = LIBRARIES[name]
-    sources, flags = [CSRC / s for s in spec.sources], [*FLAGS, *spec.flags]
+    sources, flags = [CSRC / s for s in spec.sources], [*FLAGS, *_isa_flags(), *spec.flags]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     headers = "".join(h.read_text() for h in sorted(CSRC.glob("*.h")))  # tiles.h
     key = hashlib.sha256("\0".join([*(s.read_text() for s in sources), headers,
@@ -127,7 +130,7 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str]:
     path = _cache_dir() / f"{name}-{key}.so"
     try:
         if not path.exists():
-            logger.info("compiling %s for this CPU -> %s", name, path)
+            logger.info("compiling %s for this CPU (level %s) -> %s", name, isa.level(), path)
             _compile(cxx, sources, flags, path)
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as e:

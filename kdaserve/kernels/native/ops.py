@@ -15,6 +15,7 @@ import torch
 from kdaserve.kernels.cpu.decode import kda_decode_cpu, mla_attention_cpu, short_conv_cpu
 from kdaserve.kernels.cpu.gemm import cpu_vendor, gemm, onednn_usable
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
+from kdaserve.kernels.native import isa
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
 from kdaserve.kernels.ref.kda import Snapshots, gated_rmsnorm, kda_chunk_ref
 from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS, mla_split_chunks
@@ -220,9 +221,9 @@ _WEIGHT_KERNELS = {torch.float32: ("linear_small_f32", "moe_experts_f32"),
                    torch.int8: ("linear_small_int8w", "moe_experts_int8w")}
 
 
-@functools.cache
 def avx512() -> bool:
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    """Whether the native kernels run 16-lane AVX-512 code (the host's, or KDASERVE_ISA's cap)."""
+    return isa.at_least("avx512")
 
 
 # An expert's tokens from this many on run as whole-expert token blocks in the broadcast tiles
@@ -421,6 +422,9 @@ QUANTIZED_LARGE_MAX_ROWS = 512
 # oneDNN's 180 before its widening pass, 64 rows of the lm_head 49 ms against 130; int8, as
 # exact bf16 panels, 64 rows of the lm_head 26 ms against 73-83 widened in registers).
 AMX_MAX_ROWS = 1 << 40
+# Below this many rows (kAmxFrom in gemm_cpu.cpp) bf16 / int8 products stay in the AVX kernels,
+# fp32 arithmetic on the weights; from it on they are the tiles' split-activation products.
+AMX_FROM = 16
 
 
 @functools.cache
