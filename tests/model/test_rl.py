@@ -208,7 +208,9 @@ def test_rendezvous_runs_beside_the_engine_and_failures_leave_no_trace(
             rl.update_weights_from_distributed(e, ["w"], ["int8"], [[32 * 2**20]])
         rl.resume_memory_occupation(e, ["weights"])
         status, waited = out.get(timeout=60)
-        assert status.startswith("failed") and waited < 30
+        # failed when the group was left, not at its 120 s timeout (a generous margin for a
+        # busy machine)
+        assert status.startswith("failed") and waited < 90
         assert e.update_groups == {}
     finally:
         trainer.join(30)

@@ -154,7 +154,7 @@ def stop_server(server: ServerProc, check: bool = True) -> None:
         if check:
             pytest.fail(f"server ignored SIGTERM for {EXIT_TIMEOUT_S:.0f}s:\n{server.output()}")
         return
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline and not all(is_gone(p) for p in tree):
         time.sleep(0.1)
     left = [p for p in tree if not is_gone(p)]

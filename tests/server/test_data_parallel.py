@@ -200,7 +200,7 @@ def test_dp_attention_rank_death_takes_the_server_down(tiny_ckpt: Path,
         r = pending.result()
     assert r.status_code == 503, r.text
     assert s.proc.wait(timeout=30) == 1
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(is_gone(p) for p in tree):
         time.sleep(0.1)
     assert all(is_gone(p) for p in tree), "orphans after a rank died"

@@ -121,7 +121,7 @@ def assert_whole(*servers: ServerProc) -> None:
     """Every block and slot free (or cached) again, and the pools' invariants hold."""
     for s in servers:
         with httpx.Client(base_url=s.url, timeout=30) as c:
-            m = wait_idle(c, timeout=2 * LIVENESS_S + TIMEOUT_S)
+            m = wait_idle(c, timeout=60)  # generous: what freed it is checked by the tests
             assert m["kdaserve_free_state_slots"] + m.get("kdaserve_cached_snapshots", 0) \
                 == m["kdaserve_total_state_slots"], f"{s.url}: state slots leaked"
             assert m["kdaserve_free_blocks"] + m.get("kdaserve_cached_blocks", 0) \
@@ -327,12 +327,11 @@ def test_prefill_dies_decode_frees(cluster: Cluster, tiny_ckpt: Path, tmp_path: 
     pool = concurrent.futures.ThreadPoolExecutor(1)
     d = pool.submit(httpx.post, f"{cluster.decode.url}/generate", json=body, timeout=60)
     time.sleep(1.0)
-    start = time.monotonic()
     kill([doomed.pid, *descendants(doomed.pid)])
     doomed.proc.wait()
     rd = d.result()
+    # the liveness check's words, not the transfer timeout's ("... within 8 s")
     assert rd.status_code == 500 and "did not answer" in rd.text, rd.text
-    assert time.monotonic() - start < 2 * LIVENESS_S + 1
     assert_whole(cluster.decode)
 
 
@@ -368,11 +367,12 @@ def test_client_gone_cancels_reservation(cluster: Cluster) -> None:
     body = {"input_ids": [9] * 30, "sampling_params": {"max_new_tokens": 2},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.bootstrap_port,
             "bootstrap_room": 4242}
+    unconfirmed = cluster.decode.output().count("never confirmed")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{cluster.decode.url}/generate", json=body, timeout=1.0)
-    start = time.monotonic()
     assert_whole(cluster.decode, cluster.prefill)
-    assert time.monotonic() - start < LIVENESS_S
+    # freed by the prefill server's confirmation, not by the fallback after the timeout
+    assert cluster.decode.output().count("never confirmed") == unconfirmed
 
 
 def test_plain_router_over_unified_servers(server: ServerProc, llm: LLM,

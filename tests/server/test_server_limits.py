@@ -84,7 +84,7 @@ def test_body_size_limit(h: httpx.Client) -> None:
 
 def test_slow_body_times_out(limited: ServerProc) -> None:
     host, port = limited.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"pro")
         answer = sock.recv(4096).decode()  # the rest never comes
@@ -93,12 +93,12 @@ def test_slow_body_times_out(limited: ServerProc) -> None:
 
 def test_slow_headers_are_cut_off(limited: ServerProc, h: httpx.Client) -> None:
     host, port = limited.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    # the socket's own timeout (60 s against the server's 1 s) is the only clock: recv raises
+    # if the server never closes
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
-        t0 = time.monotonic()
         assert sock.recv(4096) == b""  # closed by the server
-        assert time.monotonic() - t0 < 5
-    with socket.create_connection((host, int(port)), timeout=10) as idle:
+    with socket.create_connection((host, int(port)), timeout=60) as idle:
         assert idle.recv(4096) == b""  # connected, sent nothing: closed too
     assert h.get("/health").status_code == 200  # complete requests are unaffected
 
@@ -106,15 +106,15 @@ def test_slow_headers_are_cut_off(limited: ServerProc, h: httpx.Client) -> None:
 def test_trickled_body_times_out_as_a_whole(limited: ServerProc) -> None:
     host, port = limited.url.removeprefix("http://").split(":")
     body = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
                      + b"\r\n\r\n")
-        t0 = time.monotonic()
-        answer = b""
+        answer, sent = b"", 0
         for byte in body:  # each byte well within the timeout, the whole body not
             try:
                 sock.sendall(bytes([byte]))
+                sent += 1
             except OSError:
                 break
             time.sleep(0.3)
@@ -127,24 +127,24 @@ def test_trickled_body_times_out_as_a_whole(limited: ServerProc) -> None:
             if answer:
                 break
         assert answer.startswith(b"HTTP/1.1 408"), answer
-        assert time.monotonic() - t0 < 3
+        # cut off while bytes were still coming (sending them all takes 0.3 s x len(body))
+        assert sent < len(body), sent
 
 
 def test_pipelined_partial_request_is_cut_off(limited: ServerProc) -> None:
     host, port = limited.url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /he")
-        t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=60) as sock:  # recv raises if
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /he")  # never closed
         data = b""
         while chunk := sock.recv(4096):
             data += chunk
-        assert data.startswith(b"HTTP/1.1 200") and time.monotonic() - t0 < 5
+        assert data.startswith(b"HTTP/1.1 200")
 
 
 def test_queue_full_is_429_then_recovers(h: httpx.Client) -> None:
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         running = [pool.submit(h.post, "/v1/completions", json=LONG) for _ in range(2)]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120
         while metrics(h)["kdaserve_num_running"] < 2:
             assert time.monotonic() < deadline, "the long requests never started"
             time.sleep(0.05)
@@ -191,10 +191,11 @@ def test_context_length_caps_one_request(limited: ServerProc, h: httpx.Client) -
 
 
 def test_tokenization_does_not_block_health(http: httpx.Client) -> None:
-    """A multi-megabyte prompt is tokenized on a worker thread: /health answers meanwhile."""
+    """A multi-megabyte prompt is tokenized on a worker thread: /health answers meanwhile, many
+    times over (a blocked event loop would answer the first probe only once it is done)."""
     big = {"prompt": "word " * 1_000_000, "max_tokens": 1}  # 5 MB: too long, a 400 at the end
     done = threading.Event()
-    waits: list[float] = []
+    answered = 0
 
     def post() -> httpx.Response:
         try:
@@ -206,11 +207,10 @@ def test_tokenization_does_not_block_health(http: httpx.Client) -> None:
         result = pool.submit(post)
         with httpx.Client(base_url=str(http.base_url), timeout=30) as probe:
             while not done.is_set():
-                t0 = time.monotonic()
                 assert probe.get("/health").status_code == 200
-                waits.append(time.monotonic() - t0)
+                answered += not done.is_set()
         assert result.result().status_code == 400
-    assert max(waits) < 0.5, waits
+    assert answered >= 5, answered
 
 
 def test_sigterm_drains_then_exits_and_a_second_signal_exits_at_once(
@@ -220,12 +220,14 @@ def test_sigterm_drains_then_exits_and_a_second_signal_exits_at_once(
     bare 500 or a restarted engine; a second signal exits at once."""
     import os
 
-    for signals, group, within in ((1, False, 2.0 + 8.0), (1, True, 2.0 + 8.0),
-                                   (2, False, 5.0)):
+    # One signal: 2 s of grace, then both requests end with a 503 (which 90,000 tokens would
+    # not do by themselves). Two: a grace period of 10 minutes, which the process must not wait
+    # out. Neither needs a clock: each waits on the process's exit, with outer timeouts.
+    for signals, group, grace in ((1, False, 2), (1, True, 2), (2, False, 600)):
         s = start_server(tiny_ckpt, tmp_path_factory.mktemp("drain-logs"),
-                         "--graceful-shutdown-timeout", "2")
+                         "--graceful-shutdown-timeout", str(grace))
         engine = s.engine_pid()
-        with httpx.Client(base_url=s.url, timeout=60) as client, \
+        with httpx.Client(base_url=s.url, timeout=300) as client, \
                 concurrent.futures.ThreadPoolExecutor(1) as pool, \
                 client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
             whole = pool.submit(client.post, "/v1/completions", json=LONG)
@@ -233,19 +235,17 @@ def test_sigterm_drains_then_exits_and_a_second_signal_exits_at_once(
             next(lines)  # streaming
             while metrics(client)["kdaserve_num_running"] < 2:
                 time.sleep(0.05)
-            t0 = time.monotonic()
             for _ in range(signals):
                 s.proc.send_signal(signal.SIGTERM)
                 if group:
                     os.kill(engine, signal.SIGTERM)
                 time.sleep(0.2)
             rest = list(lines)
-            code = s.proc.wait(timeout=within + 5)
-            took = time.monotonic() - t0
+            code = s.proc.wait(timeout=grace / 2 if signals == 2 else 300)
             if signals == 1:
-                assert "shutting down" in error_of(whole.result(timeout=10), 503)
+                assert "shutting down" in error_of(whole.result(timeout=60), 503)
                 assert '"code": 503' in [ln for ln in rest if ln.startswith("data: ")][-1]
-        assert code == 0 and took < within, (signals, group, took)
+        assert code == 0, (signals, group)
         assert "restarting" not in s.output()
         stop_server(s, check=False)
 
@@ -269,7 +269,7 @@ def test_signal_during_start_up_stops_cleanly(tiny_ckpt: Path, tmp_path: Path) -
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out.decode()
     assert b"stopped during start-up" in out
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while set(Path(tempfile.gettempdir()).glob("kdaserve-*")) - before:
         assert time.monotonic() < deadline, "temp folder left"
         time.sleep(0.1)
@@ -299,7 +299,7 @@ def test_watchdog_reports_a_stuck_engine(tiny_ckpt: Path,
             finally:
                 os.kill(engine, signal.SIGCONT)
             assert pending.result(timeout=30).status_code == 200
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 60
             while client.get("/health").status_code != 200:
                 assert time.monotonic() < deadline
                 time.sleep(0.2)

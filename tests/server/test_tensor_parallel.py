@@ -136,7 +136,7 @@ def test_rank_death_takes_the_server_down(tiny_ckpt: Path, tmp_path: Path) -> No
         "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
     assert r.status_code == 503
     assert s.proc.wait(timeout=30) == 1
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all(is_gone(p) for p in tree):
         time.sleep(0.1)
     assert all(is_gone(p) for p in tree), "orphans after a rank died"
