@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,14 @@ class Bootstrap:
     host: str
     port: int
     room: int
+
+
+# Temperatures below this sample greedily, as in vLLM: dividing the logits by 1e-300 makes them
+# infinite, and a softmax of infinities is NaN (token 0 every step).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# The logits are divided (positive) or multiplied (negative) by the penalty: outside this range
+# they overflow or vanish (SGLang caps it at 2, vLLM only asks > 0).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2
 
 
 @dataclass(slots=True)
@@ -81,17 +90,21 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if 0 < self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
         checks = [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 <= self.temperature < math.inf,
+             f"temperature must be >= 0 and finite, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.top_k < 2**31, f"top_k must be in [0, 2**31) or -1, got {self.top_k}"),
             (self.n <= 1024, f"n must be <= 1024, got {self.n}"),
             (self.seed is None or -(2**63) <= self.seed < 2**64,
              f"seed must be a 64-bit integer, got {self.seed}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2,

@@ -143,6 +143,7 @@ class GrammarBackend:
         self.special = special
         self.token_text = [b.decode("utf-8", errors="ignore") for b in token_bytes]
         self._cache: OrderedDict[Grammar, str] = OrderedDict()
+        self._probed: set[Grammar] = set()  # grammars _probe passed
         self._lock = threading.Lock()
 
     def compile(self, grammar: Grammar) -> str:
@@ -181,7 +182,38 @@ class GrammarBackend:
         m = self._llg.LLMatcher(self.tokenizer, self.compile(grammar), log_level=0)
         if m.is_error():
             raise ValueError(f"invalid {grammar.kind} grammar: {m.get_error()}")
+        with self._lock:
+            probed = grammar in self._probed
+        if not probed:
+            self._probe(grammar, m)
+            with self._lock:
+                if len(self._probed) >= 256:
+                    self._probed.clear()
+                self._probed.add(grammar)
         return GrammarMatcher(self, m)
+
+    def _probe(self, grammar: Grammar, m: Any) -> None:
+        """A grammar can compile and still have no finite sentence (a JSON schema whose
+        required property is a recursive $ref: `{"a":{"a":...`): its first tokens parse, then
+        the parser hits a limit mid-generation. So each new grammar is walked once along a
+        greedy close (copies of the matcher, no lookahead); a parser error on the way is a
+        ValueError before anything is queued. Running out of steps is not: a legal sentence
+        may just be long."""
+        sim = GrammarMatcher(self, m.deep_copy())
+        row = self.allocate_bitmask(1)[0]
+        for _ in range(CLOSE_LOOKAHEAD):
+            if sim.m.is_stopped() and not sim.m.is_error():
+                return
+            sim._fill(row)
+            if sim.m.is_error():
+                break
+            token = sim._closing_token(row, lookahead=False)
+            if token in self.eos_ids or not sim.m.consume_token(token):
+                break
+            sim._advance_cursor(token)
+        if sim.m.is_error():
+            raise ValueError(f"the {grammar.kind} grammar has no output that ends: "
+                             f"{sim.m.get_error().splitlines()[0]}")
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)

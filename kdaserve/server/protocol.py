@@ -3,8 +3,10 @@
 The policy is strict: a field we do not know is a 400 naming it, never silently dropped. The
 few fields OpenAI documents as advisory (`user`, `metadata`, `store`, `service_tier`,
 `prompt_cache_key`, `safety_identifier`; SGLang's `log_metrics`, `stream_interval`) are
-accepted and ignored, and listed in the README. Token ids are strict integers (`false` is not
-token 0); every count has bounds, so nothing reaches the engine that could overflow there.
+accepted and ignored, and listed in the README. Types are strict: a number sent as a string
+("10"), a boolean as a string ("yes") or as a number, and a float where an integer belongs are
+400s, as are non-finite numbers (Infinity, NaN); token ids are integers (`false` is not token 0);
+every count has bounds, so nothing reaches the engine that could overflow there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from kdaserve.request import Bootstrap, Grammar, SamplingParams
+from kdaserve.request import (
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    Bootstrap,
+    Grammar,
+    SamplingParams,
+)
 
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 MAX_N = 128  # OpenAI's limit on n
@@ -27,7 +35,7 @@ Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -42,6 +50,14 @@ class Strict(BaseModel):
 class StreamOptions(Strict):
     include_usage: bool = False
     include_obfuscation: bool = True  # advisory: no obfuscation padding is added
+
+
+def check_min_tokens(name: str, min_tokens: int, max_name: str, max_tokens: int) -> int:
+    """A floor above the cap is a contradiction the client should hear of, not a silent clamp
+    (vLLM refuses it too)."""
+    if min_tokens > max_tokens:
+        raise ValueError(f"{name} ({min_tokens}) is above {max_name} ({max_tokens})")
+    return min_tokens
 
 
 def check_sequences(num_prompts: int, n: int) -> None:
@@ -123,7 +139,8 @@ class SamplingFields(BootstrapFields):
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY,
+                                             le=MAX_REPETITION_PENALTY)
     seed: Seed | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOPS)] | None = None
@@ -177,7 +194,7 @@ class SamplingFields(BootstrapFields):
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=check_min_tokens("min_tokens", self.min_tokens, "max_tokens", max_tokens),
             logit_bias=parse_logit_bias(self.logit_bias),
             bootstrap=self.bootstrap(), data_parallel_rank=self.data_parallel_rank,
             **extra,
@@ -245,7 +262,8 @@ class GenerateSampling(Strict):
     min_p: float | None = Field(0.0, ge=0, le=1)
     frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float | None = Field(1.0, gt=0)
+    repetition_penalty: float | None = Field(1.0, ge=MIN_REPETITION_PENALTY,
+                                             le=MAX_REPETITION_PENALTY)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOPS)] | None = None
     ignore_eos: bool = False
@@ -281,7 +299,8 @@ class GenerateSampling(Strict):
             max_tokens=max_tokens, seed=self.seed, ignore_eos=self.ignore_eos,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            min_tokens=min(self.min_new_tokens or 0, max_tokens),
+            min_tokens=check_min_tokens("min_new_tokens", self.min_new_tokens or 0,
+                                        "max_new_tokens", max_tokens),
             logit_bias=parse_logit_bias(self.logit_bias), **extra)
 
 

@@ -136,6 +136,10 @@ def test_bad_grammars_are_value_errors(llm: LLM) -> None:
               Grammar("lark", "start: undefined_rule")):
         with pytest.raises(ValueError):
             llm.generate(["hi"], SamplingParams(max_tokens=4, grammar=g))
+    # compiles, but no output ends: refused before generation, not aborted mid-way
+    endless = {"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#"}}}
+    with pytest.raises(ValueError, match="no output that ends"):
+        llm.generate(["hi"], SamplingParams(max_tokens=4, grammar=json_grammar(endless)))
     with pytest.raises(ValueError, match="kind"):
         Grammar("xml", "")
     with pytest.raises(ValueError, match="ignore_eos"):

@@ -199,6 +199,9 @@ def _sys(*tools: Any) -> dict:
 
 
 HELLO = {"role": "user", "content": "hello"}
+ENDLESS = {"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#/$defs/node"}},
+           "$defs": {"node": {"type": "object", "required": ["next"],
+                              "properties": {"next": {"$ref": "#/$defs/node"}}}}}
 BAD_REQUESTS = {
     "tools-on-user": {"messages": [{**HELLO, "tools": [WEATHER_TOOL]}]},
     "tools-on-assistant": {"messages": [HELLO, {"role": "assistant", "content": "hi",
@@ -242,6 +245,11 @@ BAD_REQUESTS = {
     "tool-schema-bad-ref": {"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "t", "parameters": {"type": "object", "properties": {
             "a": {"$ref": "#/$defs/missing"}}}}}]},
+    # compile, but no output ends (a required recursive $ref): refused before generation
+    "tool-schema-endless": {"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "t", "parameters": ENDLESS}}]},
+    "schema-endless": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": ENDLESS}}},
     "bad-effort": {"reasoning_effort": "extreme"},
     "bad-thinking-effort": {"thinking": {"type": "enabled", "effort": "huge"}},
     "template-kwarg-tools": {"chat_template_kwargs": {"tools": []}},

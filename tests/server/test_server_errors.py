@@ -112,6 +112,24 @@ BAD: list[tuple[str, str, dict[str, Any] | list[int] | bytes, str]] = [
     ("cmpl-stream-bad-n", CMPL, {"prompt": "hi", "stream": True, "n": 0}, "n: input should be"),
     ("gen-stream-bad-top-p", GEN, {"text": "hi", "stream": True, "sampling_params": {
         "top_p": 0}}, "top_p"),
+    # strings for numbers and booleans, non-finite numbers: no lax coercion
+    ("chat-max-tokens-string", CHAT, {"messages": USER, "max_tokens": "10"}, "max_tokens"),
+    ("cmpl-n-string", CMPL, {"prompt": "hi", "n": "2"}, "n"),
+    ("chat-stream-string", CHAT, {"messages": USER, "stream": "yes"}, "stream"),
+    ("gen-temperature-string", GEN, {"text": "hi", "sampling_params": {"temperature": "0.5"}},
+     "temperature"),
+    ("cmpl-temperature-infinity", CMPL, b'{"prompt": "hi", "temperature": Infinity}',
+     "temperature"),
+    ("chat-top-p-nan", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], '
+                             b'"top_p": NaN}', "top_p"),
+    ("cmpl-min-tokens-above-max", CMPL, {"prompt": "hi", "max_tokens": 4, "min_tokens": 8},
+     "min_tokens"),
+    ("gen-min-new-tokens-above-max", GEN, {"text": "hi", "sampling_params": {
+        "max_new_tokens": 2, "min_new_tokens": 5}}, "min_new_tokens"),
+    ("gen-repetition-penalty-tiny", GEN, {"text": "hi", "sampling_params": {
+        "repetition_penalty": 1e-300}}, "repetition_penalty"),
+    ("chat-repetition-penalty-huge", CHAT, {"messages": USER, "repetition_penalty": 1e6},
+     "repetition_penalty"),
 ]
 
 
@@ -140,6 +158,20 @@ def test_bad_input_is_400_and_server_stays_healthy(http: httpx.Client, path: str
     err = assert_error(r, 400, fragment)
     assert err["type"] == "BadRequestError"
     assert http.get("/health").status_code == 200
+
+
+def test_tiny_temperatures_are_greedy(http: httpx.Client) -> None:
+    """Below 1e-5 a temperature samples greedily (as in vLLM and SGLang), where dividing the
+    logits by it made them infinite and every token 0."""
+    def ids(temperature: float) -> list[int]:
+        r = http.post(GEN, json={"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 6, "temperature": temperature, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        return list(r.json()["output_ids"])
+
+    greedy = ids(0.0)
+    assert ids(1e-300) == ids(1e-39) == greedy
+    assert greedy != [0] * 6
 
 
 def test_prompt_beyond_the_context_is_400(http: httpx.Client) -> None:
@@ -273,21 +305,20 @@ def test_engine_crash_gives_503_not_a_hang(tiny_ckpt: Path,
             assert time.monotonic() < deadline, "the blocking request never started"
             time.sleep(0.05)
         os.kill(engine, signal.SIGKILL)
-        t0 = time.monotonic()
         # requests sent as it dies and while it restarts get 503s, and never run later as
         # ghosts (their commands die with the dead engine's socket); their ids are free again
         for i in range(10):
             r = h.post(GEN, json={"text": "go", "rid": f"during-{i}", "sampling_params": {
                 "max_new_tokens": 5000, "ignore_eos": True}})
             assert r.status_code == 503, r.text
-        assert_error(blocking.result(timeout=10), 503, "engine")
+        # ended by the engine's death (5,000 tokens each would run for minutes otherwise)
+        assert_error(blocking.result(timeout=120), 503, "engine")
         for future in streaming:
             # ends with an error event, and is not passed off as a complete answer
-            text = future.result(timeout=10)
+            text = future.result(timeout=120)
             assert "[DONE]" not in text
             last = [ln for ln in text.splitlines() if ln.startswith("data: ")][-1]
             assert '"code": 503' in last and "engine" in last, last
-        assert time.monotonic() - t0 < 10
 
         # the server restarts the engine: /health tells the truth on the way, then serves
         deadline = time.monotonic() + 120
@@ -318,7 +349,7 @@ def test_engine_that_keeps_dying_exits_the_server(tiny_ckpt: Path,
     os.kill(tree[1], signal.SIGKILL)
     assert s.proc.wait(timeout=60) == 1
     assert "exiting: engine process died" in s.output()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while not all(is_gone(p) for p in tree):
         assert time.monotonic() < deadline, "orphans left"
         time.sleep(0.1)

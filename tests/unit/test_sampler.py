@@ -301,6 +301,8 @@ def test_mixed_greedy_and_sampled_rows() -> None:
 BAD_PARAMS: list[tuple[str, object]] = [
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("min_p", -0.1), ("min_p", 1.5), ("repetition_penalty", 0.0),
+    ("repetition_penalty", 1e-300), ("repetition_penalty", 101.0), ("temperature", math.inf),
+    ("temperature", math.nan), ("top_p", math.nan), ("min_tokens", 17),
     ("presence_penalty", 2.5), ("presence_penalty", -2.5), ("frequency_penalty", 2.1),
     ("frequency_penalty", -2.1), ("max_tokens", 0), ("logprobs", 21), ("logprobs", -1),
     ("stop", [""]), ("stop", ["ok", ""]),
@@ -322,6 +324,21 @@ def test_sampling_params_normalisation_and_edges() -> None:
                           frequency_penalty=2.0, logprobs=20, max_tokens=1)
     assert edge.is_greedy and not SamplingParams().is_greedy
     assert math.isclose(edge.min_p, 1.0)
+    # temperatures too small to divide the logits by are greedy (as in vLLM), not NaN
+    for tiny in (1e-300, 1e-39, 9e-6):
+        assert SamplingParams(temperature=tiny).is_greedy
+    assert not SamplingParams(temperature=1e-5).is_greedy
+
+
+def test_tiny_temperature_and_penalty_sample_as_argmax() -> None:
+    """What a 1e-300 temperature did before: NaN probabilities and token 0 every step."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(5))
+    logits[:, 0] = -5.0
+    reqs = [make_req(temperature=1e-300), make_req(temperature=1e-39)]
+    assert Sampler()(logits[:2].clone(), reqs).token_ids == logits[:2].argmax(-1).tolist()
+    # the smallest penalty allowed keeps the logits finite
+    low = make_req(temperature=0.5, repetition_penalty=0.01, prompt=[7])
+    assert bool(apply_penalties(logits[2:].clone(), [low]).isfinite().all())
 
 
 @pytest.mark.parametrize("scale", [0.5, 8.0], ids=["flat", "peaked"])
