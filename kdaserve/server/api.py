@@ -11,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from kdaserve.engine.client import EngineError
 from kdaserve.request import SamplingParams
-from kdaserve.server import native, rl
+from kdaserve.server import native, response_store, rl
 from kdaserve.server import openapi as oa
 from kdaserve.server.completions import create_completion
 from kdaserve.server.guards import ApiKeyMiddleware, BodyGuard
@@ -232,6 +232,33 @@ def create_app(state: ServerState) -> FastAPI:
               responses=oa.responses(oa.ResponseObject, oa.GENERATION, stream=True))
     async def responses(req: ResponsesRequest, request: Request) -> Response:
         return await until_disconnect(request, create_response(state, req))
+
+    @app.get("/v1/responses/{response_id}", response_model=oa.ResponseObject,
+             responses=oa.responses(oa.ResponseObject, {**oa.STORED, 400: oa._error(
+                 "a query parameter not supported here (stream, starting_after, include)")}))
+    async def get_response(response_id: str, stream: bool = False,
+                           starting_after: int | None = None,
+                           include: Annotated[list[str] | None, Query()] = None,
+                           include_obfuscation: bool = True) -> Response:
+        """A stored response as it was returned (`include_obfuscation`: accepted, no effect)."""
+        return response_store.retrieve(state, response_id, stream, starting_after, include)
+
+    @app.delete("/v1/responses/{response_id}", response_model=oa.ResponseDeleted,
+                responses=oa.responses(oa.ResponseDeleted, oa.STORED))
+    async def delete_response(response_id: str) -> Response:
+        return response_store.delete(state, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=oa.ResponseItemList,
+             responses=oa.responses(oa.ResponseItemList, {**oa.STORED, 400: oa._error(
+                 "a bad limit, order or after, or include (not supported here)")}))
+    async def response_input_items(
+            response_id: str,
+            limit: Annotated[int, Query(ge=1, le=response_store.MAX_PAGE)] = 20,
+            order: Literal["asc", "desc"] = "desc", after: str | None = None,
+            include: Annotated[list[str] | None, Query()] = None) -> Response:
+        """A stored response's input context (the responses it continues, then its input)."""
+        return response_store.list_input_items(state, response_id, limit, order, after,
+                                               include)
 
     @app.post("/generate", response_model=oa.GenerateResult | list[oa.GenerateResult],
               responses=oa.responses(oa.GenerateResult, oa.GENERATION, stream=True))

@@ -88,6 +88,20 @@ class ResponseObject(Open):
     usage: dict[str, Any] | None
 
 
+class ResponseDeleted(Open):
+    id: str
+    object: str
+    deleted: bool
+
+
+class ResponseItemList(Open):
+    object: str
+    data: list[dict[str, Any]]
+    first_id: str | None  # null on an empty page
+    last_id: str | None
+    has_more: bool
+
+
 class GenerateResult(Open):
     output_ids: list[int]
     meta_info: dict[str, Any]
@@ -137,6 +151,7 @@ GENERATION = {**BODY, 404: _error("unknown model"), 429: _error("too many reques
               500: _error("this request failed in the engine (the others go on)"),
               503: _error("the engine is down or restarting"),
               504: _error("request timed out (--request-timeout)")}
+STORED = {404: _error("no such stored response (unknown, store: false, deleted or dropped)")}
 SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
 

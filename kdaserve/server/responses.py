@@ -5,7 +5,8 @@ message, function_call), whole or as the Responses stream events.
 
 `previous_response_id` continues a stored conversation: each stored response keeps its
 messages (its input without `instructions`, which OpenAI does not carry over, plus its
-output) in a bounded in-memory store, oldest dropped first.
+output) in the bounded in-memory store of response_store.py, which also serves the stored
+responses' GET, DELETE and input_items routes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import copy
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
@@ -25,6 +25,11 @@ from kdaserve.engine.client import EngineError
 from kdaserve.server.chat import ChatPlan
 from kdaserve.server.k3_parser import Event
 from kdaserve.server.protocol import ChatCompletionRequest, Seed, Strict
+from kdaserve.server.response_store import (
+    ResponseStore,
+    StoredResponse,
+    input_items,
+)
 from kdaserve.server.serving import (
     ServerState,
     admit,
@@ -35,7 +40,7 @@ from kdaserve.server.serving import (
 )
 from kdaserve.server.tool_parser import ToolCallDelta
 
-STORE_SIZE = 1024
+__all__ = ["ResponseStore", "ResponsesRequest", "create_response"]  # the store: for launch.py
 
 
 class ResponsesRequest(Strict):
@@ -62,25 +67,6 @@ class ResponsesRequest(Strict):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-
-
-class ResponseStore:
-    """previous_response_id -> that conversation's messages (bounded, oldest dropped)."""
-
-    def __init__(self, size: int = STORE_SIZE) -> None:
-        self.size, self.items = size, OrderedDict[str, list[dict[str, Any]]]()
-
-    def get(self, rid: str) -> list[dict[str, Any]]:
-        if rid not in self.items:
-            raise ValueError(f"previous_response_id {rid!r} is not stored here (unknown, "
-                             f"stored with store: false, or dropped: the store keeps the "
-                             f"last {self.size})")
-        return list(self.items[rid])
-
-    def put(self, rid: str, messages: list[dict[str, Any]]) -> None:
-        self.items[rid] = messages
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -285,8 +271,11 @@ class Builder:
 
 def _usage(plan: ChatPlan, output: int, cached: int, reasoning: int) -> dict[str, Any]:
     prompt = len(plan.ids) - plan.pending
+    # cache_write_tokens counts what OpenAI's explicit prompt caching bills as written; the
+    # prefix cache here is implicit and reports only what a request read from it: nothing
     return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": min(cached, prompt)},
+            "input_tokens_details": {"cached_tokens": min(cached, prompt),
+                                     "cache_write_tokens": 0},
             "output_tokens": output + plan.pending,
             "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + output + plan.pending}
@@ -309,10 +298,12 @@ def _messages_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def create_response(state: ServerState, req: ResponsesRequest) -> Response:
     chat = state.need_chat()
-    history = state.responses.get(req.previous_response_id) \
-        if req.previous_response_id and state.responses is not None else []
-    if req.previous_response_id and state.responses is None:
-        raise ValueError("this server keeps no response store")
+    previous: StoredResponse | None = None
+    if req.previous_response_id:
+        if state.responses is None:
+            raise ValueError("this server keeps no response store")
+        previous = state.responses.previous(req.previous_response_id)
+    history = list(previous.messages) if previous is not None else []
     turn = to_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     creq = to_chat(req, system + history + turn)
@@ -360,7 +351,11 @@ async def create_response(state: ServerState, req: ResponsesRequest) -> Response
                 else:
                     final = builder.response("completed", usage)
                 if req.store and state.responses is not None:
-                    state.responses.put(rid, history + turn + _messages_of(builder.items))
+                    context = [*previous.items, *previous.response["output"]] \
+                        if previous is not None else []
+                    state.responses.put(rid, StoredResponse(
+                        copy.deepcopy(final), context + input_items(req.input),
+                        history + turn + _messages_of(builder.items)))
                 kind = "response.incomplete" if final["status"] == "incomplete" \
                     else "response.completed"
                 yield builder.event(kind, response=final)

@@ -23,7 +23,7 @@ from kdaserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from kdaserve.server.chat import ChatHandler
-    from kdaserve.server.responses import ResponseStore
+    from kdaserve.server.response_store import ResponseStore
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ServerState:
     chat: ChatHandler | None
     api_key: str | None = None
     server_args: dict[str, Any] = field(default_factory=dict)  # reported by /get_server_info
-    responses: ResponseStore | None = None  # /v1/responses' previous_response_id store
+    responses: ResponseStore | None = None  # stored /v1/responses (previous_response_id, GET)
     limits: Limits = field(default_factory=Limits)
     in_flight: int = 0  # engine requests submitted and not yet finished
     # RL (server/rl.py): new requests wait at the gate while weights change
