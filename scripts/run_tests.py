@@ -1,7 +1,8 @@
 """`make test`: the whole suite at this host's instruction-set level, then the tests whose code
 depends on the level (the native kernels, the one-call decode forward, weight-only bf16 and int8
 models) again at every lower level the host supports (KDASERVE_ISA, kernels/native/isa.py), so
-that one machine checks the code of every CPU kind below it. Prints each run's time and a total.
+that one machine checks the code of every CPU kind below it, and with the BF16 dots switched the
+other way where the host has them. Prints each run's time and a total.
 
     python scripts/run_tests.py [pytest args...]   # extra args go to every run
 """
@@ -61,10 +62,15 @@ def main() -> int:
           flush=True)
     t0 = time.monotonic()
     results = [run(f"all tests at {top or 'native'}", ["tests", *extra], env)]
+    ignore = [f"--ignore={p}" for p in LEVEL_IGNORE]
     for lv in below:
-        ignore = [f"--ignore={p}" for p in LEVEL_IGNORE]
         results.append(run(f"level tests at {lv}", [*LEVEL_TESTS, *ignore, *extra],
                            {**env, isa.ENV: lv}))
+    if top is not None and isa.LEVELS.index(top) >= isa.LEVELS.index("avx512_bf16"):
+        # the BF16 dots are on by default on AMD only (isa.bf16_dots): the other way too
+        flip = "0" if isa.bf16_dots() else "1"
+        results.append(run(f"level tests at {top} with {isa.BF16_DOTS_ENV}={flip}",
+                           [*LEVEL_TESTS, *ignore, *extra], {**env, isa.BF16_DOTS_ENV: flip}))
     total = {k: sum(r[1].get(k, 0) for r in results) for k in ("passed", "failed", "skipped",
                                                                   "error")}
     failed = total["failed"] + total["error"]

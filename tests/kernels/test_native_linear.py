@@ -181,7 +181,8 @@ def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
     """Weight-only bf16: fp32 activations against bf16 weights, widened in registers (the
     streamed rows: 1-3 on AVX-512, 1-8 on AVX2, each row count its own number of partial sums)
     or per block (more rows); equal to fp32 arithmetic on the same (bf16) values. From
-    16 rows on an AMX host the tiles take them (within test_native_amx's bound)."""
+    16 rows on an AMX host the tiles take them, and 1-4 rows on an AVX512_BF16 host the BF16
+    dots, both on split activations (within test_native_amx's bound)."""
     from kdaserve.kernels.native import ops
     from tests.kernels.test_native_amx import bound
 
@@ -190,7 +191,7 @@ def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
     w = torch.randn(130, K, generator=g).bfloat16()
     y = linear_native(x, w)
     assert y.dtype == torch.float32
-    if ops.amx() and rows >= ops.AMX_FROM:
+    if ops.bf16_split_rows(rows):
         err = (y.double() - x.double() @ w.double().t()).abs()
         assert bool((err <= bound(x, w)).all())
     else:

@@ -62,6 +62,33 @@ def test_moe_native_gathers_many_small_rows_threaded() -> None:
                                rtol=1e-4)
 
 
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 9])
+def test_bf16_experts_of_few_tokens_are_fp32_class(T: int) -> None:
+    """Experts of 1-4 tokens stream their bf16 rows (on the BF16 dots with split activations
+    where ops.dot_bf16(); widened elsewhere), wide enough (D 160, I 96) for whole 32-element
+    dots and a tail: near float64 arithmetic on the same weights, far nearer than rounding
+    the activations to bf16 would be."""
+    g = gen(100 + T)
+    E, D, inter, k = 4, 160, 96, 2
+    x = torch.randn(T, D, generator=g)
+    w13 = (torch.randn(E, 2 * inter, D, generator=g) * 0.2).bfloat16()
+    w2 = (torch.randn(E, D, inter, generator=g) * 0.2).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.ones(T, k)
+    out = moe_experts_native(x, weights, ids, w13, w2, blocked_from=2**40).double()
+    want = moe_experts_ref(x.double(), weights.double(), ids, w13.double(), w2.double())
+    # each output's scale: its sums of absolute terms, |x| |w_gate| |x| |w_up| |w2| (|SiLU(g)|
+    # <= |g|). The largest error as a fraction of 2^-20 of it, measured: widened 5e-4, split
+    # 0.015, activations rounded to bf16 (the lo parts dropped) 6-9
+    a = x.double().abs()
+    G = torch.einsum("td,eid->tei", a, w13[:, :inter].double().abs())
+    U = torch.einsum("td,eid->tei", a, w13[:, inter:].double().abs())
+    scale = torch.einsum("tei,edi->ted", G * U, w2.double().abs())
+    limit = 2.0**-20 * torch.stack([scale[t, ids[t]].sum(0) for t in range(T)])
+    err = (out - want).abs()
+    assert bool((err <= limit).all()), float((err / limit).max())
+
+
 @pytest.mark.parametrize("blocked_from", [1, 2**40])
 @pytest.mark.parametrize("T", [1, 5, 200])
 def test_moe_native_with_bf16_weights(T: int, blocked_from: int) -> None:

@@ -66,3 +66,20 @@ def test_a_capped_build_has_exactly_its_level(level: str) -> None:
     assert ("__AVX512F__" in got) == (rank >= 1)
     assert ("__AVX512BF16__" in got) == (rank >= 2)
     assert ("__AMX_TILE__" in got) == (rank >= 3)
+
+
+def test_bf16_dots_need_the_level_and_follow_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(isa, "level", lambda: "avx512")
+    monkeypatch.setenv(isa.BF16_DOTS_ENV, "1")
+    assert not isa.bf16_dots()  # no BF16 instructions at this level, whatever is asked
+    monkeypatch.setattr(isa, "level", lambda: "amx")
+    assert isa.bf16_dots()
+    monkeypatch.setenv(isa.BF16_DOTS_ENV, "0")
+    assert not isa.bf16_dots()
+    monkeypatch.setenv(isa.BF16_DOTS_ENV, "yes")
+    with pytest.raises(ValueError, match="0 or 1"):
+        isa.bf16_dots()
+    monkeypatch.delenv(isa.BF16_DOTS_ENV)
+    for vendor, want in (("AuthenticAMD", True), ("GenuineIntel", False), ("", False)):
+        monkeypatch.setattr(isa, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert isa.bf16_dots() == want

@@ -89,9 +89,11 @@ def _cpu_flags() -> str:
 
 
 def _isa_flags() -> list[str]:
-    """-march=native, less the features above KDASERVE_ISA's level where it caps them."""
+    """-march=native, less the features above KDASERVE_ISA's level where it caps them; the
+    BF16 dots where isa.bf16_dots() asks for them."""
     host = isa.host_level(isa.cpu_flags()) if isa.level() is not None else None
-    return isa.compile_flags(isa.level(), host)
+    return isa.compile_flags(isa.level(), host) + \
+        (["-DKDASERVE_WANT_BF16_DOTS"] if isa.bf16_dots() else [])
 
 
 def _cache_dir() -> Path:

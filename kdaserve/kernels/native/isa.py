@@ -32,6 +32,9 @@ _OFF = {"avx2": ["-mno-avx2"], "avx512": ["-mno-avx512f"], "avx512_bf16": ["-mno
         "amx": ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8", "-mno-avx512fp16"]}
 
 
+BF16_DOTS_ENV = "KDASERVE_BF16_DOTS"
+
+
 def cpu_flags() -> set[str]:
     """The host's /proc/cpuinfo feature flags (empty where there is no such file)."""
     try:
@@ -95,3 +98,31 @@ def at_least(name: str) -> bool:
     """Whether this process's kernels are built with the instructions of level `name`."""
     current = level()
     return current is not None and LEVELS.index(current) >= LEVELS.index(name)
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where unknown)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def bf16_dots() -> bool:
+    """Whether bf16 weights at 1-4 rows run on the BF16 dot instruction (gemm_blocks.h): a
+    level from avx512_bf16 up, on AMD by default (Zen 4 issues a 512-bit VDPBF16PS a cycle by
+    the instruction tables, and its widening shuffles are double-pumped: the bf16 weights there
+    ran at 1.36-1.81x our fp32, not ~2x, so compute-bound; not yet measured on one here). On a
+    Sapphire Rapids Xeon the dots measured slower than widening (gemm_blocks.h), so Intel keeps
+    widening. KDASERVE_BF16_DOTS=1 or 0 decides instead (the tests run both ways)."""
+    if not at_least("avx512_bf16"):
+        return False
+    asked = os.environ.get(BF16_DOTS_ENV, "").strip()
+    if asked in ("0", "1"):
+        return asked == "1"
+    if asked:
+        raise ValueError(f"{BF16_DOTS_ENV}={asked!r}: 0 or 1")
+    return cpu_vendor() == "AuthenticAMD"

@@ -422,6 +422,23 @@ QUANTIZED_LARGE_MAX_ROWS = 512
 # oneDNN's 180 before its widening pass, 64 rows of the lm_head 49 ms against 130; int8, as
 # exact bf16 panels, 64 rows of the lm_head 26 ms against 73-83 widened in registers).
 AMX_MAX_ROWS = 1 << 40
+# Up to this many rows (kDotBf16Rows in gemm_blocks.h) bf16 weights take the BF16 dot
+# instructions where the build has them (isa.bf16_dots()): x split into two bf16 parts, as on
+# AMX.
+DOT_BF16_ROWS = 4
+
+
+def dot_bf16() -> bool:
+    """Whether bf16 weights' products of 1-DOT_BF16_ROWS rows run on the BF16 dots."""
+    return isa.bf16_dots()
+
+
+def bf16_split_rows(rows: int) -> bool:
+    """Whether a bf16 (or, from AMX_FROM rows, int8) product of `rows` rows multiplies x
+    split into bf16 parts (error <= 2^-17 |x| on top of fp32 sums), not x itself."""
+    return (dot_bf16() and rows <= DOT_BF16_ROWS) or (amx() and rows >= AMX_FROM)
+
+
 # Below this many rows (kAmxFrom in gemm_cpu.cpp) bf16 / int8 products stay in the AVX kernels,
 # fp32 arithmetic on the weights; from it on they are the tiles' split-activation products.
 AMX_FROM = 16

@@ -87,6 +87,113 @@ void few_rows(const float* x, const W* wb, float* y, int64_t N, int64_t K, int64
   for (int64_t n = n0; n < n1; ++n) dot_stream<TM>(wb + (n - n0) * K, x, y + n, N, K);
 }
 
+constexpr int64_t kDotBf16Rows = 4;  // x rows up to which bf16 weights take the dots below
+// Asked for by the build (build.py: isa.bf16_dots()) where the dots pay: on a Sapphire Rapids
+// Xeon they ran slower than widening (one row, weights in L2, one thread: 31.9 against 36.0
+// GB/s; four rows 10.3 against 23.2; streamed from memory 17-18 against 18-20 GB/s), a
+// VDPBF16PS every ~2.4 cycles; AMD's Zen 4 issues one a cycle.
+#if defined(__AVX512BF16__) && defined(KDASERVE_WANT_BF16_DOTS)
+#define KDASERVE_BF16_DOTS 1
+// bf16 weights against a few x rows with the BF16 dot instruction (AVX512_BF16: Zen 4, Cooper
+// Lake, Sapphire Rapids), where the dot above widens every weight vector first (a zero-extend
+// and a shift per 16 weights before the FMA). VDPBF16PS multiplies 32 bf16 pairs into 16 fp32
+// sums at once, but takes bf16 activations: rounding them would put a 2^-9 relative error on
+// every product (llama.cpp does that), so, as on the AMX tiles (amx_cpu.cpp), each x is split
+// into hi = bf16(x) and lo = bf16(x - hi), both dotted with the same weights (error <= 2^-17
+// |x|, ~1/256 of the weights' own rounding; the products of two bf16 values are exact and the
+// sums fp32). Per 32 weights: one load and two dots instead of two widenings and two FMAs.
+constexpr bool kDotBf16 = true;
+
+// hi, lo [n] = the split of x [n]; the x rows of a call are split once, before its dots.
+inline void split_bf16(const float* x, int64_t n, bf16* hi, bf16* lo) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(x + i), b = _mm512_loadu_ps(x + i + 16);
+    const __m512i h = (__m512i)(_mm512_cvtne2ps_pbh(b, a));  // a low, b high
+    const __m512 ha = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+    const __m512 hb = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+    const __m512i l = (__m512i)(
+        _mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+    _mm512_storeu_si512(hi + i, h);
+    _mm512_storeu_si512(lo + i, l);
+  }
+  for (; i < n; ++i) {  // round to nearest even, as VCVTNE2PS2BF16 (no NaN among activations)
+    const auto round = [](float f) {
+      uint32_t u;
+      __builtin_memcpy(&u, &f, sizeof(u));
+      return static_cast<bf16>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+    };
+    hi[i] = round(x[i]);
+    lo[i] = round(x[i] - widen(hi[i]));
+  }
+}
+
+// dot_stream's contract for bf16 weights, x given split (xh, xl: TM rows of K) and whole (x:
+// for the last K % 32 elements).
+template <int TM>
+inline void dot_stream_bf16(const bf16* __restrict w, const bf16* __restrict xh,
+                            const bf16* __restrict xl, const float* __restrict x,
+                            float* __restrict y, int64_t N, int64_t K) {
+  constexpr int kU = TM == 1 ? 4 : 2;  // independent sums per x part (the dot's latency)
+  __m512 acc[2][kU][TM];
+  for (auto& part : acc)
+    for (auto& row : part)
+      for (auto& a : row) a = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + kU * 32 <= K; j += kU * 32) {
+    const char* ahead = reinterpret_cast<const char*>(w + j) + kStreamAhead<bf16>;
+    for (size_t b = 0; b < kU * 32 * sizeof(bf16); b += 64) __builtin_prefetch(ahead + b, 0, 3);
+    for (int u = 0; u < kU; ++u) {
+      const __m512bh wv = (__m512bh)(_mm512_loadu_si512(w + j + u * 32));
+      for (int tm = 0; tm < TM; ++tm) {
+        const int64_t at = tm * K + j + u * 32;
+        acc[0][u][tm] = _mm512_dpbf16_ps(
+            acc[0][u][tm], (__m512bh)(_mm512_loadu_si512(xh + at)), wv);
+        acc[1][u][tm] = _mm512_dpbf16_ps(
+            acc[1][u][tm], (__m512bh)(_mm512_loadu_si512(xl + at)), wv);
+      }
+    }
+  }
+  for (; j + 32 <= K; j += 32) {
+    const __m512bh wv = (__m512bh)(_mm512_loadu_si512(w + j));
+    for (int tm = 0; tm < TM; ++tm) {
+      acc[0][0][tm] = _mm512_dpbf16_ps(
+          acc[0][0][tm], (__m512bh)(_mm512_loadu_si512(xh + tm * K + j)), wv);
+      acc[1][0][tm] = _mm512_dpbf16_ps(
+          acc[1][0][tm], (__m512bh)(_mm512_loadu_si512(xl + tm * K + j)), wv);
+    }
+  }
+  for (int tm = 0; tm < TM; ++tm) {
+    __m512 a = _mm512_add_ps(acc[0][0][tm], acc[1][0][tm]);
+    for (int u = 1; u < kU; ++u) a = _mm512_add_ps(a, _mm512_add_ps(acc[0][u][tm], acc[1][u][tm]));
+    float sum = _mm512_reduce_add_ps(a);
+    for (int64_t l = j; l < K; ++l) sum += widen(w[l]) * x[tm * K + l];
+    y[tm * N] = sum;
+  }
+}
+
+// few_rows for bf16 weights and split x rows; TM 1-4.
+template <int TM>
+void few_rows_bf16(const float* x, const bf16* xh, const bf16* xl, const bf16* wb, float* y,
+                   int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) dot_stream_bf16<TM>(wb + (n - n0) * K, xh, xl, x, y + n, N, K);
+}
+
+inline void stream_rows_bf16(const float* x, const bf16* xh, const bf16* xl, const bf16* wb,
+                             float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  switch (M) {
+    case 1: return few_rows_bf16<1>(x, xh, xl, wb, y, N, K, n0, n1);
+    case 2: return few_rows_bf16<2>(x, xh, xl, wb, y, N, K, n0, n1);
+    case 3: return few_rows_bf16<3>(x, xh, xl, wb, y, N, K, n0, n1);
+    default: return few_rows_bf16<4>(x, xh, xl, wb, y, N, K, n0, n1);
+  }
+}
+#else
+constexpr bool kDotBf16 = false;
+#endif
+
 // Rows [n0, n1) of y = x w^T, the block's weight rows starting at wb (row n0).
 template <typename W>
 void linear_block(const float* x, const W* wb, float* y, int64_t M, int64_t N, int64_t K,

@@ -78,8 +78,22 @@ void linear_small(const float* x, const W* w, const float* scale, float* y, int6
         linear_amx_int8w(x, w, scale, y, M, N, K, 1) == 0)
       return;
   }
-  if (M >= std::max<int64_t>(kLanes, kFewM + 1)) return linear_bcast(x, w, scale, y, M, N, K);
   constexpr int64_t kRows = 64;
+#if defined(KDASERVE_BF16_DOTS)
+  // 1-4 rows of bf16 weights on the BF16 dot instruction (gemm_blocks.h); x split once here
+  if constexpr (std::is_same_v<W, bf16>) {
+    if (M <= kDotBf16Rows) {
+      std::vector<bf16> split(2 * M * K);
+      split_bf16(x, M * K, split.data(), split.data() + M * K);
+#pragma omp parallel for schedule(static)
+      for (int64_t n0 = 0; n0 < N; n0 += kRows)
+        stream_rows_bf16(x, split.data(), split.data() + M * K, w + n0 * K, y, M, N, K, n0,
+                         std::min(N, n0 + kRows));
+      return;
+    }
+  }
+#endif
+  if (M >= std::max<int64_t>(kLanes, kFewM + 1)) return linear_bcast(x, w, scale, y, M, N, K);
 // bf16 and int8 weights widen in registers at every row count: widening each block into an
 // fp32 buffer first (the earlier way) made them 1.5-2x slower from 4 rows on.
 #pragma omp parallel for schedule(static)

@@ -202,6 +202,11 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
   const int64_t small_rows = A > 0 ? n : 0;
   std::unique_ptr<float[]> xs(new float[small_rows * D]), h(new float[small_rows * 2 * I]),
       act(new float[small_rows * I]);
+  // bf16 weights at 1-4 tokens take the BF16 dots (gemm_blocks.h): xs and act split as well
+  constexpr bool kSplit = kDotBf16 && std::is_same_v<W, bf16>;
+  static_assert(!kSplit || kDotBf16Rows == kStreamM, "split rows are the streamed rows");
+  std::unique_ptr<bf16[]> xsplit(new bf16[kSplit ? 2 * small_rows * D : 0]),
+      asplit(new bf16[kSplit ? 2 * small_rows * I : 0]);
   constexpr int64_t kRows = 32;
   const int64_t iblocks = (I + kRows - 1) / kRows, dblocks = (D + kRows - 1) / kRows;
   // The small experts' x rows are gathered before the team starts (32 KB at batch 16,
@@ -212,8 +217,15 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
   // ms a layer; bf16 0.27 -> 0.24; 64 experts top-8 at hidden 768 equal).
 #pragma omp parallel for schedule(static) if (small_rows * D >= (int64_t{1} << 20))
   for (int64_t a = 0; a < A; ++a)
-    for (int64_t s = offset[small[a]]; s < offset[small[a] + 1]; ++s)
+    for (int64_t s = offset[small[a]]; s < offset[small[a] + 1]; ++s) {
       std::copy(x + (order[s] / k) * D, x + (order[s] / k + 1) * D, xs.get() + s * D);
+#if defined(KDASERVE_BF16_DOTS)
+      if constexpr (kSplit)
+        if (offset[small[a] + 1] - offset[small[a]] <= kDotBf16Rows)
+          split_bf16(xs.get() + s * D, D, xsplit.get() + s * D,
+                     xsplit.get() + (small_rows + s) * D);
+#endif
+    }
 #pragma omp parallel
   {
     if (B > 0) {
@@ -239,6 +251,14 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
           constexpr int64_t kSide = std::is_same_v<W, int8_t> ? 24 : 1;
           for (int64_t r = r0; r < r1; r += kSide) {
             const int64_t re = std::min(r1, r + kSide);
+#if defined(KDASERVE_BF16_DOTS)
+            if constexpr (kSplit) {
+              const bf16 *xh = xsplit.get() + s0 * D, *xl = xsplit.get() + (small_rows + s0) * D;
+              stream_rows_bf16(xe, xh, xl, we + r * D, he, cnt, 2 * I, D, r, re);
+              stream_rows_bf16(xe, xh, xl, we + (I + r) * D, he, cnt, 2 * I, D, I + r, I + re);
+              continue;
+            }
+#endif
             stream_rows(xe, we + r * D, he, cnt, 2 * I, D, r, re);
             stream_rows(xe, we + (I + r) * D, he, cnt, 2 * I, D, I + r, I + re);
           }
@@ -254,19 +274,38 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
               g[I + r] *= s13[e * 2 * I + I + r];
             }
           // vectorised: libm's scalar expf per activation was ~10% of a 16-token MoE layer
-          silu_mul_row(g + r0, g + I + r0, act.get() + (s0 + m) * I + r0, r1 - r0);
+          float* am = act.get() + (s0 + m) * I;
+          silu_mul_row(g + r0, g + I + r0, am + r0, r1 - r0);
+#if defined(KDASERVE_BF16_DOTS)
+          if constexpr (kSplit)
+            if (cnt <= kDotBf16Rows)  // this task's columns of the down projection's x
+              split_bf16(am + r0, r1 - r0, asplit.get() + (s0 + m) * I + r0,
+                         asplit.get() + (small_rows + s0 + m) * I + r0);
+#endif
         }
       }
 #pragma omp for schedule(dynamic, 1)
       for (int64_t task = 0; task < A * dblocks; ++task) {
         const int64_t e = small[task / dblocks], d0 = (task % dblocks) * kRows;
         const int64_t d1 = std::min(D, d0 + kRows), s0 = offset[e], cnt = offset[e + 1] - s0;
-        if (cnt <= kStreamM)
+        bool done = false;
+#if defined(KDASERVE_BF16_DOTS)
+        if constexpr (kSplit)
+          if (cnt <= kDotBf16Rows) {
+            stream_rows_bf16(act.get() + s0 * I, asplit.get() + s0 * I,
+                             asplit.get() + (small_rows + s0) * I, w2 + (e * D + d0) * I,
+                             ys.get() + s0 * D, cnt, D, I, d0, d1);
+            done = true;
+          }
+#endif
+        if (done) {
+        } else if (cnt <= kStreamM) {
           stream_rows(act.get() + s0 * I, w2 + (e * D + d0) * I, ys.get() + s0 * D, cnt, D, I,
                       d0, d1);
-        else
+        } else {
           linear_block(act.get() + s0 * I, w2 + (e * D + d0) * I, ys.get() + s0 * D, cnt, D,
                        I, d0, d1);
+        }
         for (int64_t m = 0; m < cnt; ++m) {
           const float wt = weights[order[s0 + m]];
           for (int64_t d = d0; d < d1; ++d)
