@@ -1,4 +1,4 @@
-"""`kdaserve` command line: generate, make-checkpoint."""
+"""The `kdaserve` command line (also `python -m kdaserve`): serve, generate, bench, ..."""
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from kdaserve.engine.grammar import (
     needs_mask,
 )
 from kdaserve.engine.introspection import Introspection
+from kdaserve.engine.lifecycle import LoadProgress, kernel_summary, phase, weights_summary
 from kdaserve.engine.logprobs import record_prompt_logprobs
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.outputs import RequestUpdates
@@ -56,19 +57,24 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
             raise ValueError("dp_size > 1 runs one engine per replica behind `kdaserve serve`'s "
                              "data-parallel controller; an engine is one replica")
         self.config = config
-        self.path = resolve_model_path(config.model)
-        self.model_config = ModelConfig.from_pretrained(self.path)
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda" and self.device.index is not None:
-            torch.cuda.set_device(self.device)  # Triton launches and graphs use the current one
-        # bf16 matmul is ~200x slower than fp32 on common CPUs: there activations and caches
-        # stay fp32 and bfloat16 means weight-only bf16 (projections and experts)
-        asked = getattr(torch, config.dtype) if config.dtype else (
-            torch.float32 if self.device.type == "cpu" else torch.bfloat16)
-        self.weight_dtype = asked
-        self.dtype = torch.float32 if self.device.type == "cpu" else asked
-        self.kernels = resolve_kernels(self.device, config.kernel_backend,
-                                       config.enable_deterministic_inference)
+        with phase("config") as p:
+            self.path = resolve_model_path(config.model)
+            self.model_config = ModelConfig.from_pretrained(self.path)
+            self.device = torch.device(config.device)
+            if self.device.type == "cuda" and self.device.index is not None:
+                torch.cuda.set_device(self.device)  # Triton launches and graphs use it
+            # bf16 matmul is ~200x slower than fp32 on common CPUs: there activations and
+            # caches stay fp32 and bfloat16 means weight-only bf16 (projections and experts)
+            asked = getattr(torch, config.dtype) if config.dtype else (
+                torch.float32 if self.device.type == "cpu" else torch.bfloat16)
+            self.weight_dtype = asked
+            self.dtype = torch.float32 if self.device.type == "cpu" else asked
+            p.note = (f"{self.path}, {self.model_config.num_hidden_layers} layers, on "
+                      f"{self.device} ({str(self.dtype).removeprefix('torch.')})")
+        with phase("kernels") as p:  # includes compiling the native CPU kernels, once
+            self.kernels = resolve_kernels(self.device, config.kernel_backend,
+                                           config.enable_deterministic_inference)
+            p.note = kernel_summary(self.kernels)
         keep_freed_memory()  # a step's large temporaries reuse the last step's pages
         self.followers: Followers | None = None  # tensor-parallel ranks 1.., when tp_size > 1
         # DP attention: this engine is one rank of a group whose MoE layers it joins every
@@ -86,17 +92,23 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
             raise
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device,
                                   self.followers)
-        self.runner.graphs = graph_runner(config, self.kernels, self.model, self.states,
-                                          self.blocks, self.scheduler.max_num_seqs,
-                                          self.scheduler.max_request_tokens())
-        self.spec = None
-        if config.speculative_algorithm is not None:
-            draft = config.speculative_draft_model
-            self.spec = build_speculator(
-                config, Path(resolve_model_path(draft)) if draft else None, self.model_config,
-                self.kernels, self.dtype, self.device, self.states, self.blocks, self.cache,
-                self.scheduler.max_num_seqs)
-            self.scheduler.hooks = self.spec
+        with phase("warm-up") as p:
+            self.runner.graphs = graph_runner(config, self.kernels, self.model, self.states,
+                                              self.blocks, self.scheduler.max_num_seqs,
+                                              self.scheduler.max_request_tokens())
+            self.spec = None
+            if config.speculative_algorithm is not None:
+                draft = config.speculative_draft_model
+                self.spec = build_speculator(
+                    config, Path(resolve_model_path(draft)) if draft else None,
+                    self.model_config, self.kernels, self.dtype, self.device, self.states,
+                    self.blocks, self.cache, self.scheduler.max_num_seqs)
+                self.scheduler.hooks = self.spec
+            # nothing runs ahead of the first request: CUDA graphs are captured on first use
+            # of each batch size, and an eager forward needs no warming
+            p.note = ("CUDA graphs, captured on first use" if self.runner.graphs else
+                      f"none (eager forward on {self.device.type})") + \
+                (f"; {config.speculative_algorithm} drafter built" if self.spec else "")
         self._grammar: GrammarBackend | None = None  # built on the first constrained request
         self.groups: dict[str, list[Request]] = {}
         self.detok: dict[int, IncrementalDetokenizer] = {}
@@ -132,10 +144,16 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
 
     def _build(self, config: EngineConfig) -> None:
         """The model, tokenizer and pools (the part of start-up the followers wait on)."""
-        self.model = build_model(self.model_config, self.kernels, self.dtype, self.device,
-                                 self.path, config.load_format, config.seed, self.weight_dtype,
-                                 config.quantization,
-                                 self.followers.tp if self.followers else SINGLE, self.ep)
+        with phase("weights") as p:
+            progress = LoadProgress()
+            try:
+                self.model = build_model(
+                    self.model_config, self.kernels, self.dtype, self.device, self.path,
+                    config.load_format, config.seed, self.weight_dtype, config.quantization,
+                    self.followers.tp if self.followers else SINGLE, self.ep, progress)
+            finally:
+                progress.close()
+            p.note = weights_summary(self.model, config.load_format)
         self.tokenizer = (None if config.skip_tokenizer_init
                           else Tokenizer.from_pretrained(self.path))
         if self.tokenizer is not None and \
@@ -143,8 +161,10 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
             raise ValueError(f"the tokenizer has {self.tokenizer.vocab_size} token ids but the "
                              f"model's vocabulary is {self.model_config.vocab_size}: ids past it "
                              "have no embedding (a tokenizer from another model?)")
-        self.blocks, self.states = make_pools(config, self.model_config, self.model, self.dtype,
-                                              self.device)
+        with phase("pools") as p:  # their sizes: make_pools's own log line
+            self.blocks, self.states = make_pools(config, self.model_config, self.model,
+                                                  self.dtype, self.device)
+            p.note = f"{self.blocks.num_blocks} KV blocks, {self.states.num_slots} state slots"
         if self.followers is not None:
             self.followers.start(self.blocks, self.states)
         self.cache = None if config.disable_prefix_cache else RadixCache(self.blocks, self.states)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,6 +33,8 @@ from kdaserve.layers.parallel import (
     full_shape,
 )
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+
+Progress = Callable[[int, int], None]  # (bytes read so far, bytes in all)
 
 DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -132,17 +135,26 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def load_weights(model: KimiLinearForCausalLM, path: Path) -> None:
-    for file, data_start, tensors in _plan(model, path):
+def load_weights(model: KimiLinearForCausalLM, path: Path,
+                 progress: Progress | None = None) -> None:
+    """`progress(done, total)`: checkpoint bytes read so far, after every tensor."""
+    plan = _plan(model, path)
+    total = sum(meta["data_offsets"][1] - meta["data_offsets"][0]
+                for _, _, tensors in plan for _, meta, _ in tensors)
+    done = 0
+    for file, data_start, tensors in plan:
         with open(file, "rb") as f:
             for raw_name, meta, dest in tensors:
                 begin, end = meta["data_offsets"]
                 src_dtype = DTYPES[meta["dtype"]]
                 if isinstance(dest, Shard):
                     _read_shard(f, data_start + begin, dest, src_dtype, raw_name)
-                    continue
-                f.seek(data_start + begin)
-                _read_into(f, dest, src_dtype, end - begin, raw_name)
+                else:
+                    f.seek(data_start + begin)
+                    _read_into(f, dest, src_dtype, end - begin, raw_name)
+                done += end - begin
+                if progress is not None:
+                    progress(done, total)
 
 
 def _read_shard(f, offset: int, shard: Shard, src_dtype: torch.dtype, name: str) -> None:
@@ -222,12 +234,14 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
                 device: torch.device, path: Path | None, load_format: str = "auto",
                 seed: int = 0, weight_dtype: torch.dtype | None = None,
                 quantization: str | None = None, tp: TensorParallel = SINGLE,
-                ep: ExpertParallel = SINGLE_EP) -> KimiLinearForCausalLM:
+                ep: ExpertParallel = SINGLE_EP,
+                progress: Progress | None = None) -> KimiLinearForCausalLM:
     """Builds on the meta device (no init cost), materialises, then fills every parameter.
     `weight_dtype` (default `dtype`): the projections' and experts' weights only, the bytes a
     decode step streams (weight-only bf16 on a CPU); norms, embeddings and the rest `dtype`.
     `quantization="int8"`: those weights quantized per row once loaded (weight-only int8).
-    `tp`: this tensor-parallel rank's shard of the model (reading only its slices)."""
+    `tp`: this tensor-parallel rank's shard of the model (reading only its slices).
+    `progress`: see load_weights."""
     with torch.device("meta"):
         model = KimiLinearForCausalLM(config, kernels, tp, ep)
     # by name, after to_empty: moving off the meta device replaces the Parameter objects
@@ -247,7 +261,7 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
     elif load_format == "auto":
         if path is None:
             raise ValueError("a checkpoint path is needed unless load_format='dummy'")
-        load_weights(model, path)
+        load_weights(model, path, progress)
     else:
         raise ValueError(f"unknown load_format {load_format!r} (auto or dummy)")
     if quantization == "int8":

@@ -37,6 +37,7 @@ from kdaserve.server.serving import (
     ModelNotFoundError,
     QueueFullError,
     ServerState,
+    check_model,
     until_disconnect,
 )
 
@@ -150,9 +151,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models/{model:path}", response_model=oa.ModelCard,
              responses=oa.responses(oa.ModelCard, {404: oa._error("unknown model")}))
     async def model(model: str) -> dict[str, Any]:
-        if model not in (state.model_name, state.model_path):
-            raise ModelNotFoundError(f"The model {model!r} does not exist; this server "
-                                     f"serves {state.model_name!r}")
+        check_model(state, model)  # the served name or any alias
         return model_card()
 
     rl_errors = {400: oa._error("a bad update (nothing changed) or bad request"),

@@ -14,10 +14,13 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -25,15 +28,69 @@ import zmq.asyncio
 
 from kdaserve.config import EngineConfig
 from kdaserve.engine.client import EngineClient
+from kdaserve.engine.lifecycle import run_with_parent
 from kdaserve.engine.output_delta import DeltaDecoder, DeltaEncoder
 
 logger = logging.getLogger("kdaserve")
 
 POLL_MS = 50
+IPC_PREFIX = "kdaserve-"
 
 
-def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str) -> None:
-    """Entry point of the engine process."""
+def ipc_dir() -> str:
+    """A private folder (0700) for one server's IPC sockets, named after the server's pid.
+
+    Its server removes it on every exit it lives through. A server killed with SIGKILL cannot,
+    and its engine cannot either (SIGKILLed with it: lifecycle.exit_with_parent), so the next
+    server started on this machine sweeps such folders first. They hold only socket files: no
+    data, no memory. The engine creates nothing else that outlives it (multiprocessing's
+    resource tracker, which outlives both, unlinks what was registered with it), except a
+    native kernel build cut short: its compiler finishes, and the unrenamed `tmp*.so` stays
+    in the kernel cache folder (kernels/native/build.py)."""
+    sweep_ipc_dirs(Path(tempfile.gettempdir()))
+    return tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
+
+
+def sweep_ipc_dirs(tmp: Path) -> list[Path]:
+    """Removes the IPC folders of dead servers (ours, named `kdaserve-PID-*`, whose PID is gone
+    and whose socket nobody listens on: a pid alone could be another PID namespace's)."""
+    removed = []
+    for d in tmp.glob(f"{IPC_PREFIX}*-*"):
+        pid = d.name.removeprefix(IPC_PREFIX).split("-")[0]
+        try:
+            owned = d.is_dir() and not d.is_symlink() and d.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if owned and pid.isdigit() and not _alive(int(pid)) and not _listening(d / "out"):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def _listening(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return False
+        except OSError:  # unsure: keep it
+            return True
+    return True
+
+
+def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str, parent: int) -> None:
+    """The engine process, run by lifecycle.run_with_parent: it ends with the HTTP process
+    (`parent`), however that one ends (the IPC folder left then: see ipc_dir)."""
     logging.basicConfig(level=logging.INFO, format="[kdaserve engine] %(message)s")
     # Ctrl-C and a group-wide SIGTERM (systemd, `kill -- -PGID`) reach us too; the HTTP
     # process decides when we stop, after draining
@@ -58,8 +115,8 @@ def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str) -> None:
     def recv(block: bool) -> tuple[Any, ...] | None:
         if cmds.poll(POLL_MS if block else 0):
             return cmds.recv_pyobj()
-        if os.getppid() == 1:  # the HTTP process died without stopping us: no orphans
-            return ("stop",)
+        if os.getppid() != parent:  # the HTTP process is gone (seen here first without
+            return ("stop",)  # PDEATHSIG; a subreaper, not pid 1, may have adopted us)
         return None
 
     encoder = DeltaEncoder()
@@ -91,7 +148,7 @@ class EngineProcess(EngineClient):
                  on_fatal: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self.config, self.max_restarts, self.on_fatal = config, max_restarts, on_fatal
-        self._dir = tempfile.mkdtemp(prefix="kdaserve-")
+        self._dir = ipc_dir()
         self.out_addr = f"ipc://{self._dir}/out"
         self.ctx = zmq.asyncio.Context()
         self._out = self.ctx.socket(zmq.PULL)
@@ -121,15 +178,28 @@ class EngineProcess(EngineClient):
         cmd_addr = f"ipc://{self._dir}/cmd-{self.generation}"
         self._cmd = self._cmd_ctx.socket(zmq.PUSH)
         self._cmd.connect(cmd_addr)
+        # PDEATHSIG fires when the forking *thread* ends: every engine is created and started
+        # on the event loop's thread, the main one (asyncio.run), which ends with the process
+        on_main = self._on_main = threading.current_thread() is threading.main_thread()
         # with tensor parallelism the engine starts the other ranks itself, which a daemonic
         # process may not (it stops with the server, and exits if orphaned, either way)
         return mp.get_context("spawn").Process(
-            target=_engine_main, args=(self.config, cmd_addr, self.out_addr),
+            target=run_with_parent,
+            args=(os.getpid(), on_main, f"{__name__}:_engine_main", self.config, cmd_addr,
+                  self.out_addr, os.getpid()),
             daemon=self.config.tp_size == 1, name="kdaserve-engine")
+
+    def _start_process(self) -> None:
+        # the engine relies on PDEATHSIG only if the thread that forks it lives as long as we do
+        assert not self._on_main or threading.current_thread() is threading.main_thread(), \
+            "an engine created on the main thread must be started there"
+        self.proc.start()
+        logger.info("start-up engine: process %d started (generation %d)", self.proc.pid,
+                    self.generation)
 
     async def start(self, timeout: float = 600.0) -> None:
         self.loop = asyncio.get_running_loop()
-        self.proc.start()
+        self._start_process()
         msg = await asyncio.wait_for(self._wait_ready(), timeout)
         if msg[0] == "failed":
             raise RuntimeError(f"engine failed to start: {msg[1]}")
@@ -190,7 +260,7 @@ class EngineProcess(EngineClient):
             while not self._ready.empty():  # a "ready" of an engine that died since
                 self._ready.get_nowait()
             self.proc = self._new_process()
-            self.proc.start()
+            self._start_process()
             msg = None
             while msg is None and self.proc.is_alive():
                 with contextlib.suppress(TimeoutError):

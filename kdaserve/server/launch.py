@@ -7,8 +7,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from kdaserve.config import EngineConfig
@@ -41,7 +44,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None)
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in /v1/models and responses (default: the preset's "
+                        "name or the checkpoint folder's); requests may also name its path")
     p.add_argument("--reasoning-parser", default=None, choices=[None, "kimi_k2"])
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (default: the checkpoint's, else built-in K2)")
@@ -75,6 +80,30 @@ def add_parser(sub: Any) -> None:
                    help="seconds SIGTERM lets running requests finish before aborting them "
                         "(a second signal exits at once)")
     p.set_defaults(func=serve)
+
+
+def served_names(model: str, path: str, flag: str | None) -> tuple[str, tuple[str, ...]]:
+    """The name /v1/models lists and responses carry, and the other names requests may give.
+
+    By default a bare name, never a path: OpenAI clients that read a provider prefix from the
+    name (openai-agents: "Unknown prefix") refuse one with a '/'. `--model` as typed (the name
+    before) and the resolved path stay accepted, so old clients keep working."""
+    from kdaserve.checkpoint import PRESETS
+
+    if flag:
+        name = flag
+    elif model in PRESETS and not Path(model).is_dir():
+        name = model
+    else:
+        folder = Path(os.path.abspath(path))  # not resolve(): a symlink's name is chosen
+        # the Hugging Face cache's snapshots/<hash>: the repository's name, not the hash
+        hub = folder.parent.parent.name
+        if folder.parent.name == "snapshots" and hub.startswith("models--"):
+            name = hub.split("--")[-1]
+        else:
+            name = folder.name or str(folder)
+    aliases = tuple(dict.fromkeys(a for a in (model, path) if a != name))
+    return name, aliases
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -139,6 +168,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     config = engine_config(args)
+    start = time.perf_counter()
     # resolve (and for a preset, generate) the checkpoint once, before the engine process
     path = resolve_model_path(config.model)
     config = dataclasses.replace(config, model=str(path))
@@ -160,6 +190,10 @@ async def _serve(args: argparse.Namespace) -> str | None:
                                            args.chat_template,
                                            load_policy(args.sampling_policy, path),
                                            args.default_max_tokens)
+    name, aliases = served_names(str(args.model), str(path), args.served_model_name)
+    logger.info("start-up config: checkpoint %s%s (%.1f s)", path,
+                "" if chat is None else ", tokenizer and chat template",
+                time.perf_counter() - start)
     fatal: list[str] = []
 
     def on_fatal(why: str) -> None:
@@ -183,7 +217,6 @@ async def _serve(args: argparse.Namespace) -> str | None:
         except asyncio.CancelledError:
             print("[kdaserve] stopped during start-up", flush=True)
             return None
-        name = args.served_model_name or str(args.model)
         context = engine.info["max_request_tokens"]
         if args.context_length is not None:
             if args.context_length < 2:
@@ -196,11 +229,12 @@ async def _serve(args: argparse.Namespace) -> str | None:
             client=engine, tokenizer=tokenizer, model_name=name, model_path=str(path),
             max_request_tokens=context, metrics=ServerMetrics(), limits=limits,
             chat=chat, api_key=args.api_key, responses=ResponseStore(),
+            model_aliases=aliases,
             server_args={k: v for k, v in vars(args).items()
                          if isinstance(v, str | int | float | bool | None) and k != "api_key"})
         engine.on_restart.append(state.engine_restarted)
         app = create_app(state)
-        server = uvicorn.Server(uvicorn.Config(
+        server = _server_class()(uvicorn.Config(
             app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30,
             http=with_header_timeout(args.header_read_timeout),
             timeout_graceful_shutdown=args.graceful_shutdown_timeout))
@@ -215,10 +249,31 @@ async def _serve(args: argparse.Namespace) -> str | None:
             policy = chat.policy.name if chat.policy else "none"
             print(f"[kdaserve] chat template {chat.template.origin} ({chat.format.name}); "
                   f"sampling policy {policy}", flush=True)
-        print(f"[kdaserve] serving {name} at http://{args.host}:{args.port} "
-              f"(OpenAI API at http://{args.host}:{args.port}/v1)", flush=True)
+        also = f" (requests may also name {', '.join(map(repr, aliases))})" if aliases else ""
+        print(f"[kdaserve] served model name {name!r}{also}", flush=True)
         await server.serve()
     finally:
         await engine.shutdown()
         print("[kdaserve] shut down", flush=True)
     return fatal[0] if fatal else None
+
+
+def _ready(server: Any) -> None:
+    """The last start-up line, once the port listens (its real number, also for --port 0)."""
+    host, port = server.config.host, server.config.port
+    if server.servers:  # asyncio servers: the bound sockets
+        port = server.servers[0].sockets[0].getsockname()[1]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    print(f"[kdaserve] ready at {url} (OpenAI API at {url}/v1)", flush=True)
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # uvicorn exits on a failed bind; a signal may have come
+                _ready(self)
+
+    return Server

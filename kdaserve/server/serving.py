@@ -54,6 +54,9 @@ class ServerState:
     server_args: dict[str, Any] = field(default_factory=dict)  # reported by /get_server_info
     responses: ResponseStore | None = None  # stored /v1/responses (previous_response_id, GET)
     limits: Limits = field(default_factory=Limits)
+    # other names requests may give the model besides model_name and model_path (the names
+    # earlier versions served it under: `--model` as typed)
+    model_aliases: tuple[str, ...] = ()
     in_flight: int = 0  # engine requests submitted and not yet finished
     # RL (server/rl.py): new requests wait at the gate while weights change
     gate: asyncio.Event = field(default_factory=asyncio.Event)
@@ -201,7 +204,8 @@ class ModelNotFoundError(Exception):
 
 
 def check_model(state: ServerState, name: str | None) -> None:
-    if name is not None and name not in (state.model_name, state.model_path):
+    if name is not None and name not in (state.model_name, state.model_path,
+                                         *state.model_aliases):
         raise ModelNotFoundError(f"The model {name!r} does not exist; this server serves "
                                  f"{state.model_name!r}")
 
