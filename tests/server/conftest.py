@@ -348,3 +348,13 @@ def post_generate(http: httpx.Client, body: dict[str, Any]) -> Any:
     r = http.post("/generate", json=body)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def stop_router(proc: subprocess.Popen[bytes]) -> None:
+    """sglang-router: SIGTERM, then SIGKILL after 15 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

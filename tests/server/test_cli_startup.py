@@ -34,6 +34,7 @@ from tests.server.conftest import (
     is_gone,
     kill,
     start_server,
+    stop_router,
     stop_server,
 )
 
@@ -206,12 +207,7 @@ def test_router_probes_leave_no_warning(server: ServerProc, tmp_path: Path) -> N
             "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 200, r.text  # the router took the worker for HTTP
     finally:
-        router.send_signal(signal.SIGTERM)
-        try:
-            router.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            router.kill()
-            router.wait()
+        stop_router(router)
     assert "Invalid HTTP request" not in server.output()[before:]
 
 

@@ -23,9 +23,10 @@ from tests.server.conftest import (
     kill,
     reference,
     start_server,
+    stop_router,
     stop_server,
 )
-from tests.server.test_disaggregation import start_router, stop_router
+from tests.server.test_disaggregation import start_router
 
 NEW = 8
 

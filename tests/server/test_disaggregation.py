@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ from tests.server.conftest import (
     reference,
     sse_events,
     start_server,
+    stop_router,
     stop_server,
     wait_idle,
 )
@@ -92,15 +92,6 @@ def start_router(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], s
         time.sleep(0.3)
     proc.kill()
     pytest.fail(f"router not ready:\n{log.read_text()}")
-
-
-def stop_router(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.fixture(scope="module")
