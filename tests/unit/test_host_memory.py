@@ -23,9 +23,7 @@ def faults_of_a_fresh_64mb_buffer():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 assert keep_freed_memory()  # glibc here
-for _ in range(4):  # the heap grows to its working size
-    faults_of_a_fresh_64mb_buffer()
-print(sum(faults_of_a_fresh_64mb_buffer() for _ in range(8)))
+print(*(faults_of_a_fresh_64mb_buffer() for _ in range(16)))
 """
 
 
@@ -34,8 +32,12 @@ def test_freed_large_buffers_are_reused() -> None:
                          timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     # each 4 KB page of a newly mapped 64 MB buffer faults once (16,384 pages; measured the
-    # same on every call without this setting): the reused buffers are already mapped
-    assert int(run.stdout.split()[-1]) < 16384
+    # same on every call without this setting): the reused buffers are already mapped, once
+    # the heap has grown to its working size. That takes a few calls, more on a busy machine
+    # (idle: from the 2nd; with both cores loaded the first 5-7 faulted, then none), so the
+    # last 8 of 16 calls are the ones that must reuse
+    faults = [int(f) for f in run.stdout.strip().splitlines()[-1].split()]
+    assert all(f < 16384 // 2 for f in faults[8:]), faults
 
 
 HUGE = """
