@@ -52,8 +52,7 @@ def run(label: str, args: list[str], env: dict[str, str]) -> tuple[int, dict[str
 def main() -> int:
     extra = sys.argv[1:]
     env = dict(os.environ)
-    asked = env.get(isa.ENV)
-    top = isa.resolve(isa.host_level(isa.cpu_flags()), asked) if isa.supported() else None
+    top = isa.level()  # the host's, or KDASERVE_ISA's cap
     levels = isa.supported()
     below = [lv for lv in reversed(levels) if top is not None
              and isa.LEVELS.index(lv) < isa.LEVELS.index(top)]

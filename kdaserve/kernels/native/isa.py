@@ -22,6 +22,8 @@ import os
 import platform
 from pathlib import Path
 
+from kdaserve.kernels.cpu.gemm import cpu_vendor
+
 ENV = "KDASERVE_ISA"
 LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
 # /proc/cpuinfo flags each level needs, on top of the level below
@@ -98,17 +100,6 @@ def at_least(name: str) -> bool:
     """Whether this process's kernels are built with the instructions of level `name`."""
     current = level()
     return current is not None and LEVELS.index(current) >= LEVELS.index(name)
-
-
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; "" where unknown)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def bf16_dots() -> bool:

@@ -221,6 +221,7 @@ _WEIGHT_KERNELS = {torch.float32: ("linear_small_f32", "moe_experts_f32"),
                    torch.int8: ("linear_small_int8w", "moe_experts_int8w")}
 
 
+@functools.cache  # asked by every projection's row cap (~50 times a decode step)
 def avx512() -> bool:
     """Whether the native kernels run 16-lane AVX-512 code (the host's, or KDASERVE_ISA's cap)."""
     return isa.at_least("avx512")
