@@ -19,17 +19,36 @@ from safetensors.torch import save_file
 
 from kdaserve.config import DENSE, KDA, MLA, MOE, ModelConfig
 from kdaserve.kernels import resolve_kernels
+from kdaserve.layers.parallel import full_shape
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.models.loader import random_tensor
 from kdaserve.tokenizer_writer import write_hf_tokenizer_json, write_kimi_tokenizer
 
 NUM_SPECIAL = 256
+FP32_TENSORS = ("A_log", "dt_bias")
+FP32_IN_K3 = FP32_TENSORS + ("e_score_correction_bias", "conv1d.weight", "o_norm.weight")
 RANDOM_MARKER = "RANDOM_WEIGHTS.txt"  # so servers can say so at start-up
 
 
 def _layers(n: int) -> tuple[str, ...]:
     # 3 KDA : 1 MLA, the last layer always MLA (as Kimi-Linear-48B's last group)
     return tuple(MLA if (i + 1) % 4 == 0 or i == n - 1 else KDA for i in range(n))
+
+
+def _k3_layers(n: int) -> tuple[str, ...]:
+    # K3's 1-based lists: MLA every 4th layer, and the last two layers both MLA
+    return tuple(MLA if (i + 1) % 4 == 0 or i >= n - 2 else KDA for i in range(n))
+
+
+def _k3_preset(num_base: int, layers: int, hidden: int, **kw: Any) -> dict[str, Any]:
+    """K3's text model (k3_spec.md 3.2) scaled down: its fields and ratios (latent = hidden
+    / 2, two shared experts run as one MLP, scaling 1.0, the gate bound, SiTU's betas)."""
+    return _preset(num_base, layers, hidden_size=hidden, layer_types=_k3_layers(layers),
+                   num_shared_experts=2, routed_scaling_factor=1.0, hidden_act="situ",
+                   situ_beta=4.0, situ_linear_beta=25.0, routed_expert_hidden_size=hidden // 2,
+                   latent_moe_use_norm=True, mla_use_output_gate=True,
+                   kda_gate_lower_bound=-5.0, kda_full_rank_gate=True,
+                   tensor_prefix="language_model.", **kw)
 
 
 def _preset(num_base: int, layers: int, **kw: Any) -> dict[str, Any]:
@@ -70,6 +89,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=256,
         num_experts_per_token=8, moe_intermediate_size=1024, num_expert_group=1,
         topk_group=1),
+    # K3 for tests: an AttnRes block boundary inside the model (blocks of 3 in 7 layers), the
+    # last two layers MLA, KDA's A_log stored longer than its 2 heads (as K3's [128] for 96)
+    "k3-tiny": _k3_preset(
+        3840, 7, 64, intermediate_size=128, kda_num_heads=2, kda_head_dim=32,
+        num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, num_experts=16, num_experts_per_token=4,
+        moe_intermediate_size=32, num_expert_group=1, topk_group=1, attn_res_block_size=3),
 }
 
 
@@ -81,8 +107,10 @@ def preset_config(name: str, **overrides: Any) -> ModelConfig:
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(config, resolve_kernels(torch.device("cpu")))
-    return {name: tuple(t.shape) for name, t in model.checkpoint_tensors().items()}
+        model = KimiLinearForCausalLM(config, resolve_kernels(
+            torch.device("cpu"), features=config.kernel_features))
+    return {name: full_shape(t) for name, t in model.checkpoint_tensors().items()
+            if t is not None}
 
 
 def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: int = 0,
@@ -119,8 +147,9 @@ def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: i
         tensors = {}
         for name in part:
             t = random_tensor(name, shapes[name], seed)
-            # A_log and dt_bias are fp32 in Moonshot's checkpoints, everything else bf16
-            keep_fp32 = name.endswith(("A_log", "dt_bias"))
+            # A_log and dt_bias are fp32 in Moonshot's checkpoints, everything else bf16 (K3
+            # also keeps the router bias, the short convs and KDA's output norm fp32)
+            keep_fp32 = name.endswith(FP32_IN_K3 if config.tensor_prefix else FP32_TENSORS)
             tensors[name] = t if keep_fp32 else t.to(torch_dtype)
             weight_map[name] = fname
         save_file(tensors, str(out / fname), metadata={"format": "pt"})

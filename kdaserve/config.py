@@ -19,10 +19,13 @@ from kdaserve.hub_schema import (
     KDA,
     MLA,
     MOE,
+    hub_dict,
+    k3_fields,
     layer_types_of,
     mlp_types_of,
     reject_unsupported,
     require,
+    text_config_of,
 )
 
 __all__ = ["DENSE", "KDA", "MLA", "MOE", "EngineConfig", "ModelConfig"]
@@ -63,6 +66,19 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     checkpoint_dtype: str = "bfloat16"
+    # Kimi K3 (k3_spec.md); the defaults are Kimi Linear
+    hidden_act: str = "silu"  # "situ": SiTU-GLU (soft-capped gate and linear branches)
+    situ_beta: float = 1.0
+    situ_linear_beta: float | None = None
+    attn_res_block_size: int | None = None  # Attention Residuals: layers per bank block
+    routed_expert_hidden_size: int | None = None  # LatentMoE: experts run at this width
+    latent_moe_use_norm: bool = False  # RMSNorm on the latent expert sum
+    mla_use_output_gate: bool = False  # sigmoid(g_proj(x)) on MLA's output
+    kda_gate_lower_bound: float | None = None  # KDA decay lb * sigmoid(...) instead of softplus
+    kda_full_rank_gate: bool = False  # KDA output gate g_proj [P, D] instead of g_a/g_b
+    # "language_model." for K3's KimiK3ForConditionalGeneration checkpoints
+    tensor_prefix: str = ""
+    has_vision_tower: bool = False  # the checkpoint also holds a vision tower
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -119,6 +135,23 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
+    def kernel_features(self) -> frozenset[str]:
+        """What this model needs of the kernels beyond Kimi Linear's ops (kernels.FEATURE_OPS)."""
+        needs = set()
+        if self.kda_gate_lower_bound is not None and KDA in self.layer_types:
+            needs.add("kda_lower_bound")
+        if self.hidden_act == "situ" and MOE in self.mlp_types:
+            needs.add("situ")
+        return frozenset(needs)
+
+    @property
+    def has_k3_layers(self) -> bool:
+        """Whether any of K3's layer changes is on (the native one-call decode has none)."""
+        return bool(self.kernel_features) or self.hidden_act != "silu" or any((
+            self.attn_res_block_size, self.routed_expert_hidden_size, self.mla_use_output_gate,
+            self.kda_full_rank_gate))
+
+    @property
     def latent_dim(self) -> int:
         """Values cached per token per MLA layer: normalised latent + shared rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
@@ -136,9 +169,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        text, vision = text_config_of(raw)
+        wrapped = text is not raw
+        raw = text
         reject_unsupported(raw)
         n = require(raw, "num_hidden_layers")
         lac = raw.get("linear_attn_config") or {}
+        k3 = k3_fields(raw, lac)
         layer_types = layer_types_of(raw, lac, n)
         mlp_types = mlp_types_of(raw, n)
         num_experts = raw.get("num_experts", raw.get("num_local_experts")) or 0
@@ -178,61 +215,15 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             pad_token_id=raw.get("pad_token_id"),
             checkpoint_dtype=raw.get("torch_dtype", raw.get("dtype")) or "bfloat16",
+            tensor_prefix="language_model." if wrapped else "",
+            has_vision_tower=vision,
+            **k3,
         )
 
     def to_hub_dict(self) -> dict[str, Any]:
-        """Moonshot's hub schema (what `make-checkpoint` writes)."""
-        kda_1 = [i + 1 for i in self.kda_layers]
-        mla_1 = [i + 1 for i in self.mla_layers]
-        moe_layers = [i for i, t in enumerate(self.mlp_types) if t == MOE]
-        first_dense = moe_layers[0] if moe_layers else self.num_hidden_layers
-        if moe_layers != list(range(first_dense, self.num_hidden_layers)):
-            raise ValueError("hub schema needs MoE on every layer from first_k_dense_replace on")
-        return {
-            "architectures": ["KimiLinearForCausalLM"],
-            "model_type": "kimi_linear",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "hidden_act": "silu",
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_attention_heads,
-            "q_lora_rank": self.q_lora_rank,
-            "kv_lora_rank": self.kv_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            "mla_use_nope": True,
-            "linear_attn_config": {
-                "kda_layers": kda_1,
-                "full_attn_layers": mla_1,
-                "num_heads": self.kda_num_heads,
-                "head_dim": self.kda_head_dim,
-                "short_conv_kernel_size": self.kda_conv_size,
-            },
-            "num_experts": self.num_experts,
-            "num_experts_per_token": self.num_experts_per_token,
-            "num_shared_experts": self.num_shared_experts,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "moe_router_activation_func": self.router_activation,
-            "moe_renormalize": self.moe_renormalize,
-            "routed_scaling_factor": self.routed_scaling_factor,
-            "use_grouped_topk": True,
-            "num_expert_group": self.num_expert_group,
-            "topk_group": self.topk_group,
-            "first_k_dense_replace": first_dense,
-            "moe_layer_freq": 1,
-            "num_nextn_predict_layers": 0,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": (list(self.eos_token_ids) if len(self.eos_token_ids) > 1
-                             else self.eos_token_ids[0] if self.eos_token_ids else None),
-            "pad_token_id": self.pad_token_id,
-            "torch_dtype": self.checkpoint_dtype,
-            "use_cache": True,
-        }
+        """Moonshot's hub schema (what `make-checkpoint` writes): Kimi Linear's flat config,
+        or K3's `kimi_k3` wrapper around its text config."""
+        return hub_dict(self)
 
     def summary(self) -> str:
         d = asdict(self)
@@ -253,6 +244,9 @@ class EngineConfig:
     # "int8": weight-only int8 on a CPU (projections and experts, a scale per output row)
     quantization: str | None = None
     load_format: str = "auto"
+    # K3's checkpoint holds a vision tower we do not run yet: serve its text model alone
+    # (the vision tensors are never read)
+    language_model_only: bool = False
     skip_tokenizer_init: bool = False
     kernel_backend: str | None = None
     seed: int = 0

@@ -1,26 +1,26 @@
-"""What config.json may say, read field by field for `ModelConfig.from_hf`: the layer kinds in
-either schema (Moonshot's hub lists, 1-indexed; transformers' `layer_types`), the MLP kinds, the
-required fields, and the fields of later Kimi models that would change the math and so are
-refused rather than ignored.
+"""What config.json may say, read field by field for `ModelConfig.from_dict`: the layer kinds
+in either schema (Moonshot's hub lists, 1-indexed; transformers' `layer_types`), the MLP kinds,
+the required fields, K3's wrapper and fields, and the fields of other Kimi models that would
+change the math and so are refused rather than ignored; and the writer of that schema.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kdaserve.config import ModelConfig
 
 KDA = "kda"
 MLA = "mla"
 DENSE = "dense"
 MOE = "moe"
 
-# Fields of later Kimi models (K2.5/K3 family) that change the math. Loading such a checkpoint with
-# this engine would silently compute a different function, so a non-default value is an error.
-# Value: the default under which the field is harmless.
+# Fields of other Kimi-family models that change the math and that we do not implement. Loading
+# such a checkpoint would silently compute a different function, so a non-default value is an
+# error. Value: the default under which the field is harmless. (K3's own fields, AttnRes,
+# SiTU, LatentMoE, the lower-bound gate, are read by `k3_fields`.)
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "mla_use_output_gate": False,
-    "attn_res_block_size": None,
-    "gate_lower_bound": None,
-    "use_full_rank_gate": False,
     "moe_latent_size": None,
     "moe_latent_dim": None,
     "use_latent_moe": False,
@@ -47,10 +47,13 @@ def reject_unsupported(raw: dict[str, Any]) -> None:
                     "kdaserve does not implement"
                 )
     act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
-    if raw.get("mla_use_nope", True) is False:
-        raise ValueError("config.json: mla_use_nope=false (rotary MLA) is not supported")
+    if act not in ("silu", "situ"):
+        raise ValueError(f"config.json: hidden_act={act!r} is not supported (silu or situ)")
+    topk = raw.get("topk_method", "noaux_tc")
+    if topk not in ("noaux_tc", None):
+        raise ValueError(f"config.json: topk_method={topk!r} is not supported (noaux_tc)")
+    if raw.get("mla_use_nope", True) is not True:
+        raise ValueError("config.json: mla_use_nope=False (rotary MLA) is not supported")
     kv_heads = raw.get("num_key_value_heads")
     heads = raw.get("num_attention_heads")
     if kv_heads is not None and heads is not None and kv_heads != heads:
@@ -100,3 +103,114 @@ def mlp_types_of(raw: dict[str, Any], n: int) -> tuple[str, ...]:
     return tuple(
         MOE if has_experts and i >= first_dense and i % freq == 0 else DENSE for i in range(n)
     )
+
+
+def text_config_of(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A `kimi_k3` config nests the text model in `text_config` (token ids at the top, and the
+    vision tower beside it): (the text model's fields, whether a vision tower is declared)."""
+    text = raw.get("text_config")
+    if text is None:
+        if raw.get("model_type") == "kimi_k3":
+            raise ValueError("config.json: model_type 'kimi_k3' without a text_config")
+        return raw, False
+    if not isinstance(text, dict):
+        raise ValueError("config.json: text_config is not an object")
+    merged = dict(text)
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
+        if key in raw and key not in merged:
+            merged[key] = raw[key]
+    return merged, raw.get("vision_config") is not None
+
+
+def k3_fields(raw: dict[str, Any], lac: dict[str, Any]) -> dict[str, Any]:
+    """Kimi K3's text-model fields (k3_spec.md section 3.2), each a ModelConfig field; absent
+    ones take the value under which the model is Kimi Linear."""
+    act = raw.get("hidden_act", "silu")
+    beta, linear_beta = raw.get("activation_situ_beta"), raw.get("activation_situ_linear_beta")
+    if act == "silu" and (beta is not None or linear_beta is not None):
+        raise ValueError("config.json: activation_situ_* given with hidden_act='silu'")
+    block = raw.get("attn_res_block_size")
+    if block is not None and (not isinstance(block, int) or block < 1):
+        raise ValueError(f"config.json: attn_res_block_size={block!r} is not a positive int")
+    latent = raw.get("routed_expert_hidden_size")
+    if latent is not None and (not isinstance(latent, int) or latent < 1):
+        raise ValueError(f"config.json: routed_expert_hidden_size={latent!r} is not a "
+                         "positive int")
+    if raw.get("latent_moe_use_norm") and latent is None:
+        raise ValueError("config.json: latent_moe_use_norm without routed_expert_hidden_size")
+    bound = lac.get("gate_lower_bound", raw.get("gate_lower_bound"))
+    if bound is not None and not (isinstance(bound, (int, float)) and bound < 0):
+        raise ValueError(f"config.json: gate_lower_bound={bound!r} is not a negative number")
+    return {
+        "hidden_act": act,
+        "situ_beta": float(beta) if beta is not None else 1.0,
+        "situ_linear_beta": float(linear_beta) if linear_beta is not None else None,
+        "attn_res_block_size": block,
+        "routed_expert_hidden_size": latent,
+        "latent_moe_use_norm": bool(raw.get("latent_moe_use_norm", False)),
+        "mla_use_output_gate": bool(raw.get("mla_use_output_gate", False)),
+        "kda_gate_lower_bound": float(bound) if bound is not None else None,
+        "kda_full_rank_gate": bool(lac.get("use_full_rank_gate",
+                                           raw.get("use_full_rank_gate", False))),
+    }
+
+
+def hub_dict(c: ModelConfig) -> dict[str, Any]:
+    """Moonshot's hub schema for `c`: Kimi Linear's flat config, or (with a tensor prefix) K3's
+    `kimi_k3` wrapper whose `text_config` holds the text model and the token ids sit on top."""
+    from kdaserve.config import MOE  # noqa: PLC0415 - config imports this module
+
+    moe_layers = [i for i, t in enumerate(c.mlp_types) if t == MOE]
+    first_dense = moe_layers[0] if moe_layers else c.num_hidden_layers
+    if moe_layers != list(range(first_dense, c.num_hidden_layers)):
+        raise ValueError("hub schema needs MoE on every layer from first_k_dense_replace on")
+    lac: dict[str, Any] = {
+        "kda_layers": [i + 1 for i in c.kda_layers],
+        "full_attn_layers": [i + 1 for i in c.mla_layers],
+        "num_heads": c.kda_num_heads, "head_dim": c.kda_head_dim,
+        "short_conv_kernel_size": c.kda_conv_size}
+    eos = (list(c.eos_token_ids) if len(c.eos_token_ids) > 1
+           else c.eos_token_ids[0] if c.eos_token_ids else None)
+    text: dict[str, Any] = {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear",
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+        "hidden_act": c.hidden_act, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_attention_heads, "q_lora_rank": c.q_lora_rank,
+        "kv_lora_rank": c.kv_lora_rank, "qk_nope_head_dim": c.qk_nope_head_dim,
+        "qk_rope_head_dim": c.qk_rope_head_dim, "v_head_dim": c.v_head_dim,
+        "mla_use_nope": True, "linear_attn_config": lac, "num_experts": c.num_experts,
+        "num_experts_per_token": c.num_experts_per_token,
+        "num_shared_experts": c.num_shared_experts,
+        "moe_intermediate_size": c.moe_intermediate_size,
+        "moe_router_activation_func": c.router_activation,
+        "moe_renormalize": c.moe_renormalize, "routed_scaling_factor": c.routed_scaling_factor,
+        "use_grouped_topk": True, "num_expert_group": c.num_expert_group,
+        "topk_group": c.topk_group, "topk_method": "noaux_tc",
+        "first_k_dense_replace": first_dense, "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 0, "rms_norm_eps": c.rms_norm_eps,
+        "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
+        "eos_token_id": eos, "pad_token_id": c.pad_token_id,
+        "torch_dtype": c.checkpoint_dtype, "use_cache": True}
+    if c.hidden_act == "situ":
+        text["activation_situ_beta"] = c.situ_beta
+        text["activation_situ_linear_beta"] = c.situ_linear_beta
+    optional = {"attn_res_block_size": c.attn_res_block_size,
+                "routed_expert_hidden_size": c.routed_expert_hidden_size,
+                "latent_moe_use_norm": c.latent_moe_use_norm or None,
+                "mla_use_output_gate": c.mla_use_output_gate or None}
+    text.update({k: v for k, v in optional.items() if v is not None})
+    if c.kda_gate_lower_bound is not None:
+        lac["gate_lower_bound"] = c.kda_gate_lower_bound
+    if c.kda_full_rank_gate:
+        lac["use_full_rank_gate"] = True
+    if not c.tensor_prefix:
+        return text
+    if c.tensor_prefix != "language_model.":
+        raise ValueError(f"no hub schema writes tensor prefix {c.tensor_prefix!r}")
+    if c.has_vision_tower:
+        raise ValueError("writing a K3 config with a vision tower is not supported yet")
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+            "dtype": c.checkpoint_dtype, "tie_word_embeddings": c.tie_word_embeddings,
+            "bos_token_id": c.bos_token_id, "eos_token_id": eos,
+            "pad_token_id": c.pad_token_id, "text_config": text}

@@ -73,7 +73,8 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
                       f"{self.device} ({str(self.dtype).removeprefix('torch.')})")
         with phase("kernels") as p:  # includes compiling the native CPU kernels, once
             self.kernels = resolve_kernels(self.device, config.kernel_backend,
-                                           config.enable_deterministic_inference)
+                                           config.enable_deterministic_inference,
+                                           self.model_config.kernel_features)
             p.note = kernel_summary(self.kernels)
         keep_freed_memory()  # a step's large temporaries reuse the last step's pages
         self.followers: Followers | None = None  # tensor-parallel ranks 1.., when tp_size > 1
@@ -150,7 +151,8 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
                 self.model = build_model(
                     self.model_config, self.kernels, self.dtype, self.device, self.path,
                     config.load_format, config.seed, self.weight_dtype, config.quantization,
-                    self.followers.tp if self.followers else SINGLE, self.ep, progress)
+                    self.followers.tp if self.followers else SINGLE, self.ep, progress,
+                    config.language_model_only)
             finally:
                 progress.close()
             p.note = weights_summary(self.model, config.load_format)

@@ -176,7 +176,8 @@ def follower_main(c: EngineConfig, rank: int) -> None:
     mc = ModelConfig.from_pretrained(path)
     device = torch.device(c.device)
     tp = join(c, rank)
-    model = build_model(mc, resolve_kernels(device, c.kernel_backend), torch.float32, device,
+    model = build_model(mc, resolve_kernels(device, c.kernel_backend,
+                                            features=mc.kernel_features), torch.float32, device,
                         path, c.load_format, c.seed,
                         getattr(torch, c.dtype) if c.dtype else None, c.quantization, tp)
     got: list[Any] = [None]

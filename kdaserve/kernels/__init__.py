@@ -3,7 +3,10 @@
 Ops (shapes in kernels/ref): `linear` (every projection), `kda_chunk` (prefill),
 `kda_recurrent` (token by token: the oracle of the chunk form), `kda_decode` (a whole KDA
 decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `moe_experts`,
-`rms_norm`, `gated_rmsnorm` (KDA's output norm) and `silu_mul` (the dense SwiGLU).
+`rms_norm`, `gated_rmsnorm` (KDA's output norm), `silu_mul` (the dense SwiGLU), and K3's
+`situ_mul` (SiTU-GLU) and `attn_res_mix` (Attention Residuals). A model that needs more of an
+op than its base contract asks for a feature (`FEATURE_OPS`: K3's KDA gate, SiTU inside the
+experts) and gets only backends that declare it.
 Every op has a `ref` backend (plain torch, the oracle); `cpu` is batched torch for decode
 shapes; `native` is C++ compiled for the host on first use; `triton` runs fla-core's Triton
 KDA kernels and our short conv, router, fused MoE and paged MLA on CUDA; `batch_invariant`
@@ -20,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kdaserve.kernels import registry
+from kdaserve.kernels.ref.attn_res import attn_res_mix_ref
 from kdaserve.kernels.ref.kda import (
     gated_rmsnorm,
     kda_chunk_ref,
@@ -28,7 +32,7 @@ from kdaserve.kernels.ref.kda import (
     short_conv_ref,
 )
 from kdaserve.kernels.ref.mla import mla_attention_ref
-from kdaserve.kernels.ref.mlp import silu_mul_ref
+from kdaserve.kernels.ref.mlp import silu_mul_ref, situ_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
 from kdaserve.kernels.ref.quant import dequantize
@@ -46,20 +50,30 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor,
 
 
 OPS = ("linear", "kda_chunk", "kda_recurrent", "kda_decode", "short_conv", "mla_attention",
-       "moe_route", "moe_experts", "rms_norm", "gated_rmsnorm", "silu_mul")
+       "moe_route", "moe_experts", "rms_norm", "gated_rmsnorm", "silu_mul", "situ_mul",
+       "attn_res_mix")
 BATCH_INVARIANT = "batch_invariant"
+# feature -> the ops whose backends must have it: `kda_lower_bound` (K3's gate, the
+# `lower_bound` keyword of the KDA ops), `situ` (SiTU-GLU experts, `moe_experts`' `situ`)
+FEATURE_OPS: dict[str, tuple[str, ...]] = {
+    "kda_lower_bound": ("kda_chunk", "kda_recurrent", "kda_decode"),
+    "situ": ("moe_experts",),
+}
+_K3_GATE = frozenset({"kda_lower_bound"})
 
 registry.register("linear", "ref", linear_ref)
-registry.register("kda_chunk", "ref", kda_chunk_ref)
-registry.register("kda_recurrent", "ref", kda_recurrent_ref)
-registry.register("kda_decode", "ref", kda_decode_ref)
+registry.register("kda_chunk", "ref", kda_chunk_ref, features=_K3_GATE)
+registry.register("kda_recurrent", "ref", kda_recurrent_ref, features=_K3_GATE)
+registry.register("kda_decode", "ref", kda_decode_ref, features=_K3_GATE)
 registry.register("short_conv", "ref", short_conv_ref)
 registry.register("mla_attention", "ref", mla_attention_ref)
 registry.register("moe_route", "ref", moe_route_ref)
-registry.register("moe_experts", "ref", moe_experts_ref)
+registry.register("moe_experts", "ref", moe_experts_ref, features=frozenset({"situ"}))
 registry.register("rms_norm", "ref", rms_norm_ref)
 registry.register("gated_rmsnorm", "ref", gated_rmsnorm)
 registry.register("silu_mul", "ref", silu_mul_ref)
+registry.register("situ_mul", "ref", situ_mul_ref)
+registry.register("attn_res_mix", "ref", attn_res_mix_ref)
 
 from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the references
     kda_decode_cpu,
@@ -97,8 +111,10 @@ def _native(device: torch.device) -> tuple[bool, str]:
     return native_build.available() if device.type == "cpu" else (False, "needs a CPU")
 
 
-registry.register("kda_recurrent", "cpu", kda_recurrent_cpu, priority=10, supports=_cpu_only)
-registry.register("kda_decode", "cpu", kda_decode_cpu, priority=10, supports=_cpu_only)
+registry.register("kda_recurrent", "cpu", kda_recurrent_cpu, priority=10, supports=_cpu_only,
+                  features=_K3_GATE)
+registry.register("kda_decode", "cpu", kda_decode_cpu, priority=10, supports=_cpu_only,
+                  features=_K3_GATE)
 registry.register("kda_decode", "native", kda_decode_native, priority=20, supports=_native)
 registry.register("kda_chunk", "native", kda_chunk_native, priority=20, supports=_native)
 registry.register("kda_chunk", "native_wy", kda_chunk_native_wy, priority=15, supports=_native)
@@ -136,6 +152,12 @@ for _op, _fn in (("linear", bi.linear_bi), ("kda_chunk", bi.kda_chunk_bi),
                  ("rms_norm", bi.rms_norm_bi), ("gated_rmsnorm", bi.gated_rmsnorm_bi),
                  ("silu_mul", bi.silu_mul_bi)):
     registry.register(_op, BATCH_INVARIANT, _fn, priority=-1, supports=_batch_invariant)
+# elementwise (SiTU) and per-row (each token's mix sums over D alone): the references are
+# batch-invariant as they are
+registry.register("situ_mul", BATCH_INVARIANT, situ_mul_ref, priority=-1,
+                  supports=_batch_invariant)
+registry.register("attn_res_mix", BATCH_INVARIANT, attn_res_mix_ref, priority=-1,
+                  supports=_batch_invariant)
 
 
 registry.register("rms_norm", "native", rms_norm_native, priority=20, supports=_native)
@@ -155,22 +177,36 @@ class Kernels(NamedTuple):
     rms_norm: Callable
     gated_rmsnorm: Callable
     silu_mul: Callable
+    situ_mul: Callable
+    attn_res_mix: Callable
     # Whether MoE layers run their shared expert inside `moe_experts`, as one more expert
     # every token takes with weight 1 (stacked after the routed ones): on a GPU that saves its
     # own GEMMs' and SwiGLU's launches and rides the grouped GEMM's blocks. The CPU backends
     # keep it a dense MLP: the native one-call decode runs it as one GEMM over the batch,
     # faster there than one more expert's tiles.
     fuse_shared_expert: bool = False
+    features: frozenset[str] = frozenset()  # what the model asked for (FEATURE_OPS)
 
 
 def resolve_kernels(device: torch.device, backend: str | None = None,
-                    deterministic: bool = False) -> Kernels:
+                    deterministic: bool = False,
+                    features: frozenset[str] = frozenset()) -> Kernels:
     """Each op's callable on `device`. `deterministic`: every op from the batch-invariant
-    backend, with no fallback (an op without one, or a device it does not support, raises)."""
+    backend, with no fallback (an op without one, or a device it does not support, raises).
+    `features` (FEATURE_OPS' keys, ModelConfig.kernel_features): backends that have them."""
+    unknown = features - set(FEATURE_OPS)
+    if unknown:
+        raise ValueError(f"unknown kernel features {sorted(unknown)}")
+
+    def needs(op: str) -> frozenset[str]:
+        return frozenset(f for f in features if op in FEATURE_OPS[f])
+
     if deterministic:
-        return Kernels(*(registry.resolve(op, device, BATCH_INVARIANT, strict=True)
-                         for op in OPS))
-    kernels = Kernels(*(registry.resolve(op, device, backend) for op in OPS))
+        return Kernels(*(registry.resolve(op, device, BATCH_INVARIANT, strict=True,
+                                          features=needs(op)) for op in OPS),
+                       features=features)
+    kernels = Kernels(*(registry.resolve(op, device, backend, features=needs(op))
+                        for op in OPS), features=features)
     return kernels._replace(fuse_shared_expert=kernels.moe_experts is moe_experts_triton)
 
 

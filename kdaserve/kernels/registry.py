@@ -1,6 +1,8 @@
 """Kernel backend registry: each op has backends (`ref`, `cpu`, `triton`) chosen once at build.
 
-A backend registers `(op, name, priority, supports)`; `supports(device)` answers `(ok, reason)`.
+A backend registers `(op, name, priority, supports, features)`; `supports(device)` answers
+`(ok, reason)`; `features` names the model variants it computes beyond the op's base contract
+(say `kda_lower_bound`: K3's gate), so a model that needs one gets a backend that has it.
 `resolve` picks the highest-priority supported backend (or the one forced by `KDASERVE_KERNEL`,
 `EngineConfig`, or `use_backend` in tests) and returns the plain callable, so layers hold a
 function and no dispatch happens inside the forward pass.
@@ -25,6 +27,7 @@ class Backend:
     fn: Callable
     priority: int
     supports: Supports
+    features: frozenset[str] = frozenset()
 
 
 _BACKENDS: dict[str, list[Backend]] = {}
@@ -36,8 +39,8 @@ def always(device: torch.device) -> tuple[bool, str]:
 
 
 def register(op: str, name: str, fn: Callable, priority: int = 0,
-             supports: Supports = always) -> None:
-    _BACKENDS.setdefault(op, []).append(Backend(op, name, fn, priority, supports))
+             supports: Supports = always, features: frozenset[str] = frozenset()) -> None:
+    _BACKENDS.setdefault(op, []).append(Backend(op, name, fn, priority, supports, features))
 
 
 def backends(op: str) -> list[Backend]:
@@ -45,13 +48,16 @@ def backends(op: str) -> list[Backend]:
 
 
 def resolve(op: str, device: torch.device, backend: str | None = None,
-            strict: bool = False) -> Callable:
+            strict: bool = False, features: frozenset[str] = frozenset()) -> Callable:
     """The callable for `op` on `device`. `backend` (or the override) must be supported;
-    `strict`: an op without that backend raises instead of taking the best available."""
+    `strict`: an op without that backend raises instead of taking the best available.
+    `features`: only backends that have all of them (a forced backend without them is
+    passed over, or an error when `strict`)."""
     forced = backend or (_forced[-1] if _forced else None) or os.environ.get("KDASERVE_KERNEL")
-    candidates = backends(op)
+    candidates = [b for b in backends(op) if features <= b.features]
     if not candidates:
-        raise ValueError(f"no kernel registered for op {op!r}")
+        need = f" with {sorted(features)}" if features else ""
+        raise ValueError(f"no kernel registered for op {op!r}{need}")
     if forced:
         for b in candidates:
             if b.name == forced:
@@ -60,7 +66,8 @@ def resolve(op: str, device: torch.device, backend: str | None = None,
                     raise ValueError(f"kernel backend {forced!r} for {op} unsupported: {reason}")
                 return b.fn
         if strict:
-            raise ValueError(f"op {op!r} has no {forced!r} kernel")
+            need = f" with {sorted(features)}" if features else ""
+            raise ValueError(f"op {op!r} has no {forced!r} kernel{need}")
         # An op without that backend falls back to the best available: a forced "cpu" must
         # not fail just because some op only has the reference implementation.
     for b in candidates:

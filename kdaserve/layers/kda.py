@@ -2,9 +2,13 @@
 
 Parameters keep Moonshot's checkpoint names; the three depthwise conv kernels are stored fused as
 one [3P, W] weight because the short conv runs once over the concatenated q|k|v projections.
+K3's variant (k3_spec.md 4.5) differs in two places: the decay is lower-bounded (the KDA ops'
+`lower_bound`) and the output gate is one full-rank projection `g_proj` instead of g_a/g_b.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
@@ -13,7 +17,7 @@ from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
 from kdaserve.layers.linear import Linear
-from kdaserve.layers.parallel import SINGLE, Destination, TensorParallel
+from kdaserve.layers.parallel import SINGLE, Destination, Prefix, TensorParallel
 from kdaserve.step_record import KDASteps
 
 # New tokens per sequence up to which a batch runs the fused decode step token by token
@@ -32,20 +36,32 @@ class KDAttention(nn.Module):
         P = H * K
         self.tp = tp
         self.num_heads, self.head_dim, self.eps = H, K, config.rms_norm_eps
-        # Every projection of the layer input in one weight, rows q | k | v | f_a | g_a | b:
-        # one pass over x (one GEMV per decode step instead of six), and q|k|v come out
-        # already concatenated for the short conv.
-        self.in_split = (3 * P, K, K, H)
+        # Every projection of the layer input in one weight, rows q | k | v | f_a | g_a | b
+        # (K3: g_proj's P rows in g_a's place): one pass over x (one GEMV per decode step
+        # instead of six), and q|k|v come out already concatenated for the short conv.
+        self.full_rank_gate = config.kda_full_rank_gate
+        self.in_split = (3 * P, K, P if self.full_rank_gate else K, H)
         self.in_proj = Linear(D, sum(self.in_split), kernels)
         self.conv_weight = nn.Parameter(torch.empty(3 * P, config.kda_conv_size))
         self.f_b_proj = Linear(K, P, kernels)
-        self.g_b_proj = Linear(K, P, kernels)
+        self.g_b_proj = None if self.full_rank_gate else Linear(K, P, kernels)
         self.o_norm_weight = nn.Parameter(torch.ones(K))
         self.o_proj = Linear(P, D, kernels)
         # Decay parameters stay fp32 whatever the model dtype (as in the checkpoint).
         self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(P, dtype=torch.float32))
         self.kernels = kernels
+        self.kda_chunk, self.kda_decode = kernels.kda_chunk, kernels.kda_decode
+        bound = config.kda_gate_lower_bound
+        if bound is not None:
+            if "kda_lower_bound" not in kernels.features:
+                raise ValueError("K3's lower-bounded KDA gate needs kernels resolved with the "
+                                 "'kda_lower_bound' feature (ModelConfig.kernel_features)")
+            if tp.size > 1:
+                raise ValueError("tensor parallelism over K3's KDA layers is not supported yet")
+            self.kda_chunk = partial(kernels.kda_chunk, lower_bound=bound)
+            self.kda_decode = partial(kernels.kda_decode, lower_bound=bound)
+        self.k3_layout = bound is not None or self.full_rank_gate
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Destination]:
         """Checkpoint name -> destination view for every tensor of this layer (this rank's
@@ -54,10 +70,12 @@ class KDAttention(nn.Module):
         shard = self.tp.shard
         views: dict[str, Destination] = {
             f"{prefix}f_b_proj.weight": shard(self.f_b_proj.weight, 0),
-            f"{prefix}g_b_proj.weight": shard(self.g_b_proj.weight, 0),
             f"{prefix}o_proj.weight": shard(self.o_proj.weight, 1)}
+        if self.g_b_proj is not None:
+            views[f"{prefix}g_b_proj.weight"] = shard(self.g_b_proj.weight, 0)
+        gate = "g_proj" if self.full_rank_gate else "g_a_proj"
         rows = self.in_proj.weight.data.split((P, P, P, *self.in_split[1:]))
-        for name, w in zip(("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj"),
+        for name, w in zip(("q_proj", "k_proj", "v_proj", "f_a_proj", gate, "b_proj"),
                            rows, strict=True):  # f_a and g_a are low-rank: replicated
             views[f"{prefix}{name}.weight"] = w if name in ("f_a_proj", "g_a_proj") \
                 else shard(w, 0)
@@ -65,7 +83,11 @@ class KDAttention(nn.Module):
             views[f"{prefix}{name}.weight"] = shard(
                 self.conv_weight.data[i * P:(i + 1) * P].view(P, 1, W), 0)
         views[f"{prefix}o_norm.weight"] = self.o_norm_weight
-        views[f"{prefix}A_log"] = shard(self.A_log.data.view(1, 1, -1, 1), 2)
+        # Kimi Linear stores A_log [1, 1, H, 1]; K3 a vector of which the first H entries are
+        # used (stored [128] for 96 heads; written here as long as a head is wide)
+        stored = max(self.head_dim, self.num_heads)
+        views[f"{prefix}A_log"] = Prefix(self.A_log.data, 0, 0, 1, stored) \
+            if self.k3_layout else shard(self.A_log.data.view(1, 1, -1, 1), 2)
         views[f"{prefix}dt_bias"] = shard(self.dt_bias, 0)
         return views
 
@@ -73,16 +95,16 @@ class KDAttention(nn.Module):
                 conv_state: torch.Tensor) -> torch.Tensor:
         """x: [T, D]; recurrent_state: [N, H, K, V] fp32 pool; conv_state: [N, W-1, 3P] pool."""
         T, H, K = x.shape[0], self.num_heads, self.head_dim
-        qkv, f_a, g_a, beta = self.in_proj(x).split(self.in_split, dim=-1)
+        qkv, f_a, g, beta = self.in_proj(x).split(self.in_split, dim=-1)
         f = self.f_b_proj(f_a).view(T, H, K)
-        z = self.g_b_proj(g_a).view(T, H, K)
+        z = (g if self.g_b_proj is None else self.g_b_proj(g)).reshape(T, H, K)
         if batch.is_decode or (0 < batch.max_seqlen <= FUSED_MAX_TOKENS
                                and batch.snapshots is None):
             # a few tokens per sequence (a verify): the fused step token by token, the same
             # arithmetic as that many decodes, and no per-op overhead of the prefill path
             if batch.record is not None:
                 batch.record.add(qkv, f, beta)
-            o = self.kernels.kda_decode(qkv, f, beta, z, self.conv_weight, self.A_log,
+            o = self.kda_decode(qkv, f, beta, z, self.conv_weight, self.A_log,
                                         self.dt_bias, self.o_norm_weight, self.eps,
                                         recurrent_state, conv_state, batch.state_slots,
                                         None if batch.is_decode else batch.cu_seqlens)
@@ -101,7 +123,7 @@ class KDAttention(nn.Module):
         q, k, v = (t.view(T, H, K) for t in qkv.chunk(3, dim=-1))
         if batch.record is not None:  # a verify forward: keep the steps for the rollback
             batch.record.add(pre, f, beta)
-        o = self.kernels.kda_chunk(q, k, v, f, beta, self.A_log, self.dt_bias, recurrent_state,
+        o = self.kda_chunk(q, k, v, f, beta, self.A_log, self.dt_bias, recurrent_state,
                                    batch.state_slots, batch.cu_seqlens,
                                    snapshots=snapshots)
         o = self.kernels.gated_rmsnorm(o, z, self.o_norm_weight, self.eps)
@@ -113,7 +135,7 @@ class KDAttention(nn.Module):
         by recorded steps (packed, `cu_seqlens` [B+1]) through the fused step, token by token,
         discarding its outputs: for a verify that ran the fused step, its states bit for bit."""
         H, V = self.num_heads, self.head_dim
-        self.kernels.kda_decode(steps.qkv, steps.f, steps.beta,
+        self.kda_decode(steps.qkv, steps.f, steps.beta,
                                 steps.f.new_zeros(steps.f.shape[0], H, V), self.conv_weight,
                                 self.A_log, self.dt_bias, self.o_norm_weight, self.eps,
                                 recurrent_state, conv_state, state_slots, cu_seqlens)

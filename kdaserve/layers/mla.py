@@ -1,4 +1,5 @@
-"""MLA layer with NoPE: the cache holds the compressed latent, attention runs weight-absorbed."""
+"""MLA layer with NoPE: the cache holds the compressed latent, attention runs weight-absorbed.
+K3 adds a sigmoid output gate, `g_proj` of the layer input, on the heads' outputs."""
 
 from __future__ import annotations
 
@@ -37,13 +38,14 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS, kernels)
         self.kv_b_proj = Linear(self.rank, H * (self.dn + self.dv), kernels)
         self.o_proj = Linear(H * self.dv, D, kernels)
+        self.g_proj = Linear(D, H * self.dv, kernels) if config.mla_use_output_gate else None
         self.scale = config.qk_head_dim ** -0.5
         self.kernels = kernels
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Destination]:
         # per-head projections hold this rank's heads; the latent path is replicated
         split = {"q_proj.weight": 0, "q_b_proj.weight": 0, "kv_b_proj.weight": 0,
-                 "o_proj.weight": 1}
+                 "g_proj.weight": 0, "o_proj.weight": 1}
         return {f"{prefix}{name}": self.tp.shard(p, split[name]) if name in split else p
                 for name, p in self.named_parameters()}
 
@@ -68,4 +70,7 @@ class MLAttention(nn.Module):
         o = self.kernels.mla_attention(q[..., : self.dn], q[..., self.dn:], kv_cache,
                                        batch.block_table, batch.cu_seqlens, batch.context_lens,
                                        w_uk, w_uv, self.scale, max_seqlen=batch.max_seqlen)
-        return self.o_proj(o.reshape(T, H * self.dv))
+        o = o.reshape(T, H * self.dv)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)

@@ -1,6 +1,13 @@
-"""Feed-forward layers: dense SwiGLU MLP and the routed MoE with shared experts."""
+"""Feed-forward layers: dense gated MLP and the routed MoE with shared experts.
+
+The gate activation is SwiGLU (Kimi Linear) or SiTU-GLU (K3, `config.hidden_act == "situ"`).
+K3's MoE is a LatentMoE: the routed experts run at a latent width, between a down-projection
+of the input and an RMSNorm + up-projection of their weighted sum (k3_spec.md 4.4).
+"""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 from torch import nn
@@ -8,6 +15,7 @@ from torch import nn
 from kdaserve.config import ModelConfig
 from kdaserve.kernels import Kernels
 from kdaserve.layers.linear import Linear
+from kdaserve.layers.norm import RMSNorm
 from kdaserve.layers.parallel import (
     SINGLE,
     SINGLE_EP,
@@ -17,18 +25,27 @@ from kdaserve.layers.parallel import (
 )
 
 
+def situ_of(config: ModelConfig) -> tuple[float, float | None] | None:
+    """(beta, linear_beta) of a SiTU-GLU model, None for SwiGLU."""
+    return (config.situ_beta, config.situ_linear_beta) if config.hidden_act == "situ" else None
+
+
 class MLP(nn.Module):
-    """SwiGLU; under tensor parallelism this rank holds `inter / tp` of the intermediate rows
-    and its output is a partial sum (the caller all-reduces)."""
+    """SwiGLU, or SiTU-GLU with `situ = (beta, linear_beta)`; under tensor parallelism this
+    rank holds `inter / tp` of the intermediate rows and its output is a partial sum (the
+    caller all-reduces)."""
 
     def __init__(self, hidden: int, inter: int, kernels: Kernels,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE,
+                 situ: tuple[float, float | None] | None = None) -> None:
         super().__init__()
         inter = tp.part(inter, "intermediate_size")
         self.inter, self.tp = inter, tp
         self.gate_up_proj = Linear(hidden, 2 * inter, kernels)  # gate rows, then up rows
         self.down_proj = Linear(inter, hidden, kernels)
         self.kernels = kernels
+        self.act = kernels.silu_mul if situ is None else partial(kernels.situ_mul, beta=situ[0],
+                                                                 linear_beta=situ[1])
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Destination]:
         gate, up = self.gate_up_proj.weight.data.split(self.inter)
@@ -37,7 +54,7 @@ class MLP(nn.Module):
                 f"{prefix}down_proj.weight": self.tp.shard(self.down_proj.weight, 1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class MoE(nn.Module):
@@ -53,7 +70,18 @@ class MoE(nn.Module):
         super().__init__()
         if tp.size > 1 and ep.size > 1:
             raise ValueError("tensor and expert parallelism together are not supported yet")
+        latent = config.routed_expert_hidden_size
+        if latent is not None and (tp.size > 1 or ep.size > 1):
+            # the latent sum must be reduced over ranks before its RMSNorm: not wired yet
+            raise ValueError("LatentMoE (K3) with tensor or expert parallelism is not "
+                             "supported yet")
         D = config.hidden_size
+        # LatentMoE: the experts see (and sum) the input projected to the latent width
+        self.down_proj = Linear(D, latent, kernels) if latent is not None else None
+        self.latent_norm = RMSNorm(latent, config.rms_norm_eps, kernels) \
+            if latent is not None and config.latent_moe_use_norm else None
+        self.up_proj = Linear(latent, D, kernels) if latent is not None else None
+        Dx = latent or D  # the experts' input width
         self.local = ep.experts(config.num_experts)
         E = len(self.local)  # experts held here (the router sees all of them)
         inter = tp.part(config.moe_intermediate_size, "moe_intermediate_size")
@@ -68,16 +96,23 @@ class MoE(nn.Module):
         # E (see Kernels.fuse_shared_expert); under expert parallelism each rank runs it on
         # its own tokens, outside the routed exchange, so it stays a dense MLP there.
         self.shared_slot = E if (kernels.fuse_shared_expert and config.num_shared_experts == 1
-                                 and ep.size == 1) else None
+                                 and ep.size == 1 and latent is None) else None
         rows = E + (self.shared_slot is not None)
-        self.w13 = nn.Parameter(torch.empty(rows, 2 * inter, D))
-        self.w2 = nn.Parameter(torch.empty(rows, D, inter))
+        self.w13 = nn.Parameter(torch.empty(rows, 2 * inter, Dx))
+        self.w2 = nn.Parameter(torch.empty(rows, Dx, inter))
         # weight-only int8: per-row fp32 scales of w13 [E, 2I] and w2 [E, D]
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
-        self.shared_experts = MLP(D, shared, kernels, tp) \
+        situ = situ_of(config)
+        self.shared_experts = MLP(D, shared, kernels, tp, situ) \
             if shared and self.shared_slot is None else None
         self.kernels = kernels
+        self.moe_experts = kernels.moe_experts
+        if situ is not None:
+            if "situ" not in kernels.features:
+                raise ValueError("SiTU-GLU experts need kernels resolved with the 'situ' "
+                                 "feature (ModelConfig.kernel_features)")
+            self.moe_experts = partial(kernels.moe_experts, situ=situ)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Destination | None]:
         """None: an expert another rank holds (in the checkpoint, not read here)."""
@@ -86,6 +121,11 @@ class MoE(nn.Module):
         views: dict[str, Destination | None] = {
             f"{prefix}gate.weight": self.gate_weight,
             f"{prefix}gate.e_score_correction_bias": self.e_score_correction_bias}
+        for name, m in (("routed_expert_down_proj", self.down_proj),
+                        ("routed_expert_norm", self.latent_norm),
+                        ("routed_expert_up_proj", self.up_proj)):
+            if m is not None:
+                views[f"{prefix}{name}.weight"] = m.weight
         for e in range(self.config.num_experts):
             names = [f"{prefix}experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")]
             if e not in self.local:
@@ -129,8 +169,15 @@ class MoE(nn.Module):
                 T = x.shape[0]
                 weights = torch.cat((weights, weights.new_ones(T, 1)), 1)
                 ids = torch.cat((ids, ids.new_full((T, 1), self.shared_slot)), 1)
-            y = self.kernels.moe_experts(x, weights, ids, self.w13, self.w2, self.w13_scale,
-                                         self.w2_scale)
+            if self.down_proj is not None:
+                y = self.moe_experts(self.down_proj(x), weights, ids, self.w13, self.w2,
+                                     self.w13_scale, self.w2_scale)
+                if self.latent_norm is not None:
+                    y = self.latent_norm(y)
+                y = self.up_proj(y)
+            else:
+                y = self.moe_experts(x, weights, ids, self.w13, self.w2, self.w13_scale,
+                                     self.w2_scale)
         else:
             first = sum(sizes[:ep.rank])
             if routing is not None:
@@ -148,7 +195,7 @@ class MoE(nn.Module):
         tok, slot = ((ids >= lo) & (ids < lo + n)).nonzero(as_tuple=True)
         y = torch.zeros_like(xs)
         if tok.numel():
-            part = self.kernels.moe_experts(
+            part = self.moe_experts(
                 xs[tok].contiguous(), weights[tok, slot][:, None].contiguous(),
                 (ids[tok, slot] - lo)[:, None].contiguous(), self.w13, self.w2,
                 self.w13_scale, self.w2_scale)

@@ -43,6 +43,22 @@ class Shard:
         return full.narrow(self.dim, self.rank * n, n)
 
 
+@dataclass(frozen=True, slots=True)
+class Prefix(Shard):
+    """The first `len(dest)` entries of a longer 1-D checkpoint tensor: K3 stores `A_log` as
+    [128] for its 96 heads and every engine uses the first 96. The loader takes any stored
+    length from `len(dest)` up (`full_len`: the length the writer gives it)."""
+
+    full_len: int = 0
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        return (self.full_len,)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        return full[: self.dest.shape[0]]
+
+
 Destination = torch.Tensor | Shard
 
 

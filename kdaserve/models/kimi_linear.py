@@ -1,5 +1,10 @@
-"""Kimi Linear: KDA and MLA token mixers interleaved, dense/MoE feed-forward, one forward over a
-packed `ForwardBatch`."""
+"""Kimi Linear and Kimi K3's text model: KDA and MLA token mixers interleaved, dense/MoE
+feed-forward, one forward over a packed `ForwardBatch`.
+
+K3 (k3_spec.md 4) is the same skeleton with Attention Residuals in place of the residual
+stream, SiTU-GLU, LatentMoE, the lower-bounded KDA gate with a full-rank output gate and a gated
+q-LoRA MLA: each is a config field read by the layers, so one class serves both; its checkpoint
+names carry the `language_model.` prefix of `KimiK3ForConditionalGeneration`."""
 
 from __future__ import annotations
 
@@ -11,10 +16,11 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.config import KDA, MOE, ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
+from kdaserve.layers.attn_res import AttnResSite, Bank
 from kdaserve.layers.kda import KDAttention
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import MLAttention
-from kdaserve.layers.moe import MLP, MoE
+from kdaserve.layers.moe import MLP, MoE, situ_of
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.layers.parallel import (
     SINGLE,
@@ -38,10 +44,16 @@ class DecoderLayer(nn.Module):
         self.is_moe = config.mlp_types[idx] == MOE
         self.mlp: MoE | MLP = (
             MoE(config, kernels, tp, ep) if self.is_moe
-            else MLP(config.hidden_size, config.intermediate_size, kernels, tp)
+            else MLP(config.hidden_size, config.intermediate_size, kernels, tp, situ_of(config))
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        # AttnRes (K3): the mixing sites before the attention and before the MLP
+        self.attn_res: AttnResSite | None = None
+        self.mlp_res: AttnResSite | None = None
+        if config.attn_res_block_size is not None:
+            self.attn_res = AttnResSite(config.hidden_size, config.rms_norm_eps, kernels)
+            self.mlp_res = AttnResSite(config.hidden_size, config.rms_norm_eps, kernels)
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Destination | None]:
         views: dict[str, Destination | None] = {
@@ -52,6 +64,9 @@ class DecoderLayer(nn.Module):
             views.update(self.mlp.checkpoint_tensors(prefix + "mlp."))
         views[prefix + "input_layernorm.weight"] = self.input_layernorm.weight
         views[prefix + "post_attention_layernorm.weight"] = self.post_attention_layernorm.weight
+        if self.attn_res is not None and self.mlp_res is not None:
+            views.update(self.attn_res.checkpoint_tensors(prefix + "self_attention_res"))
+            views.update(self.mlp_res.checkpoint_tensors(prefix + "mlp_res"))
         return views
 
 
@@ -66,6 +81,8 @@ class KimiLinearForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = None if config.tie_word_embeddings else Linear(
             config.hidden_size, config.vocab_size, kernels)
+        self.output_attn_res = AttnResSite(config.hidden_size, config.rms_norm_eps, kernels) \
+            if config.attn_res_block_size is not None else None
         self.kernels = kernels
         # layer index -> row in the state pool (KDA) or block pool (MLA)
         self.cache_index = {}
@@ -82,9 +99,12 @@ class KimiLinearForCausalLM(nn.Module):
                  "model.norm.weight": self.norm.weight}
         if self.lm_head is not None:
             views["lm_head.weight"] = self.lm_head.weight
+        if self.output_attn_res is not None:
+            views.update(self.output_attn_res.checkpoint_tensors("model.output_attn_res"))
         for i, layer in enumerate(self.layers):
             views.update(layer.checkpoint_tensors(f"model.layers.{i}."))
-        return views
+        prefix = self.config.tensor_prefix
+        return {prefix + name: dest for name, dest in views.items()} if prefix else views
 
     def transformers_tensors(self) -> dict[str, torch.Tensor]:
         """transformers' `KimiLinearForCausalLM` parameter names -> destination views, for the
@@ -94,6 +114,8 @@ class KimiLinearForCausalLM(nn.Module):
         if self.tp.size > 1 or self.ep.size > 1:
             raise ValueError("updates by transformers' names are not supported with tensor "
                              "or expert parallelism")
+        if self.config.tensor_prefix:
+            raise ValueError("transformers has no K3 model whose names an update could use")
         ck: dict[str, torch.Tensor] = self.checkpoint_tensors()  # type: ignore[assignment]
         views: dict[str, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
@@ -130,22 +152,59 @@ class KimiLinearForCausalLM(nn.Module):
                 return out
         h = self.embed_tokens(batch.input_ids)
         tapped: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
-            j = self.cache_index[i]
-            if layer.is_kda:
-                x = layer.self_attn(x, batch, states.recurrent[j], states.conv[j])
-            else:
-                x = layer.self_attn(x, batch, blocks.kv[j])
-            h = h + self.tp.all_reduce(x)  # row-parallel outputs are partial sums
-            x = layer.post_attention_layernorm(h)
-            x = layer.mlp(x, batch.routing) if layer.is_moe else layer.mlp(x)
-            h = h + self.tp.all_reduce(x)
-            if i in batch.taps:
-                tapped.append(h[batch.logits_indices])
+        if self.output_attn_res is not None:
+            h = self._attn_res_layers(h, batch, states, blocks, tapped)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = h + self._mixer(i, layer.input_layernorm(h), batch, states, blocks)
+                h = h + self._ffn(i, layer.post_attention_layernorm(h), batch)
+                if i in batch.taps:
+                    tapped.append(h[batch.logits_indices])
+            h = h[batch.logits_indices]
         if tapped:
             batch.tapped = torch.cat(tapped, dim=-1)
-        return self.norm(h[batch.logits_indices])
+        return self.norm(h)
+
+    def _mixer(self, i: int, x: torch.Tensor, batch: ForwardBatch, states: StatePool,
+               blocks: BlockPool) -> torch.Tensor:
+        """Layer i's KDA or MLA on its normed input (summed over tensor-parallel ranks:
+        row-parallel outputs are partial sums)."""
+        layer, j = self.layers[i], self.cache_index[i]
+        if layer.is_kda:
+            x = layer.self_attn(x, batch, states.recurrent[j], states.conv[j])
+        else:
+            x = layer.self_attn(x, batch, blocks.kv[j])
+        return self.tp.all_reduce(x)
+
+    def _ffn(self, i: int, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        layer = self.layers[i]
+        x = layer.mlp(x, batch.routing) if layer.is_moe else layer.mlp(x)
+        return self.tp.all_reduce(x)
+
+    def _attn_res_layers(self, h: torch.Tensor, batch: ForwardBatch, states: StatePool,
+                         blocks: BlockPool, tapped: list[torch.Tensor]) -> torch.Tensor:
+        """K3's layer loop (k3_spec.md 4.2): each site mixes the bank and the current block's
+        partial sum; a block's first layer banks the partial sum it was handed (layer 0: the
+        embeddings) and starts a new one. Taps read the partial sums. Returns the output
+        site's mix of the logits rows, which the final norm takes."""
+        assert self.output_attn_res is not None and self.config.attn_res_block_size
+        bank = Bank(len(self.layers), self.config.attn_res_block_size, h)
+        partial: torch.Tensor | None = h
+        for i, layer in enumerate(self.layers):
+            assert layer.attn_res is not None and layer.mlp_res is not None and partial is not None
+            x = layer.attn_res(bank.filled(), partial)
+            if bank.starts_block(i):
+                bank.push(partial)
+                partial = None
+            a = self._mixer(i, layer.input_layernorm(x), batch, states, blocks)
+            partial = a if partial is None else partial + a
+            x = layer.mlp_res(bank.filled(), partial)
+            partial = partial + self._ffn(i, layer.post_attention_layernorm(x), batch)
+            if i in batch.taps:
+                tapped.append(partial[batch.logits_indices])
+        assert partial is not None
+        rows = batch.logits_indices
+        return self.output_attn_res(bank.filled()[:, rows], partial[rows])
 
     def idle_forward(self) -> None:
         """An expert-parallel rank with no tokens this step: only the MoE layers'

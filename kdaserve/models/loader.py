@@ -28,6 +28,7 @@ from kdaserve.layers.parallel import (
     SINGLE_EP,
     Destination,
     ExpertParallel,
+    Prefix,
     Shard,
     TensorParallel,
     full_shape,
@@ -82,10 +83,15 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def _plan(model: KimiLinearForCausalLM, path: Path,
+# what a K3 checkpoint holds beside its text model (k3_spec.md 5.1)
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def _plan(model: KimiLinearForCausalLM, path: Path, skip: tuple[str, ...] = (),
           ) -> list[tuple[Path, int, list[tuple[str, dict, Destination]]]]:
     """Every tensor of the checkpoint checked against the model (known name, once, its shape,
-    a supported dtype, bytes inside the file) and none missing, before any is read."""
+    a supported dtype, bytes inside the file) and none missing, before any is read. Names
+    starting with `skip` are passed over unread."""
     views = model.checkpoint_tensors()
     seen: set[str] = set()
     plan = []
@@ -94,6 +100,8 @@ def _plan(model: KimiLinearForCausalLM, path: Path,
         size = file.stat().st_size
         tensors = []
         for raw_name, meta in header.items():
+            if skip and raw_name.startswith(skip):
+                continue
             name = canonical_name(raw_name)
             if name not in views:
                 raise ValueError(f"unexpected tensor {raw_name!r} in {file.name}")
@@ -103,6 +111,9 @@ def _plan(model: KimiLinearForCausalLM, path: Path,
             seen.add(name)
             if dest is None:  # an expert another expert-parallel rank holds
                 continue
+            if isinstance(dest, Prefix) and len(meta["shape"]) == 1 and \
+                    meta["shape"][0] >= dest.dest.shape[0]:
+                dest = Prefix(dest.dest, 0, 0, 1, meta["shape"][0])
             if list(meta["shape"]) != list(full_shape(dest)):
                 raise ValueError(f"tensor {raw_name!r} has shape {meta['shape']}, "
                                  f"expected {list(full_shape(dest))}")
@@ -125,7 +136,12 @@ def _plan(model: KimiLinearForCausalLM, path: Path,
 
 def check_weights(model: KimiLinearForCausalLM, path: Path) -> None:
     """Raises ValueError if `load_weights(model, path)` could fail on the checkpoint's form."""
-    _plan(model, path)
+    _plan(model, path, _skipped(model))
+
+
+def _skipped(model: KimiLinearForCausalLM) -> tuple[str, ...]:
+    # a model built from a config with a vision tower was built text-only on purpose
+    return VISION_PREFIXES if model.config.has_vision_tower else ()
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -138,7 +154,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def load_weights(model: KimiLinearForCausalLM, path: Path,
                  progress: Progress | None = None) -> None:
     """`progress(done, total)`: checkpoint bytes read so far, after every tensor."""
-    plan = _plan(model, path)
+    plan = _plan(model, path, _skipped(model))
     total = sum(meta["data_offsets"][1] - meta["data_offsets"][0]
                 for _, _, tensors in plan for _, meta, _ in tensors)
     done = 0
@@ -234,14 +250,18 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
                 device: torch.device, path: Path | None, load_format: str = "auto",
                 seed: int = 0, weight_dtype: torch.dtype | None = None,
                 quantization: str | None = None, tp: TensorParallel = SINGLE,
-                ep: ExpertParallel = SINGLE_EP,
-                progress: Progress | None = None) -> KimiLinearForCausalLM:
+                ep: ExpertParallel = SINGLE_EP, progress: Progress | None = None,
+                language_model_only: bool = False) -> KimiLinearForCausalLM:
     """Builds on the meta device (no init cost), materialises, then fills every parameter.
     `weight_dtype` (default `dtype`): the projections' and experts' weights only, the bytes a
     decode step streams (weight-only bf16 on a CPU); norms, embeddings and the rest `dtype`.
     `quantization="int8"`: those weights quantized per row once loaded (weight-only int8).
     `tp`: this tensor-parallel rank's shard of the model (reading only its slices).
-    `progress`: see load_weights."""
+    `progress`: see load_weights. A checkpoint with a vision tower (K3) is refused unless
+    `language_model_only`, which builds and loads its text model alone."""
+    if config.has_vision_tower and not language_model_only:
+        raise ValueError("this checkpoint holds a vision tower, which kdaserve does not run "
+                         "yet: serve its text model with --language-model-only")
     with torch.device("meta"):
         model = KimiLinearForCausalLM(config, kernels, tp, ep)
     # by name, after to_empty: moving off the meta device replaces the Parameter objects

@@ -83,7 +83,7 @@ class NativeDecode:
                   native.moe_route_native, native.moe_experts_native, native.rms_norm_native,
                   native.silu_mul_native)
         if any(a is not b for a, b in zip(ops, wanted, strict=True)) or not available()[0] \
-                or model.tp.size > 1 or model.ep.size > 1:
+                or model.tp.size > 1 or model.ep.size > 1 or model.config.has_k3_layers:
             return None
         for layer in model.layers:
             attn = layer.self_attn

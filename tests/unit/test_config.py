@@ -270,14 +270,13 @@ def test_unknown_transformers_layer_type() -> None:
 # ---- later Kimi models: reject what would silently compute a different function ----
 
 UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
-    ("mla_output_gate", {"mla_use_output_gate": True}, "mla_use_output_gate"),
-    ("attn_res_block", {"attn_res_block_size": 8}, "attn_res_block_size"),
-    ("hidden_act_situ", {"hidden_act": "situ"}, "hidden_act"),
-    ("gate_lower_bound_top", {"gate_lower_bound": -5.0}, "gate_lower_bound"),
-    ("gate_lower_bound_lac", {"linear_attn_config.gate_lower_bound": -5.0}, "gate_lower_bound"),
-    ("full_rank_gate", {"use_full_rank_gate": True}, "use_full_rank_gate"),
-    ("full_rank_gate_lac", {"linear_attn_config.use_full_rank_gate": True},
-     "use_full_rank_gate"),
+    ("hidden_act_gelu", {"hidden_act": "gelu"}, "hidden_act"),
+    ("topk_method", {"topk_method": "greedy"}, "topk_method"),
+    ("situ_beta_with_silu", {"activation_situ_beta": 4.0}, "activation_situ"),
+    ("attn_res_block_zero", {"attn_res_block_size": 0}, "attn_res_block_size"),
+    ("gate_lower_bound_positive", {"linear_attn_config.gate_lower_bound": 5.0},
+     "gate_lower_bound"),
+    ("latent_norm_without_latent", {"latent_moe_use_norm": True}, "latent_moe_use_norm"),
     ("latent_moe", {"moe_latent_size": 512}, "moe_latent_size"),
     ("mtp", {"num_nextn_predict_layers": 1}, "num_nextn_predict_layers"),
     ("rotary_mla", {"mla_use_nope": False}, "mla_use_nope"),
@@ -308,6 +307,75 @@ HARMLESS: list[tuple[str, dict[str, Any]]] = [
 def test_default_valued_fields_load(changes: dict[str, Any]) -> None:
     c = ModelConfig.from_dict(with_changes(kimi_linear_48b(), changes))
     assert c == ModelConfig.from_dict(kimi_linear_48b())
+
+
+# ---- Kimi K3: the kimi_k3 wrapper and its text fields ----
+
+def k3_config() -> dict[str, Any]:
+    """K3's released config.json (k3_spec.md 3), its vision_config cut to one field."""
+    lac = {"kda_layers": [i for i in range(1, 92) if i % 4], "full_attn_layers":
+           list(range(4, 93, 4)) + [93], "head_dim": 128, "num_heads": 96,
+           "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True}
+    text = {"model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 7168,
+            "num_hidden_layers": 93, "num_attention_heads": 96, "num_key_value_heads": 96,
+            "intermediate_size": 33792, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+            "num_experts": 896, "num_experts_per_token": 16, "num_shared_experts": 2,
+            "moe_intermediate_size": 3072, "routed_expert_hidden_size": 3584,
+            "latent_moe_use_norm": True, "moe_router_activation_func": "sigmoid",
+            "topk_method": "noaux_tc", "use_grouped_topk": True, "num_expert_group": 1,
+            "topk_group": 1, "moe_renormalize": True, "routed_scaling_factor": 1.0,
+            "hidden_act": "situ", "activation_situ_beta": 4.0,
+            "activation_situ_linear_beta": 25.0, "attn_res_block_size": 12,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "mla_use_nope": True,
+            "mla_use_output_gate": True, "num_nextn_predict_layers": 0, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False, "linear_attn_config": lac}
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+            "bos_token_id": 163584, "eos_token_id": 163586, "pad_token_id": 163839,
+            "text_config": text, "vision_config": {"model_type": "moonvit3d"}}
+
+
+def test_k3_config_reads_every_field() -> None:
+    c = ModelConfig.from_dict(k3_config())
+    assert (c.num_hidden_layers, len(c.kda_layers), len(c.mla_layers)) == (93, 69, 24)
+    assert c.mla_layers[-2:] == [91, 92] and c.layer_types[:4] == ("kda",) * 3 + ("mla",)
+    assert c.mlp_types[0] == DENSE and set(c.mlp_types[1:]) == {MOE}
+    assert (c.hidden_act, c.situ_beta, c.situ_linear_beta) == ("situ", 4.0, 25.0)
+    assert (c.attn_res_block_size, c.routed_expert_hidden_size, c.latent_moe_use_norm) == \
+        (12, 3584, True)
+    assert (c.kda_gate_lower_bound, c.kda_full_rank_gate, c.mla_use_output_gate) == \
+        (-5.0, True, True)
+    assert (c.num_experts, c.num_experts_per_token, c.num_shared_experts) == (896, 16, 2)
+    assert (c.q_lora_rank, c.routed_scaling_factor) == (1536, 1.0)
+    assert (c.bos_token_id, c.eos_token_ids, c.pad_token_id) == (163584, (163586,), 163839)
+    assert c.tensor_prefix == "language_model." and c.has_vision_tower
+    assert c.kernel_features == {"kda_lower_bound", "situ"} and c.has_k3_layers
+
+
+K3_UNSUPPORTED: list[tuple[str, str, Any]] = [
+    ("num_nextn_predict_layers", "num_nextn_predict_layers", 1),
+    ("mla_use_nope", "mla_use_nope", False),
+    ("hidden_act", "hidden_act", "swiglu"),
+    ("topk_method", "topk_method", "group_limited_greedy"),
+    ("moe_router_activation_func", "moe_router_activation_func", "tanh"),
+]
+
+
+@pytest.mark.parametrize("field_name,key,value", K3_UNSUPPORTED,
+                         ids=[u[0] for u in K3_UNSUPPORTED])
+def test_k3_value_we_do_not_implement_names_field_and_value(field_name: str, key: str,
+                                                             value: Any) -> None:
+    raw = k3_config()
+    raw["text_config"][key] = value
+    with pytest.raises(ValueError, match=f"{field_name}.*{value!r}".replace("(", r"\(")):
+        ModelConfig.from_dict(raw)
+
+
+def test_k3_preset_round_trips_through_the_hub_schema() -> None:
+    c = preset_config("k3-tiny")
+    hub = c.to_hub_dict()
+    assert hub["model_type"] == "kimi_k3" and "text_config" in hub
+    assert ModelConfig.from_dict(hub) == c
 
 
 # ---- clear errors for malformed configs ----
@@ -365,7 +433,7 @@ def test_hub_dict_round_trip(name: str) -> None:
     assert ModelConfig.from_dict(hub) == c
     # JSON-serialisable and 1-indexed like Moonshot's files
     assert ModelConfig.from_dict(json.loads(json.dumps(hub))) == c
-    lac = hub["linear_attn_config"]
+    lac = hub.get("text_config", hub)["linear_attn_config"]
     assert sorted(lac["kda_layers"] + lac["full_attn_layers"]) == list(
         range(1, c.num_hidden_layers + 1))
 

@@ -26,12 +26,14 @@ def _all_decode(cu_seqlens: torch.Tensor, num_tokens: int) -> bool:
 def kda_recurrent_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                       state: torch.Tensor, state_slots: torch.Tensor,
-                      cu_seqlens: torch.Tensor) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor, lower_bound: float | None = None,
+                      ) -> torch.Tensor:
     """One delta-rule step for B sequences as batched matmuls over [B, H, K, V] states."""
     if not _all_decode(cu_seqlens, q.shape[0]):
-        return kda_recurrent_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens)
+        return kda_recurrent_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens,
+                                 lower_bound)
     qn, kn = l2norm_ref(q), l2norm_ref(k)  # [B, H, K]
-    decay = kda_gate_ref(g, A_log, dt_bias).exp()  # [B, H, K]
+    decay = kda_gate_ref(g, A_log, dt_bias, lower_bound).exp()  # [B, H, K]
     b = torch.sigmoid(beta.float()).unsqueeze(-1)  # [B, H, 1]
     S = state.index_select(0, state_slots).float() * decay.unsqueeze(-1)  # [B, H, K, V]
     pred = (kn.unsqueeze(-2) @ S).squeeze(-2)  # k^T S: [B, H, V]
@@ -46,11 +48,12 @@ def kda_decode_cpu(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: to
                    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                    norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                    conv_state: torch.Tensor, state_slots: torch.Tensor,
-                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                   cu_seqlens: torch.Tensor | None = None,
+                   lower_bound: float | None = None) -> torch.Tensor:
     """`kda_decode_ref`'s composition with the batched decode ops above."""
     return compose_kda_decode(short_conv_cpu, kda_recurrent_cpu, qkv, f, beta, z, conv_weight,
                               A_log, dt_bias, norm_weight, eps, state, conv_state, state_slots,
-                              cu_seqlens)
+                              cu_seqlens, lower_bound=lower_bound)
 
 
 def short_conv_cpu(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,

@@ -17,10 +17,16 @@ L2_EPS = 1e-6
 CHUNK = 16
 
 
-def kda_gate_ref(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """Log-space decay `-exp(A_log[h]) * softplus(g + dt_bias)`.  g: [T, H, K] -> fp32 [T, H, K]."""
+def kda_gate_ref(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                 lower_bound: float | None = None) -> torch.Tensor:
+    """Log-space decay `-exp(A_log[h]) * softplus(g + dt_bias)` (Kimi Linear), or with a
+    `lower_bound` K3's `lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias))`, which keeps
+    every step's decay in [lower_bound, 0] (fla's naive_kda_lowerbound_gate).
+    g: [T, H, K] -> fp32 [T, H, K]."""
     T, H, K = g.shape
     x = g.float() + dt_bias.float().view(H, K)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(torch.exp(A_log.float().view(H, 1)) * x)
     # softplus with PyTorch's threshold 20: identity above, so huge gate logits do not overflow.
     return -torch.exp(A_log.float().view(H, 1)) * F.softplus(x, beta=1.0, threshold=20.0)
 
@@ -31,8 +37,8 @@ def l2norm_ref(x: torch.Tensor) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
-def _activate(q, k, g, beta, A_log, dt_bias):
-    gate = kda_gate_ref(g, A_log, dt_bias)
+def _activate(q, k, g, beta, A_log, dt_bias, lower_bound=None):
+    gate = kda_gate_ref(g, A_log, dt_bias, lower_bound)
     return l2norm_ref(q), l2norm_ref(k), gate, torch.sigmoid(beta.float())
 
 
@@ -55,14 +61,16 @@ def _unpad(x: torch.Tensor, cu: list[int]) -> torch.Tensor:
 def kda_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                       state: torch.Tensor, state_slots: torch.Tensor,
-                      cu_seqlens: torch.Tensor) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor, lower_bound: float | None = None,
+                      ) -> torch.Tensor:
     """Token-by-token delta rule.
 
     q, k: [T, H, K] post-conv; v: [T, H, V]; g: [T, H, K] raw gate (before dt_bias/softplus);
     beta: [T, H] logits; state: [N, H, K, V] fp32 pool; returns o: [T, H, V] in v.dtype.
+    `lower_bound`: K3's gate (see kda_gate_ref).
     """
     cu = cu_seqlens.tolist()
-    q, k, g, beta = _activate(q, k, g, beta, A_log, dt_bias)
+    q, k, g, beta = _activate(q, k, g, beta, A_log, dt_bias, lower_bound)
     Tm = max(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
     qp, kp, vp, gp, bp = (_pad(x, cu, Tm) for x in (q, k, v.float(), g, beta))
     scale = q.shape[-1] ** -0.5
@@ -85,7 +93,8 @@ Snapshots = tuple[torch.Tensor, torch.Tensor]
 def kda_chunk_in_segments(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor,
                           dt_bias: torch.Tensor, state: torch.Tensor, state_slots: torch.Tensor,
-                          cu_seqlens: torch.Tensor, snapshots: Snapshots) -> torch.Tensor:
+                          cu_seqlens: torch.Tensor, snapshots: Snapshots,
+                          **gate: float | None) -> torch.Tensor:
     """`kda_chunk` with snapshots for a backend whose kernel cannot emit them: sequences
     without a snapshot row run in one call; each one with snapshots runs segment by segment,
     its state copied to the snapshot slot after each segment that ends on a snapshot row."""
@@ -99,14 +108,14 @@ def kda_chunk_in_segments(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         idx = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in plain]).to(q.device)
         lens = torch.tensor([0] + [cu[b + 1] - cu[b] for b in plain]).cumsum(0)
         out[idx] = fn(*(a[idx] for a in args), A_log, dt_bias, state, state_slots[plain],
-                      lens.to(cu_seqlens.device))
+                      lens.to(cu_seqlens.device), **gate)
     for b in (b for b in range(len(cu) - 1) if b not in plain):
         cuts = sorted(r + 1 for r in snap if cu[b] <= r < cu[b + 1] - 1) + [cu[b + 1]]
         start = cu[b]
         for end in cuts:
             one = torch.tensor([0, end - start], device=cu_seqlens.device)
             out[start:end] = fn(*(a[start:end] for a in args), A_log, dt_bias, state,
-                                state_slots[b:b + 1], one)
+                                state_slots[b:b + 1], one, **gate)
             if end - 1 in snap:
                 state[snap[end - 1]] = state[state_slots[b]]
             start = end
@@ -116,16 +125,18 @@ def kda_chunk_in_segments(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def kda_chunk_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                   state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                  snapshots: Snapshots | None = None) -> torch.Tensor:
+                  snapshots: Snapshots | None = None,
+                  lower_bound: float | None = None) -> torch.Tensor:
     """Chunked (WY / UT-transform) form, CHUNK-token chunks; same contract as
     `kda_recurrent_ref`, plus `snapshots = (rows, slots)`: the state of a sequence right
     after its token at packed row rows[i] is also written to pool row slots[i] (the prefix
     cache's snapshots, taken inside a prefill chunk instead of cutting the chunk there)."""
     if snapshots is not None and snapshots[0].numel():
         return kda_chunk_in_segments(kda_chunk_ref, q, k, v, g, beta, A_log, dt_bias, state,
-                                     state_slots, cu_seqlens, snapshots)
+                                     state_slots, cu_seqlens, snapshots,
+                                     lower_bound=lower_bound)
     cu = cu_seqlens.tolist()
-    q, k, g, beta = _activate(q, k, g, beta, A_log, dt_bias)
+    q, k, g, beta = _activate(q, k, g, beta, A_log, dt_bias, lower_bound)
     Tm = max(cu[i + 1] - cu[i] for i in range(len(cu) - 1))
     Tp = -(-Tm // CHUNK) * CHUNK
     # [B, H, T, *] layout, so each chunk is a batch of [C, K] matrices per (sequence, head)
@@ -183,7 +194,8 @@ def kda_decode_ref(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: to
                    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                    norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                    conv_state: torch.Tensor, state_slots: torch.Tensor,
-                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                   cu_seqlens: torch.Tensor | None = None,
+                   lower_bound: float | None = None) -> torch.Tensor:
     """A whole KDA step for B sequences between the projections: short conv of the
     concatenated q|k|v, delta rule, gated RMSNorm.
 
@@ -195,22 +207,23 @@ def kda_decode_ref(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: to
     """
     return compose_kda_decode(short_conv_ref, kda_recurrent_ref, qkv, f, beta, z, conv_weight,
                               A_log, dt_bias, norm_weight, eps, state, conv_state, state_slots,
-                              cu_seqlens)
+                              cu_seqlens, lower_bound=lower_bound)
 
 
 def compose_kda_decode(short_conv, kda_recurrent, qkv: torch.Tensor, f: torch.Tensor,
                        beta: torch.Tensor, z: torch.Tensor, conv_weight: torch.Tensor,
                        A_log: torch.Tensor, dt_bias: torch.Tensor, norm_weight: torch.Tensor,
                        eps: float, state: torch.Tensor, conv_state: torch.Tensor,
-                       state_slots: torch.Tensor,
-                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """`kda_decode` out of a backend's `short_conv` and `kda_recurrent` ops."""
+                       state_slots: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                       **gate: float | None) -> torch.Tensor:
+    """`kda_decode` out of a backend's `short_conv` and `kda_recurrent` ops (`gate`: the
+    recurrent op's gate keywords, passed on)."""
     T, H, K = f.shape
     cu = torch.arange(T + 1, device=qkv.device) if cu_seqlens is None else cu_seqlens
     x = short_conv(qkv, conv_weight, conv_state, state_slots, cu)
     q, k, v = x[:, :H * K].view(T, H, K), x[:, H * K:2 * H * K].view(T, H, K), \
         x[:, 2 * H * K:].view(T, H, -1)
-    o = kda_recurrent(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu)
+    o = kda_recurrent(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu, **gate)
     return gated_rmsnorm(o, z, norm_weight, eps)
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kdaserve.kernels.ref.mlp import situ_mul_ref
 from kdaserve.kernels.ref.quant import dequantize
 
 
@@ -46,18 +47,21 @@ def moe_route_ref(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int,
 
 def moe_experts_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
-                    scale2: torch.Tensor | None = None) -> torch.Tensor:
+                    scale2: torch.Tensor | None = None,
+                    situ: tuple[float, float | None] | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * E_{ids[t, k]}(x_t), E_e(x) = W2 (SiLU(W1 x) * W3 x).
 
     x: [T, D]; w13: [E, 2I, D] (gate rows then up rows); w2: [E, D, I].
+    `situ = (beta, linear_beta)`: K3's experts, SiTU-GLU instead of SwiGLU and the weighted
+    sum accumulated in fp32 (as Moonshot's reference does).
     """
-    out = torch.zeros_like(x)
+    out = torch.zeros(x.shape, dtype=torch.float32 if situ else x.dtype, device=x.device)
     inter = w13.shape[1] // 2
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         h = F.linear(x[tok], dequantize(w13[e], _row(scale13, e), x.dtype))
-        h = F.silu(h[:, :inter]) * h[:, inter:]
+        h = situ_mul_ref(h, *situ) if situ else F.silu(h[:, :inter]) * h[:, inter:]
         y = F.linear(h, dequantize(w2[e], _row(scale2, e), x.dtype))
-        y = y * weights[tok, slot].unsqueeze(-1).to(x.dtype)
+        y = y.to(out.dtype) * weights[tok, slot].unsqueeze(-1).to(out.dtype)
         out.index_add_(0, tok, y)
-    return out
+    return out.to(x.dtype)
