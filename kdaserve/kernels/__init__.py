@@ -4,7 +4,8 @@ Ops (shapes in kernels/ref): `linear` (every projection), `kda_chunk` (prefill),
 `kda_recurrent` (token by token: the oracle of the chunk form), `kda_decode` (a whole KDA
 decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `moe_experts`,
 `rms_norm`, `gated_rmsnorm` (KDA's output norm), `silu_mul` (the dense SwiGLU), and K3's
-`situ_mul` (SiTU-GLU) and `attn_res_mix` (Attention Residuals). A model that needs more of an
+`situ_mul` (SiTU-GLU) and `attn_res_norm` (the Attention Residuals mix and the RMSNorm after
+it). A model that needs more of an
 op than its base contract asks for a feature (`FEATURE_OPS`: K3's KDA gate, SiTU inside the
 experts) and gets only backends that declare it.
 Every op has a `ref` backend (plain torch, the oracle); `cpu` is batched torch for decode
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kdaserve.kernels import registry
-from kdaserve.kernels.ref.attn_res import attn_res_mix_ref
+from kdaserve.kernels.ref.attn_res import attn_res_norm_ref
 from kdaserve.kernels.ref.kda import (
     gated_rmsnorm,
     kda_chunk_ref,
@@ -51,7 +52,7 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor,
 
 OPS = ("linear", "kda_chunk", "kda_recurrent", "kda_decode", "short_conv", "mla_attention",
        "moe_route", "moe_experts", "rms_norm", "gated_rmsnorm", "silu_mul", "situ_mul",
-       "attn_res_mix")
+       "attn_res_norm")
 BATCH_INVARIANT = "batch_invariant"
 # feature -> the ops whose backends must have it: `kda_lower_bound` (K3's gate, the
 # `lower_bound` keyword of the KDA ops), `situ` (SiTU-GLU experts, `moe_experts`' `situ`)
@@ -60,6 +61,9 @@ FEATURE_OPS: dict[str, tuple[str, ...]] = {
     "situ": ("moe_experts",),
 }
 _K3_GATE = frozenset({"kda_lower_bound"})
+# the batch-invariant backend has every K3 feature of the ops it covers
+FEATURES_OF = {op: frozenset(f for f, ops in FEATURE_OPS.items() if op in ops) for op in (
+    "kda_chunk", "kda_recurrent", "kda_decode", "moe_experts")}
 
 registry.register("linear", "ref", linear_ref)
 registry.register("kda_chunk", "ref", kda_chunk_ref, features=_K3_GATE)
@@ -73,7 +77,7 @@ registry.register("rms_norm", "ref", rms_norm_ref)
 registry.register("gated_rmsnorm", "ref", gated_rmsnorm)
 registry.register("silu_mul", "ref", silu_mul_ref)
 registry.register("situ_mul", "ref", situ_mul_ref)
-registry.register("attn_res_mix", "ref", attn_res_mix_ref)
+registry.register("attn_res_norm", "ref", attn_res_norm_ref)
 
 from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the references
     kda_decode_cpu,
@@ -87,6 +91,7 @@ from kdaserve.kernels.native import batch_invariant as bi  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
 from kdaserve.kernels.native.ops import (  # noqa: E402
     argmax_rows,
+    attn_res_norm_native,
     gated_rmsnorm_native,
     kda_chunk_native,
     kda_chunk_native_wy,
@@ -98,6 +103,7 @@ from kdaserve.kernels.native.ops import (  # noqa: E402
     rms_norm_native,
     short_conv_native,
     silu_mul_native,
+    situ_mul_native,
 )
 from kdaserve.kernels.triton import supports as _triton  # noqa: E402
 from kdaserve.kernels.triton.conv import short_conv_triton  # noqa: E402
@@ -115,15 +121,22 @@ registry.register("kda_recurrent", "cpu", kda_recurrent_cpu, priority=10, suppor
                   features=_K3_GATE)
 registry.register("kda_decode", "cpu", kda_decode_cpu, priority=10, supports=_cpu_only,
                   features=_K3_GATE)
-registry.register("kda_decode", "native", kda_decode_native, priority=20, supports=_native)
-registry.register("kda_chunk", "native", kda_chunk_native, priority=20, supports=_native)
-registry.register("kda_chunk", "native_wy", kda_chunk_native_wy, priority=15, supports=_native)
+registry.register("kda_decode", "native", kda_decode_native, priority=20, supports=_native,
+                  features=_K3_GATE)
+registry.register("kda_chunk", "native", kda_chunk_native, priority=20, supports=_native,
+                  features=_K3_GATE)
+registry.register("kda_chunk", "native_wy", kda_chunk_native_wy, priority=15, supports=_native,
+                  features=_K3_GATE)
 registry.register("mla_attention", "native", mla_attention_native, priority=20,
                   supports=_native)
 registry.register("moe_experts", "cpu", moe_experts_cpu, priority=10, supports=_cpu_only)
-registry.register("moe_experts", "native", moe_experts_native, priority=20, supports=_native)
+registry.register("moe_experts", "native", moe_experts_native, priority=20, supports=_native,
+                  features=frozenset({"situ"}))
 registry.register("moe_route", "native", moe_route_native, priority=20, supports=_native)
 registry.register("silu_mul", "native", silu_mul_native, priority=20, supports=_native)
+registry.register("situ_mul", "native", situ_mul_native, priority=20, supports=_native)
+registry.register("attn_res_norm", "native", attn_res_norm_native, priority=20,
+                  supports=_native)
 registry.register("linear", "cpu", linear_cpu, priority=10, supports=_cpu_only)
 registry.register("linear", "native", linear_native, priority=20, supports=_native)
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)
@@ -150,14 +163,10 @@ for _op, _fn in (("linear", bi.linear_bi), ("kda_chunk", bi.kda_chunk_bi),
                  ("short_conv", bi.short_conv_bi), ("mla_attention", bi.mla_attention_bi),
                  ("moe_route", bi.moe_route_bi), ("moe_experts", bi.moe_experts_bi),
                  ("rms_norm", bi.rms_norm_bi), ("gated_rmsnorm", bi.gated_rmsnorm_bi),
-                 ("silu_mul", bi.silu_mul_bi)):
-    registry.register(_op, BATCH_INVARIANT, _fn, priority=-1, supports=_batch_invariant)
-# elementwise (SiTU) and per-row (each token's mix sums over D alone): the references are
-# batch-invariant as they are
-registry.register("situ_mul", BATCH_INVARIANT, situ_mul_ref, priority=-1,
-                  supports=_batch_invariant)
-registry.register("attn_res_mix", BATCH_INVARIANT, attn_res_mix_ref, priority=-1,
-                  supports=_batch_invariant)
+                 ("silu_mul", bi.silu_mul_bi), ("situ_mul", bi.situ_mul_bi),
+                 ("attn_res_norm", bi.attn_res_norm_bi)):
+    registry.register(_op, BATCH_INVARIANT, _fn, priority=-1, supports=_batch_invariant,
+                      features=FEATURES_OF.get(_op, frozenset()))
 
 
 registry.register("rms_norm", "native", rms_norm_native, priority=20, supports=_native)
@@ -178,7 +187,7 @@ class Kernels(NamedTuple):
     gated_rmsnorm: Callable
     silu_mul: Callable
     situ_mul: Callable
-    attn_res_mix: Callable
+    attn_res_norm: Callable
     # Whether MoE layers run their shared expert inside `moe_experts`, as one more expert
     # every token takes with weight 1 (stacked after the routed ones): on a GPU that saves its
     # own GEMMs' and SwiGLU's launches and rides the grouped GEMM's blocks. The CPU backends

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kdaserve.kernels import Kernels
+from kdaserve.layers.norm import RMSNorm
 from kdaserve.layers.parallel import Destination
 
 
@@ -25,18 +26,19 @@ class AttnResSite(nn.Module):
         self.norm_weight = nn.Parameter(torch.ones(dim))
         self.proj_weight = nn.Parameter(torch.empty(1, dim))
         self.eps = eps
-        self.mix = kernels.attn_res_mix
+        self.mix_norm = kernels.attn_res_norm
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Destination]:
         """`prefix`: the site's name up to `_norm` / `_proj` (e.g. `...mlp_res`)."""
         return {f"{prefix}_norm.weight": self.norm_weight,
                 f"{prefix}_proj.weight": self.proj_weight}
 
-    def forward(self, bank: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
-        """bank: [NB, T, D]; partial: [T, D] -> the mix [T, D]."""
+    def forward(self, bank: torch.Tensor, partial: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """bank: [NB, T, D]; partial: [T, D] -> `norm` of the mix [T, D] (every site is
+        followed by an RMSNorm: the kernel does both in one pass)."""
         # recomputed each call (D multiplies): an RL weight update then needs no hook
         w_eff = self.norm_weight.float() * self.proj_weight.float().view(-1)
-        return self.mix(bank, partial, w_eff, self.eps)
+        return self.mix_norm(bank, partial, w_eff, self.eps, norm.weight, norm.eps)
 
 
 class Bank:

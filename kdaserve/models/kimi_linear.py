@@ -160,10 +160,10 @@ class KimiLinearForCausalLM(nn.Module):
                 h = h + self._ffn(i, layer.post_attention_layernorm(h), batch)
                 if i in batch.taps:
                     tapped.append(h[batch.logits_indices])
-            h = h[batch.logits_indices]
+            h = self.norm(h[batch.logits_indices])
         if tapped:
             batch.tapped = torch.cat(tapped, dim=-1)
-        return self.norm(h)
+        return h
 
     def _mixer(self, i: int, x: torch.Tensor, batch: ForwardBatch, states: StatePool,
                blocks: BlockPool) -> torch.Tensor:
@@ -185,26 +185,26 @@ class KimiLinearForCausalLM(nn.Module):
                          blocks: BlockPool, tapped: list[torch.Tensor]) -> torch.Tensor:
         """K3's layer loop (k3_spec.md 4.2): each site mixes the bank and the current block's
         partial sum; a block's first layer banks the partial sum it was handed (layer 0: the
-        embeddings) and starts a new one. Taps read the partial sums. Returns the output
-        site's mix of the logits rows, which the final norm takes."""
+        embeddings) and starts a new one. Taps read the partial sums. Returns the final norm
+        of the output site's mix, for the logits rows."""
         assert self.output_attn_res is not None and self.config.attn_res_block_size
         bank = Bank(len(self.layers), self.config.attn_res_block_size, h)
         partial: torch.Tensor | None = h
         for i, layer in enumerate(self.layers):
             assert layer.attn_res is not None and layer.mlp_res is not None and partial is not None
-            x = layer.attn_res(bank.filled(), partial)
+            x = layer.attn_res(bank.filled(), partial, layer.input_layernorm)
             if bank.starts_block(i):
                 bank.push(partial)
                 partial = None
-            a = self._mixer(i, layer.input_layernorm(x), batch, states, blocks)
+            a = self._mixer(i, x, batch, states, blocks)
             partial = a if partial is None else partial + a
-            x = layer.mlp_res(bank.filled(), partial)
-            partial = partial + self._ffn(i, layer.post_attention_layernorm(x), batch)
+            x = layer.mlp_res(bank.filled(), partial, layer.post_attention_layernorm)
+            partial = partial + self._ffn(i, x, batch)
             if i in batch.taps:
                 tapped.append(partial[batch.logits_indices])
         assert partial is not None
         rows = batch.logits_indices
-        return self.output_attn_res(bank.filled()[:, rows], partial[rows])
+        return self.output_attn_res(bank.filled()[:, rows], partial[rows], self.norm)
 
     def idle_forward(self) -> None:
         """An expert-parallel rank with no tokens this step: only the MoE layers'

@@ -17,8 +17,10 @@ from kdaserve.kernels import (
     silu_mul_ref,
 )
 from kdaserve.kernels.native import batch_invariant as bi
+from kdaserve.kernels.ref.attn_res import attn_res_norm_ref
 from kdaserve.kernels.ref.kda import gated_rmsnorm, kda_chunk_ref, short_conv_ref
 from kdaserve.kernels.ref.mla import mla_attention_ref
+from kdaserve.kernels.ref.mlp import situ_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 
 CPU = torch.device("cpu")
@@ -46,6 +48,10 @@ def test_deterministic_resolution_takes_every_op_from_the_backend() -> None:
         bi.linear_bi(rand(2, 8, seed=0).double(), rand(4, 8, seed=1).double())
 
 
+def _bank(a: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return a[:, :2 * K].reshape(-1, 2, K).transpose(0, 1), a[:, 2 * K:]
+
+
 @pytest.mark.parametrize("K", [7, 16, 130])
 def test_row_ops_match_reference_and_do_not_depend_on_the_batch(K: int) -> None:
     M = 37
@@ -59,6 +65,12 @@ def test_row_ops_match_reference_and_do_not_depend_on_the_batch(K: int) -> None:
          lambda a: gated_rmsnorm(a[:, :K], a[:, K:], nw, 1e-5), torch.cat([x, z], 1)),
         (bi.silu_mul_bi, silu_mul_ref, gu),
         (bi.sigmoid_bi, torch.sigmoid, x),
+        (lambda a: bi.situ_mul_bi(a * 8, 4.0, 25.0), lambda a: situ_mul_ref(a * 8, 4.0, 25.0),
+         gu),
+        # K3's mix + norm: each row holds its two bank sources, then its partial sum
+        (lambda a: bi.attn_res_norm_bi(*_bank(a, K), nw, 1e-5, z[0], 1e-6),
+         lambda a: attn_res_norm_ref(*_bank(a, K), nw, 1e-5, z[0], 1e-6),
+         torch.cat([x, z, x * 2], 1)),
     ]
     for fast, ref, a in cases:
         full = fast(a)

@@ -121,3 +121,129 @@ def test_attn_res_mix_is_mlx_lm_combine(mlx_k3, num_blocks: int) -> None:  # noq
     ref = _torch(k3._attn_res_combine(blocks.raw, blocks.inv_rms, _mx(mx, partial),
                                       _mx(mx, w_eff), eps))
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+K3_DECODE = [b.name for b in registry.backends("kda_decode")
+             if "kda_lower_bound" in b.features and b.supports(torch.device("cpu"))[0]]
+
+
+@pytest.mark.parametrize("backend", K3_DECODE)
+@pytest.mark.parametrize("lengths", [None, [1, 3, 2]], ids=["decode", "verify"])
+def test_kda_decode_with_lower_bound_is_the_reference(backend: str,
+                                                      lengths: list[int] | None) -> None:
+    """The whole fused step (conv, gate, delta rule, gated norm) of each backend with K3's
+    gate against the plain-torch composition, whose gate and recurrence are checked above;
+    head size 40 reaches the native kernels' lane tails."""
+    from kdaserve.kernels.ref.kda import kda_decode_ref
+
+    fn = registry.resolve("kda_decode", torch.device("cpu"), backend,
+                          features=frozenset({"kda_lower_bound"}))
+    g = torch.Generator().manual_seed(9)
+    Hd, Kd, W = 3, 40, 4
+    B = 3
+    T = B if lengths is None else sum(lengths)
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0)])
+    C = 3 * Hd * Kd
+    qkv, f = torch.randn(T, C, generator=g), torch.randn(T, Hd, Kd, generator=g) * 3
+    beta, z = torch.randn(T, Hd, generator=g), torch.randn(T, Hd, Kd, generator=g)
+    conv_w = torch.randn(C, W, generator=g) / 2
+    A_log, dt_bias = torch.rand(Hd, generator=g) * 2, torch.randn(Hd * Kd, generator=g)
+    norm_w = 1 + 0.1 * torch.randn(Kd, generator=g)
+    state = torch.randn(B + 2, Hd, Kd, Kd, generator=g)
+    conv_state = torch.randn(B + 2, W - 1, C, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    ref_state, ref_conv = state.clone(), conv_state.clone()
+    want = kda_decode_ref(qkv, f, beta, z, conv_w, A_log, dt_bias, norm_w, 1e-5, ref_state,
+                          ref_conv, slots, cu, lower_bound=BOUND)
+    got = fn(qkv, f, beta, z, conv_w, A_log, dt_bias, norm_w, 1e-5, state, conv_state, slots,
+             cu, lower_bound=BOUND)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(state, ref_state, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(conv_state, ref_conv)
+
+
+SITU = (4.0, 25.0)
+
+
+@pytest.mark.parametrize("backend", [b.name for b in registry.backends("situ_mul")
+                                     if b.supports(torch.device("cpu"))[0]])
+@pytest.mark.parametrize("linear_beta", [25.0, None])
+def test_situ_mul_backends_are_the_reference(backend: str, linear_beta: float | None) -> None:
+    fn = registry.resolve("situ_mul", torch.device("cpu"), backend)
+    g = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(5, 2 * 37, generator=g) * 30  # past both caps; odd width: tails
+    torch.testing.assert_close(fn(gate_up, beta=4.0, linear_beta=linear_beta),
+                               situ_mul_ref(gate_up, 4.0, linear_beta), atol=2e-5, rtol=1e-5)
+
+
+SITU_EXPERTS = [b.name for b in registry.backends("moe_experts")
+                if "situ" in b.features and b.supports(torch.device("cpu"))[0]]
+
+
+@pytest.mark.parametrize("backend", SITU_EXPERTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("tokens", [1, 3, 37])
+def test_situ_experts_are_the_reference(backend: str, dtype: torch.dtype, tokens: int) -> None:
+    """SiTU inside the experts' kernels, every weight format, both of the native kernel's
+    paths (small experts' streamed rows, token blocks), odd widths for the lane tails."""
+    from kdaserve.kernels.ref.moe import moe_experts_ref
+    from kdaserve.kernels.ref.quant import quantize_int8
+
+    fn = registry.resolve("moe_experts", torch.device("cpu"), backend,
+                          features=frozenset({"situ"}))
+    g = torch.Generator().manual_seed(tokens)
+    E, D, inter, k = 6, 40, 24, 3
+    x = torch.randn(tokens, D, generator=g) * 2
+    w13 = torch.randn(E, 2 * inter, D, generator=g)  # large: SiTU's caps are reached
+    w2 = torch.randn(E, D, inter, generator=g) / inter ** 0.5
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    s13 = s2 = None
+    if dtype == torch.int8:
+        (w13, s13), (w2, s2) = quantize_int8(w13), quantize_int8(w2)
+    else:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    if backend == "batch_invariant" and dtype != torch.float32:
+        with pytest.raises(ValueError, match="fp32"):  # refused by name, never widened
+            fn(x, weights, ids, w13, w2, s13, s2, situ=SITU)
+        return
+    want = moe_experts_ref(x, weights, ids, w13, w2, s13, s2, situ=SITU)
+    # bf16 and int8 weights may meet activations rounded to bf16 halves (the BF16 dots, AMX
+    # tiles: gemm_blocks.h), about 2^-16 of each product: judged against the output's scale,
+    # far below what a wrong activation (SiLU for SiTU: O(1)) would leave
+    tol = 1e-4 if dtype == torch.float32 else 1e-3 * want.abs().max().item()
+    runs = [{}] if backend != "native" else [{"blocked_from": 2**40}, {"blocked_from": 1}]
+    for extra in runs:
+        got = fn(x, weights, ids, w13, w2, s13, s2, situ=SITU, **extra)
+        torch.testing.assert_close(got, want, atol=tol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", [b.name for b in registry.backends("attn_res_norm")
+                                     if b.supports(torch.device("cpu"))[0]])
+@pytest.mark.parametrize("num_blocks", [0, 1, 8])
+def test_attn_res_norm_backends_are_mix_then_norm(backend: str, num_blocks: int) -> None:
+    """Each backend's fused mix + RMSNorm against the mix checked above and the RMSNorm;
+    D = 77 reaches the lane tails, one dominant source tests the softmax's range."""
+    from kdaserve.kernels.ref.norm import rms_norm_ref
+
+    fn = registry.resolve("attn_res_norm", torch.device("cpu"), backend)
+    g = torch.Generator().manual_seed(num_blocks + 10)
+    T, D = 6, 77
+    bank = torch.randn(num_blocks, T, D, generator=g) * 4
+    partial, w_eff = torch.randn(T, D, generator=g), torch.randn(D, generator=g) * 3
+    norm_w = 1 + 0.1 * torch.randn(D, generator=g)
+    want = rms_norm_ref(attn_res_mix_ref(bank, partial, w_eff, 1e-5), norm_w, 1e-5)
+    got = fn(bank, partial, w_eff, 1e-5, norm_w, 1e-5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_k3_resolves_native_kernels_here() -> None:
+    """On a CPU with the native library (test_native.py asserts it builds), a K3 model gets
+    the native kernels for its new work, not the references."""
+    from kdaserve.kernels import resolve_kernels
+    from kdaserve.kernels.native import ops
+
+    k = resolve_kernels(torch.device("cpu"), features=frozenset({"kda_lower_bound", "situ"}))
+    assert (k.kda_chunk, k.kda_decode, k.moe_experts, k.situ_mul, k.attn_res_norm) == (
+        ops.kda_chunk_native, ops.kda_decode_native, ops.moe_experts_native,
+        ops.situ_mul_native, ops.attn_res_norm_native)

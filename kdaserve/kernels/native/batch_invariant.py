@@ -85,6 +85,31 @@ def silu_mul_bi(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def situ_mul_bi(gate_up: torch.Tensor, beta: float,
+                linear_beta: float | None) -> torch.Tensor:
+    _check(gate_up)
+    x = gate_up.contiguous()
+    inter = x.shape[-1] // 2
+    y = torch.empty(*x.shape[:-1], inter, dtype=torch.float32)
+    if y.numel():
+        _lib().bi_situ_mul_f32(x.data_ptr(), y.data_ptr(), x.numel() // (2 * inter), inter,
+                               beta, linear_beta or 0.0)
+    return y
+
+
+def attn_res_norm_bi(bank: torch.Tensor, partial: torch.Tensor, w_eff: torch.Tensor, eps: float,
+                     norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    _check(bank, partial, w_eff, norm_weight)
+    bank, partial, w_eff, norm_weight = (
+        t.contiguous() for t in (bank, partial, w_eff, norm_weight))
+    out = torch.empty_like(partial)
+    T, D = partial.shape
+    _lib().bi_attn_res_norm_f32(bank.data_ptr(), bank.shape[0], partial.data_ptr(),
+                                w_eff.data_ptr(), eps, norm_weight.data_ptr(), norm_eps,
+                                out.data_ptr(), T, D)
+    return out
+
+
 def sigmoid_bi(x: torch.Tensor) -> torch.Tensor:
     _check(x)
     xc = x.contiguous()
@@ -112,27 +137,30 @@ def short_conv_bi(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 def kda_chunk_bi(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                  state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                 snapshots: Snapshots | None = None) -> torch.Tensor:
+                 snapshots: Snapshots | None = None,
+                 lower_bound: float | None = None) -> torch.Tensor:
     """The native token-serial scan (one thread per (sequence, head), tokens in order), held
     to what it needs instead of falling back."""
     _check(q, k, v, g, beta, A_log, dt_bias, state)
     if not state.is_contiguous() or max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         raise ValueError(f"the KDA scan needs a contiguous state and head dims <= {MAX_HEAD_DIM}")
     return kda_chunk_native(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens,
-                            snapshots)
+                            snapshots, lower_bound)
 
 
 def kda_decode_bi(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: torch.Tensor,
                   conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                   conv_state: torch.Tensor, state_slots: torch.Tensor,
-                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor | None = None,
+                  lower_bound: float | None = None) -> torch.Tensor:
     """Exactly the prefill path of `KDAttention.forward` (every row batch-invariant)."""
     T, H, K = f.shape
     cu = torch.arange(T + 1) if cu_seqlens is None else cu_seqlens
     x = short_conv_bi(qkv, conv_weight, conv_state, state_slots, cu)
     q, k, v = (t.view(T, H, -1) for t in x.chunk(3, dim=-1))
-    o = kda_chunk_bi(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu)
+    o = kda_chunk_bi(q, k, v, f, beta, A_log, dt_bias, state, state_slots, cu,
+                     lower_bound=lower_bound)
     return gated_rmsnorm_bi(o, z, norm_weight, eps)
 
 
@@ -183,8 +211,10 @@ def moe_route_bi(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, nu
 
 def moe_experts_bi(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
-                   scale2: torch.Tensor | None = None) -> torch.Tensor:
+                   scale2: torch.Tensor | None = None,
+                   situ: tuple[float, float | None] | None = None) -> torch.Tensor:
     _no_scales(scale13, scale2)
+    beta, linear_beta = (situ[0], situ[1] or 0.0) if situ else (0.0, 0.0)
     _check(x, weights, w13, w2)
     T, k = ids.shape
     xc, idc, wc = x.contiguous(), ids.to(torch.int64).contiguous(), weights.contiguous()
@@ -193,5 +223,5 @@ def moe_experts_bi(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     if T:
         _lib().bi_moe_f32(xc.data_ptr(), idc.data_ptr(), wc.data_ptr(), w13c.data_ptr(),
                           w2c.data_ptr(), out.data_ptr(), T, k, w13.shape[0], w2.shape[-1],
-                          x.shape[1])
+                          x.shape[1], beta, linear_beta)
     return out

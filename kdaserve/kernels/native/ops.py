@@ -17,10 +17,11 @@ from kdaserve.kernels.cpu.gemm import cpu_vendor, gemm, onednn_usable
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native import isa
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
+from kdaserve.kernels.ref.attn_res import attn_res_norm_ref
 from kdaserve.kernels.ref.kda import Snapshots, gated_rmsnorm, kda_chunk_ref
 from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS, mla_split_chunks
-from kdaserve.kernels.ref.mlp import silu_mul_ref
-from kdaserve.kernels.ref.moe import moe_route_ref
+from kdaserve.kernels.ref.mlp import silu_mul_ref, situ_mul_ref
+from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
 from kdaserve.kernels.ref.quant import dequantize
 
@@ -41,7 +42,8 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
                       conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, state: torch.Tensor,
                       conv_state: torch.Tensor, state_slots: torch.Tensor,
-                      cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor | None = None,
+                      lower_bound: float | None = None) -> torch.Tensor:
     """Same contract as `kda_decode_ref`; the state pools are updated in place by the kernel,
     so they must be contiguous (they are: slices of the pool along its first dimension)."""
     T, H, K = f.shape
@@ -50,7 +52,7 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
             and state.is_contiguous() and conv_state.is_contiguous()
             and max(K, V) <= MAX_HEAD_DIM):
         return kda_decode_cpu(qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight, eps,
-                              state, conv_state, state_slots, cu_seqlens)
+                              state, conv_state, state_slots, cu_seqlens, lower_bound)
     # bound to names: a temporary's memory would be freed before the call
     qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight = (
         t.contiguous() for t in (qkv, f, beta, z, conv_weight, A_log, dt_bias, norm_weight))
@@ -61,8 +63,15 @@ def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z:
         _ptr(qkv), _ptr(f), _ptr(beta), _ptr(z), _ptr(conv_weight), _ptr(A_log), _ptr(dt_bias),
         _ptr(norm_weight), _ptr(state), _ptr(conv_state), _ptr(slots),
         None if cu is None else _ptr(cu), _ptr(out), slots.shape[0], H, K, V,
-        conv_weight.shape[1], eps)
+        conv_weight.shape[1], eps, _bound(lower_bound))
     return out
+
+
+def _bound(lower_bound: float | None) -> float:
+    """The kernels' lower_bound argument: 0 for Kimi Linear's gate (a K3 bound is < 0)."""
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(f"a KDA gate lower bound must be negative, got {lower_bound}")
+    return 0.0 if lower_bound is None else lower_bound
 
 
 def _prefill_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -85,11 +94,11 @@ def _snap_rows(T: int, snapshots: Snapshots | None) -> torch.Tensor | None:
 def _kda_prefill(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  g: torch.Tensor, beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                  state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                 snapshots: Snapshots | None) -> torch.Tensor:
+                 snapshots: Snapshots | None, lower_bound: float | None) -> torch.Tensor:
     T, H, K = q.shape
     if not _prefill_native(q, k, v, g, beta, A_log, dt_bias, state):
         return kda_chunk_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens,
-                             snapshots)
+                             snapshots, lower_bound)
     V = v.shape[-1]
     q, k, v, g, beta, A_log, dt_bias = (
         t.contiguous() for t in (q, k, v, g, beta, A_log, dt_bias))
@@ -100,7 +109,8 @@ def _kda_prefill(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     getattr(library(), kernel)(
         _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(A_log), _ptr(dt_bias),
         _ptr(state), _ptr(slots), _ptr(cu),
-        None if snap is None else _ptr(snap), _ptr(out), cu.shape[0] - 1, H, K, V)
+        None if snap is None else _ptr(snap), _ptr(out), cu.shape[0] - 1, H, K, V,
+        _bound(lower_bound))
     return out
 
 
@@ -124,14 +134,15 @@ def short_conv_native(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.T
 def kda_chunk_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                      state: torch.Tensor, state_slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                     snapshots: Snapshots | None = None) -> torch.Tensor:
+                     snapshots: Snapshots | None = None,
+                     lower_bound: float | None = None) -> torch.Tensor:
     """Same contract as `kda_chunk_ref` (packed ragged sequences, states in place, optional
     snapshots written as the kernel passes their rows), computed as a token-serial scan per
     (sequence, head, block of value columns): measured faster here than the chunk form."""
     T, H, K = q.shape
     if not _prefill_native(q, k, v, g, beta, A_log, dt_bias, state):
         return kda_chunk_ref(q, k, v, g, beta, A_log, dt_bias, state, state_slots, cu_seqlens,
-                             snapshots)
+                             snapshots, lower_bound)
     V = v.shape[-1]
     # q, k, v may be column slices of the conv output (rows strided, heads and channels
     # packed): read in place; anything else is copied
@@ -147,19 +158,19 @@ def kda_chunk_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         _ptr(q), _ptr(k), _ptr(v), q.stride(0), k.stride(0), v.stride(0), _ptr(g), _ptr(beta),
         beta.stride(0), _ptr(A_log.contiguous()), _ptr(dt_bias.contiguous()), _ptr(state),
         _ptr(slots), _ptr(cu), None if snap is None else _ptr(snap), _ptr(out), cu.shape[0] - 1,
-        H, K, V, T, _ptr(scratch))
+        H, K, V, T, _ptr(scratch), _bound(lower_bound))
     return out
 
 
 def kda_chunk_native_wy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                         state: torch.Tensor, state_slots: torch.Tensor,
-                        cu_seqlens: torch.Tensor,
-                        snapshots: Snapshots | None = None) -> torch.Tensor:
+                        cu_seqlens: torch.Tensor, snapshots: Snapshots | None = None,
+                        lower_bound: float | None = None) -> torch.Tensor:
     """The chunk (WY / UT) form in C++ (16-token chunks), the same contract: registered
     below the scan, so it is tested and timed (`bench kernels`) but chosen only by name."""
     return _kda_prefill("kda_chunked_f32", q, k, v, g, beta, A_log, dt_bias, state,
-                        state_slots, cu_seqlens, snapshots)
+                        state_slots, cu_seqlens, snapshots, lower_bound)
 
 
 def mla_attention_native(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -249,14 +260,21 @@ def moe_blocked_from(expert_dtype: torch.dtype = torch.float32) -> int:
 def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
                        scale2: torch.Tensor | None = None,
+                       situ: tuple[float, float | None] | None = None,
                        blocked_from: int | None = None) -> torch.Tensor:
     """Same contract as `moe_experts_ref`, in one C++ call at any batch (blocked_from: see
-    MOE_BLOCKED_FROM; tests force either way)."""
+    MOE_BLOCKED_FROM; tests force either way). `situ`: K3's SiTU-GLU experts (the weighted
+    sum is fp32 here whatever the experts)."""
     T, k = ids.shape
     kernel = _WEIGHT_KERNELS.get(w13.dtype, ("", ""))[1]
     blocked_from = moe_blocked_from(w13.dtype) if blocked_from is None else blocked_from
+    beta, linear_beta = (situ[0], situ[1] or 0.0) if situ else (0.0, 0.0)
+    if situ and (beta <= 0 or linear_beta < 0):
+        raise ValueError(f"SiTU's betas must be positive, got {situ}")
     if not kernel or not _f32(x) \
             or w2.dtype != w13.dtype or not w13.is_contiguous() or not w2.is_contiguous():
+        if situ:
+            return moe_experts_ref(x, weights, ids, w13, w2, scale13, scale2, situ=situ)
         return moe_experts_cpu(x, weights, ids, w13, w2, scale13, scale2)
     x = x.contiguous()
     ids = ids.to(torch.int64).contiguous()
@@ -267,10 +285,11 @@ def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
         assert scale13 is not None and scale2 is not None, "int8 experts come with scales"
         s13, s2 = scale13.contiguous(), scale2.contiguous()
         library().moe_experts_int8w(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2),
-                                   _ptr(s13), _ptr(s2), _ptr(out), T, k, E, inter, D, blocked_from)
+                                   _ptr(s13), _ptr(s2), _ptr(out), T, k, E, inter, D, blocked_from,
+                                   beta, linear_beta)
     else:
         getattr(library(), kernel)(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2),
-                                   _ptr(out), T, k, E, inter, D, blocked_from)
+                                   _ptr(out), T, k, E, inter, D, blocked_from, beta, linear_beta)
     return out
 
 
@@ -348,6 +367,36 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     library().silu_mul_f32(x.data_ptr(), y.data_ptr(), x.numel() // (2 * inter) if inter else 0,
                            inter)
     return y
+
+
+def situ_mul_native(gate_up: torch.Tensor, beta: float,
+                    linear_beta: float | None) -> torch.Tensor:
+    """`situ_mul_ref`'s contract (K3's SiTU-GLU of [..., gate | up]) in one C++ pass."""
+    if gate_up.dtype != torch.float32 or not gate_up.is_cpu or beta <= 0 \
+            or (linear_beta is not None and linear_beta <= 0):
+        return situ_mul_ref(gate_up, beta, linear_beta)
+    x = gate_up.contiguous()
+    inter = x.shape[-1] // 2
+    y = x.new_empty(*x.shape[:-1], inter)
+    library().situ_mul_f32(x.data_ptr(), y.data_ptr(), x.numel() // (2 * inter) if inter else 0,
+                           inter, beta, linear_beta or 0.0)
+    return y
+
+
+def attn_res_norm_native(bank: torch.Tensor, partial: torch.Tensor, w_eff: torch.Tensor,
+                         eps: float, norm_weight: torch.Tensor,
+                         norm_eps: float) -> torch.Tensor:
+    """`attn_res_norm_ref`'s contract (K3's AttnRes mix and the RMSNorm after it) in one C++
+    pass per token: each source read once for its score, once for the mix."""
+    NB, (T, D) = bank.shape[0], partial.shape
+    if not _f32(bank, partial, w_eff, norm_weight) or NB + 1 > 64:
+        return attn_res_norm_ref(bank, partial, w_eff, eps, norm_weight, norm_eps)
+    bank, partial, w_eff, norm_weight = (
+        t.contiguous() for t in (bank, partial, w_eff, norm_weight))
+    out = torch.empty_like(partial)
+    library().attn_res_norm_f32(_ptr(bank), NB, _ptr(partial), _ptr(w_eff), eps,
+                                _ptr(norm_weight), norm_eps, _ptr(out), T, D)
+    return out
 
 
 def copy_slots(pool: torch.Tensor, pairs: list[tuple[int, int]]) -> bool:

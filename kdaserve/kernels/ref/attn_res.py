@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kdaserve.kernels.ref.norm import rms_norm_ref
+
 
 def attn_res_mix_ref(bank: torch.Tensor, partial: torch.Tensor, w_eff: torch.Tensor,
                      eps: float) -> torch.Tensor:
@@ -21,3 +23,10 @@ def attn_res_mix_ref(bank: torch.Tensor, partial: torch.Tensor, w_eff: torch.Ten
     scores = (v * w_eff.float()).sum(-1) * torch.rsqrt(v.pow(2).mean(-1) + eps)
     p = scores.softmax(0)  # over the sources
     return (p.unsqueeze(-1) * v).sum(0).to(partial.dtype)
+
+
+def attn_res_norm_ref(bank: torch.Tensor, partial: torch.Tensor, w_eff: torch.Tensor, eps: float,
+                      norm_weight: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """The `attn_res_norm` op: the mix, then the RMSNorm that follows every mixing site (the
+    layer norms before attention and MLP, the final norm), which a kernel fuses into one pass."""
+    return rms_norm_ref(attn_res_mix_ref(bank, partial, w_eff, eps), norm_weight, norm_eps)

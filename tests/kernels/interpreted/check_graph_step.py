@@ -27,6 +27,7 @@ from kdaserve.engine.cuda_graph import CudaGraphRunner, GraphKey
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels, linear_ref
 from kdaserve.kernels.cpu.decode import kda_recurrent_cpu
+from kdaserve.kernels.ref.attn_res import attn_res_norm_ref
 from kdaserve.kernels.ref.kda import (
     compose_kda_decode,
     gated_rmsnorm,
@@ -35,7 +36,7 @@ from kdaserve.kernels.ref.kda import (
     short_conv_ref,
 )
 from kdaserve.kernels.ref.mla import mla_attention_ref
-from kdaserve.kernels.ref.mlp import silu_mul_ref
+from kdaserve.kernels.ref.mlp import silu_mul_ref, situ_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
 from kdaserve.kernels.triton.kda import kda_decode_triton
@@ -88,7 +89,8 @@ def build(path: Path, triton: bool) -> tuple:
                       mla_attention_triton if triton else mla_attention_ref,
                       moe_route_triton if triton else moe_route_ref,
                       moe_experts_triton if triton else moe_experts_ref, rms_norm_ref,
-                      gated_rmsnorm, silu_mul_ref, fuse_shared_expert=triton)
+                      gated_rmsnorm, silu_mul_ref, situ_mul_ref, attn_res_norm_ref,
+                      fuse_shared_expert=triton)
     config = ModelConfig.from_pretrained(path)
     model = build_model(config, kernels, torch.float32, torch.device("cpu"), path)
     return model, BlockPool(config, 32, 4, torch.float32), StatePool(config, 6, torch.float32)

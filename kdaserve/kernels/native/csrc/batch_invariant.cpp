@@ -41,6 +41,14 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
+// SwiGLU (beta 0) or K3's SiTU-GLU: beta tanh(g / beta) sigmoid(g) times the up branch, capped
+// by linear_beta tanh(u / linear_beta) unless linear_beta is 0.
+inline float glu(float g, float u, float beta, float linear_beta) {
+  if (beta == 0.0f) return g * sigmoidf(g) * u;
+  return beta * std::tanh(g / beta) * sigmoidf(g) *
+         (linear_beta == 0.0f ? u : linear_beta * std::tanh(u / linear_beta));
+}
+
 // 1 / rms(x) with eps, as KimiRMSNorm: rsqrt(mean(x^2) + eps).
 inline float inv_rms(const float* x, int64_t n, float eps) {
   return 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
@@ -98,6 +106,44 @@ void bi_silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I) {
       const float g = gu[r * 2 * I + i];
       y[r * I + i] = g * sigmoidf(g) * gu[r * 2 * I + I + i];
     }
+}
+
+// y [rows, I] = SiTU-GLU (glu above) of gu [rows, 2I] = gate | up.
+void bi_situ_mul_f32(const float* gu, float* y, int64_t rows, int64_t I, float beta,
+                     float linear_beta) {
+#pragma omp parallel for schedule(static) if (rows * I >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < I; ++i)
+      y[r * I + i] = glu(gu[r * 2 * I + i], gu[r * 2 * I + I + i], beta, linear_beta);
+}
+
+// K3's Attention Residuals mix and the RMSNorm after it, per token (attn_res_norm_ref):
+// bank [NB, T, D], partial / out [T, D]. Each source's score w_eff . (v / rms(v)) from dot(),
+// softmax with scalar exp in source order, the mix summed in source order per element.
+void bi_attn_res_norm_f32(const float* bank, int64_t NB, const float* partial,
+                          const float* w_eff, float eps, const float* norm_w, float norm_eps,
+                          float* out, int64_t T, int64_t D) {
+#pragma omp parallel for schedule(static) if (T * D * (NB + 1) >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<const float*> src(NB + 1);
+    std::vector<float> p(NB + 1);
+    float top = -INFINITY;
+    for (int64_t j = 0; j <= NB; ++j) {
+      src[j] = j < NB ? bank + (j * T + t) * D : partial + t * D;
+      p[j] = dot(src[j], w_eff, D) * inv_rms(src[j], D, eps);
+      top = std::max(top, p[j]);
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j <= NB; ++j) total += (p[j] = std::exp(p[j] - top));
+    float* o = out + t * D;
+    for (int64_t d = 0; d < D; ++d) {
+      float m = 0.0f;
+      for (int64_t j = 0; j <= NB; ++j) m += (p[j] / total) * src[j][d];
+      o[d] = m;
+    }
+    const float s = inv_rms(o, D, norm_eps);
+    for (int64_t d = 0; d < D; ++d) o[d] = norm_w[d] * (o[d] * s);
+  }
 }
 
 void bi_sigmoid_f32(const float* x, float* y, int64_t n) {
@@ -177,9 +223,10 @@ void bi_mla_attention_f32(const float* q_nope, const float* q_pe, const float* k
 // weight * W2 (SiLU(W1 x) * W3 x). x [T, D]; ids, weights [T, k]; w13 [E, 2I, D]; w2 [E, D, I].
 // Choices are grouped by expert so a weight row is read once for all its tokens; the grouping
 // only orders the work, every value is still one dot() of a weight row with a token's row.
+// beta, linear_beta: SwiGLU (beta 0) or K3's SiTU-GLU (linear_beta 0: the up branch uncapped)
 void bi_moe_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
                 const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
-                int64_t D) {
+                int64_t D, float beta, float linear_beta) {
   const int64_t n = T * k;
   std::vector<int64_t> offset(E + 1, 0), order(n);
   for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
@@ -205,8 +252,8 @@ void bi_moe_f32(const float* x, const int64_t* ids, const float* weights, const 
         const float* wu = wg + I * D;
         for (int64_t s = offset[e]; s < offset[e + 1]; ++s) {
           const float* xt = x + (order[s] / k) * D;
-          const float g = dot(wg, xt, D);
-          act[s * I + r] = g * sigmoidf(g) * dot(wu, xt, D);
+          const float g = dot(wg, xt, D), u = dot(wu, xt, D);
+          act[s * I + r] = glu(g, u, beta, linear_beta);
         }
       }
     }

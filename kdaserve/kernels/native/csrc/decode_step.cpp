@@ -22,7 +22,7 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
                     const float* conv_w, const float* A_log, const float* dt_bias,
                     const float* norm_w, float* state, float* conv_state, const int64_t* slots,
                     const int64_t* cu, float* out, int64_t B, int64_t H, int64_t K, int64_t V,
-                    int64_t W, float eps);
+                    int64_t W, float eps, float lower_bound);
 void mla_forward_f32(const float* q, int64_t q_stride, const float* w_kvb, const float* kv,
                      const int64_t* block_table, const int64_t* context_lens,
                      const int64_t* cu_seqlens, float* out, int64_t S, int64_t T, int64_t H,
@@ -30,14 +30,15 @@ void mla_forward_f32(const float* q, int64_t q_stride, const float* w_kvb, const
                      float scale);
 void moe_experts_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
                      const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
-                     int64_t D, int64_t blocked_from);
+                     int64_t D, int64_t blocked_from, float beta, float linear_beta);
 void moe_experts_bf16w(const float* x, const int64_t* ids, const float* weights,
                        const uint16_t* w13, const uint16_t* w2, float* out, int64_t T, int64_t k,
-                       int64_t E, int64_t I, int64_t D, int64_t blocked_from);
+                       int64_t E, int64_t I, int64_t D, int64_t blocked_from, float beta,
+                       float linear_beta);
 void moe_experts_int8w(const float* x, const int64_t* ids, const float* weights,
                        const int8_t* w13, const int8_t* w2, const float* s13, const float* s2,
                        float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D,
-                       int64_t blocked_from);
+                       int64_t blocked_from, float beta, float linear_beta);
 void moe_route_f32(const float* logits, const float* bias, float* weights, int64_t* ids,
                    int64_t T, int64_t E, int64_t top_k, int64_t groups, int64_t topk_group,
                    int64_t renormalize, int64_t sigmoid, float scaling);
@@ -135,7 +136,7 @@ void kda_layer(const Layer& L, const float* x, float* out, int64_t B, const int6
   kda_decode_f32(qkv, f, beta, z, ptr<float>(L.conv_w), ptr<float>(L.A_log),
                  ptr<float>(L.dt_bias), ptr<float>(L.o_norm), reinterpret_cast<float*>(L.state),
                  reinterpret_cast<float*>(L.conv_state), slots, nullptr, o, B, H, K, K,
-                 L.conv_size, static_cast<float>(L.kda_eps));
+                 L.conv_size, static_cast<float>(L.kda_eps), 0.0f);  // Kimi Linear's gate
   linear(L.kda_o, o, out, B);
 }
 
@@ -192,14 +193,14 @@ void moe_layer(const Layer& L, const float* x, float* out, int64_t B, int64_t D,
                 L.sigmoid, static_cast<float>(L.routed_scaling));
   if (L.expert_dtype == 1)
     moe_experts_bf16w(x, ids.data(), weights.data(), ptr<uint16_t>(L.w13), ptr<uint16_t>(L.w2),
-                      out, B, k, E, L.expert_inter, D, blocked_from);
+                      out, B, k, E, L.expert_inter, D, blocked_from, 0.0f, 0.0f);
   else if (L.expert_dtype == 2)
     moe_experts_int8w(x, ids.data(), weights.data(), ptr<int8_t>(L.w13), ptr<int8_t>(L.w2),
                       ptr<float>(L.s13), ptr<float>(L.s2), out, B, k, E, L.expert_inter, D,
-                      blocked_from);
+                      blocked_from, 0.0f, 0.0f);
   else
     moe_experts_f32(x, ids.data(), weights.data(), ptr<float>(L.w13), ptr<float>(L.w2), out, B,
-                    k, E, L.expert_inter, D, blocked_from);
+                    k, E, L.expert_inter, D, blocked_from, 0.0f, 0.0f);  // SwiGLU
   if (L.gate_up.w) {
     shared.resize(B * D);
     mlp(L.gate_up, L.down, x, shared.data(), B, s);

@@ -3,6 +3,7 @@
 // rows, where torch's dispatch (three ops for a SwiGLU: chunk, silu, mul; two strided copies
 // per state slot) costs more than the arithmetic.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +25,56 @@ void silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I) {
 #pragma omp parallel for schedule(static) if (rows * I >= kParallelMin)
   for (int64_t r = 0; r < rows; ++r)
     silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, y + r * I, I);
+}
+
+// gu [rows, 2I] (gate | up) -> y [rows, I] = SiTU(gate, up) (vmath.h: Glu), K3's dense MLP
+void situ_mul_f32(const float* gu, float* y, int64_t rows, int64_t I, float beta,
+                  float linear_beta) {
+  const Glu act{beta, linear_beta};
+#pragma omp parallel for schedule(static) if (rows * I >= kParallelMin)
+  for (int64_t r = 0; r < rows; ++r) glu_row(act, gu + r * 2 * I, gu + r * 2 * I + I, y + r * I, I);
+}
+
+// K3's Attention Residuals mix, then the RMSNorm that always follows it (kernels/ref/
+// attn_res.py): per token, the NB bank rows and the partial sum scored by <v / rms(v), w_eff>,
+// softmaxed over the NB + 1 sources, the values mixed, then normalised and scaled by norm_w.
+// bank [NB, T, D]; partial, out [T, D]; w_eff, norm_w [D]. One pass over each source for
+// its dot and square sum, one for the mix: the sources stay in L1/L2 for a token.
+void attn_res_norm_f32(const float* bank, int64_t NB, const float* partial, const float* w_eff,
+                       float eps, const float* norm_w, float norm_eps, float* out, int64_t T,
+                       int64_t D) {
+  constexpr int64_t kMaxSources = 64;  // ceil(layers / block) + 1; K3 has 9
+#pragma omp parallel for schedule(static) if (T * D * (NB + 1) >= kParallelMin)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* src[kMaxSources];
+    float logit[kMaxSources];
+    for (int64_t j = 0; j <= NB; ++j) {
+      src[j] = j < NB ? bank + (j * T + t) * D : partial + t * D;
+      float dot = 0.0f, ss = 0.0f;
+      const float* v = src[j];
+#pragma omp simd reduction(+ : dot, ss)
+      for (int64_t d = 0; d < D; ++d) {
+        dot += v[d] * w_eff[d];
+        ss += v[d] * v[d];
+      }
+      logit[j] = dot / std::sqrt(ss / static_cast<float>(D) + eps);
+    }
+    float top = logit[0];
+    for (int64_t j = 1; j <= NB; ++j) top = std::max(top, logit[j]);
+    float total = 0.0f;
+    for (int64_t j = 0; j <= NB; ++j) total += (logit[j] = std::exp(logit[j] - top));
+    for (int64_t j = 0; j <= NB; ++j) logit[j] /= total;
+    float* o = out + t * D;
+    float ms = 0.0f;
+    for (int64_t d = 0; d < D; ++d) {
+      float m = 0.0f;
+      for (int64_t j = 0; j <= NB; ++j) m += logit[j] * src[j][d];
+      o[d] = m;
+      ms += m * m;
+    }
+    const float r = 1.0f / std::sqrt(ms / static_cast<float>(D) + norm_eps);
+    for (int64_t d = 0; d < D; ++d) o[d] = norm_w[d] * (o[d] * r);
+  }
 }
 
 // y [rows, D] = w * (x / rms(x)) per row (T5-style, KimiRMSNorm: normalised in fp32, then

@@ -29,7 +29,7 @@ constexpr int kChunk = 16;
 void kda_chunked_f32(const float* q_in, const float* k_in, const float* v_in, const float* f,
                      const float* beta, const float* A_log, const float* dt_bias, float* state,
                      const int64_t* slots, const int64_t* cu, const int64_t* snap, float* out,
-                     int64_t B, int64_t H, int64_t K, int64_t V) {
+                     int64_t B, int64_t H, int64_t K, int64_t V, float lower_bound) {
   const float qscale = 1.0f / std::sqrt(static_cast<float>(K));
 #pragma omp parallel
   {
@@ -58,7 +58,9 @@ void kda_chunked_f32(const float* q_in, const float* k_in, const float* v_in, co
           l2norm(kr, K, 1.0f);
           const float* fr = f + row * K;
           for (int64_t i = 0; i < K; ++i) {
-            const float g = -a * softplusf(fr[i] + dt_bias[h * K + i]);
+            const float u = fr[i] + dt_bias[h * K + i];  // K3's gate when lower_bound < 0
+            const float g = lower_bound < 0.0f ? lower_bound * sigmoidf(a * u)
+                                               : -a * softplusf(u);
             Gr[i] = (r ? G[(r - 1) * K + i] : 0.0f) + g;
           }
           bt[r] = sigmoidf(beta[row]);

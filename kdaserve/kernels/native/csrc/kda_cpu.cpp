@@ -73,11 +73,18 @@ void delta_step(float* __restrict S, const float* __restrict q, const float* __r
   }
 }
 
-// decay = exp(-exp(A_log) * softplus(f + dt_bias)) for one head's K channels.
+// decay = exp(-exp(A_log) * softplus(f + dt_bias)) for one head's K channels; with a
+// lower_bound < 0 (K3), exp(lower_bound * sigmoid(exp(A_log) * (f + dt_bias))), so no
+// step forgets more than exp(lower_bound). lower_bound 0: Kimi Linear's gate.
 void decay_gate(const float* __restrict f, const float* __restrict dt_bias, float A_log,
-                int64_t K, float* __restrict decay) {
+                int64_t K, float* __restrict decay, float lower_bound) {
   const float a = std::exp(A_log);
   for (int64_t i = 0; i < K; ++i) decay[i] = f[i] + dt_bias[i];
+  if (lower_bound < 0.0f) {
+    const float lb = lower_bound;
+    map_lanes(decay, decay, K, [a, lb](auto u) { return vexp(lb * vsigmoid(a * u)); });
+    return;
+  }
   map_lanes(decay, decay, K, [a](auto u) { return vexp(-a * vsoftplus(u)); });
 }
 
@@ -250,7 +257,7 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
                     const float* conv_w, const float* A_log, const float* dt_bias,
                     const float* norm_w, float* state, float* conv_state, const int64_t* slots,
                     const int64_t* cu, float* out, int64_t B, int64_t H,
-                    int64_t K, int64_t V, int64_t W, float eps) {
+                    int64_t K, int64_t V, int64_t W, float eps, float lower_bound) {
   const int64_t C = 2 * H * K + H * V;
   const float qscale = 1.0f / std::sqrt(static_cast<float>(K));
   std::vector<float> wt(W * C);  // conv_w [C, W] transposed (conv_silu)
@@ -271,7 +278,7 @@ void kda_decode_f32(const float* qkv, const float* f, const float* beta, const f
       conv_silu(x, conv_wt, cs, C, W, 2 * H * K + h * V, V, v);
       l2norm(q, K, qscale);
       l2norm(k, K, 1.0f);
-      decay_gate(f + (t * H + h) * K, dt_bias + h * K, A_log[h], K, decay);
+      decay_gate(f + (t * H + h) * K, dt_bias + h * K, A_log[h], K, decay, lower_bound);
       const float bt = sigmoidf(beta[t * H + h]);
 
       delta_step(S, q, k, v, decay, bt, K, V, pred, o);
@@ -365,7 +372,7 @@ void kda_prefill_f32(const float* q_in, const float* k_in, const float* v_in, in
                      int64_t beta_stride, const float* A_log, const float* dt_bias,
                      float* state, const int64_t* slots, const int64_t* cu, const int64_t* snap,
                      float* out, int64_t B, int64_t H, int64_t K, int64_t V, int64_t T,
-                     float* scratch) {
+                     float* scratch, float lower_bound) {
   float* qn = scratch;
   float* kn = scratch + T * H * K;
   float* decay = scratch + 2 * T * H * K;
@@ -378,7 +385,7 @@ void kda_prefill_f32(const float* q_in, const float* k_in, const float* v_in, in
     std::memcpy(kn + row * K, k_in + t * k_stride + h * K, K * sizeof(float));
     l2norm(qn + row * K, K, qscale);
     l2norm(kn + row * K, K, 1.0f);
-    decay_gate(f + row * K, dt_bias + h * K, A_log[h], K, decay + row * K);
+    decay_gate(f + row * K, dt_bias + h * K, A_log[h], K, decay + row * K, lower_bound);
     bt[row] = sigmoidf(beta[t * beta_stride + h]);
   }
   // column pieces: blocks of 2 vectors, then 1 vector, then single columns

@@ -111,7 +111,8 @@ inline void scatter_t(const float* yt, int64_t M, int64_t Mp, int64_t D, const f
 template <typename W>
 void expert_block(const float* x, const int64_t* order, const float* weights, const W* w13,
                   const W* w2, const float* s13, const float* s2, float* ys, int64_t e,
-                  int64_t s0, int64_t s1, int64_t k, int64_t I, int64_t D, BlockScratch& b) {
+                  int64_t s0, int64_t s1, int64_t k, int64_t I, int64_t D, BlockScratch& b,
+                  const Glu& act) {
   const int64_t M = s1 - s0, Mp = round_up(M, kLanes);
   float *xt = b.xt.get(), *ht = b.ht.get(), *at = b.at.get(), *yt = b.yt.get();
   if constexpr (std::is_same_v<W, bf16> || std::is_same_v<W, int8_t>) {
@@ -126,7 +127,7 @@ void expert_block(const float* x, const int64_t* order, const float* weights, co
       else
         linear_amx_int8w(xt, w13 + e * 2 * I * D, s13 + e * 2 * I, ht, M, 2 * I, D, 0);
       for (int64_t m = 0; m < M; ++m)
-        silu_mul_row(ht + m * 2 * I, ht + m * 2 * I + I, at + m * I, I);
+        glu_row(act, ht + m * 2 * I, ht + m * 2 * I + I, at + m * I, I);
       if constexpr (std::is_same_v<W, bf16>)
         linear_amx_bf16w(at, w2 + e * D * I, yt, M, D, I, 0);
       else
@@ -145,7 +146,7 @@ void expert_block(const float* x, const int64_t* order, const float* weights, co
   if (s13 != nullptr)
     for (int64_t r = 0; r < 2 * I; ++r)
       for (int64_t m = 0; m < Mp; ++m) ht[r * Mp + m] *= s13[e * 2 * I + r];
-  silu_mul_row(ht, ht + I * Mp, at, I * Mp);  // zero padding stays zero: SiLU(0) * 0
+  glu_row(act, ht, ht + I * Mp, at, I * Mp);  // zero padding stays zero: act(0) * 0
   bcast_rows(w2 + e * D * I, D, I, at, Mp, Mp, yt, b.wide.get());
   float wt[kBlockRows];  // the block's tokens' routing weights
   for (int64_t m = 0; m < M; ++m) wt[m] = weights[order[s0 + m]];
@@ -167,7 +168,8 @@ void expert_block(const float* x, const int64_t* order, const float* weights, co
 template <typename W>
 void moe_experts(const float* x, const int64_t* ids, const float* weights, const W* w13,
                  const W* w2, const float* s13, const float* s2, float* out, int64_t T,
-                 int64_t k, int64_t E, int64_t I, int64_t D, int64_t blocked_from) {
+                 int64_t k, int64_t E, int64_t I, int64_t D, int64_t blocked_from,
+                 const Glu& glu) {
   const int64_t n = T * k;
   if (T * D > INT32_MAX) blocked_from = INT64_MAX;  // gather_t's int32 row offsets
   std::vector<int64_t> offset(E + 1, 0), order(n), slot(n);
@@ -234,7 +236,7 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
 #pragma omp for schedule(dynamic, 1) nowait
       for (int64_t b = 0; b < B; ++b)
         expert_block(x, order.data(), weights, w13, w2, s13, s2, ys.get(), blocks[b][0],
-                     blocks[b][1], blocks[b][2], k, I, D, scratch);
+                     blocks[b][1], blocks[b][2], k, I, D, scratch, glu);
     }
     if (A > 0) {
 #pragma omp for schedule(dynamic, 1)
@@ -275,7 +277,7 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
             }
           // vectorised: libm's scalar expf per activation was ~10% of a 16-token MoE layer
           float* am = act.get() + (s0 + m) * I;
-          silu_mul_row(g + r0, g + I + r0, am + r0, r1 - r0);
+          glu_row(glu, g + r0, g + I + r0, am + r0, r1 - r0);
 #if defined(KDASERVE_BF16_DOTS)
           if constexpr (kSplit)
             if (cnt <= kDotBf16Rows)  // this task's columns of the down projection's x
@@ -392,24 +394,29 @@ void route_token(const float* logits, const float* bias, int64_t E, int64_t top_
 
 extern "C" {
 
-// blocked_from: the tokens from which an expert runs as token blocks (moe_experts)
+// blocked_from: the tokens from which an expert runs as token blocks (moe_experts);
+// beta, linear_beta: the experts' activation (Glu: beta 0 is SwiGLU, else K3's SiTU)
 void moe_experts_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
                      const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
-                     int64_t D, int64_t blocked_from) {
-  moe_experts(x, ids, weights, w13, w2, nullptr, nullptr, out, T, k, E, I, D, blocked_from);
+                     int64_t D, int64_t blocked_from, float beta, float linear_beta) {
+  moe_experts(x, ids, weights, w13, w2, nullptr, nullptr, out, T, k, E, I, D, blocked_from,
+              Glu{beta, linear_beta});
 }
 
 void moe_experts_bf16w(const float* x, const int64_t* ids, const float* weights,
                        const bf16* w13, const bf16* w2, float* out, int64_t T, int64_t k,
-                       int64_t E, int64_t I, int64_t D, int64_t blocked_from) {
-  moe_experts(x, ids, weights, w13, w2, nullptr, nullptr, out, T, k, E, I, D, blocked_from);
+                       int64_t E, int64_t I, int64_t D, int64_t blocked_from, float beta,
+                       float linear_beta) {
+  moe_experts(x, ids, weights, w13, w2, nullptr, nullptr, out, T, k, E, I, D, blocked_from,
+              Glu{beta, linear_beta});
 }
 
 void moe_experts_int8w(const float* x, const int64_t* ids, const float* weights,
                        const int8_t* w13, const int8_t* w2, const float* s13, const float* s2,
                        float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D,
-                       int64_t blocked_from) {
-  moe_experts(x, ids, weights, w13, w2, s13, s2, out, T, k, E, I, D, blocked_from);
+                       int64_t blocked_from, float beta, float linear_beta) {
+  moe_experts(x, ids, weights, w13, w2, s13, s2, out, T, k, E, I, D, blocked_from,
+              Glu{beta, linear_beta});
 }
 
 

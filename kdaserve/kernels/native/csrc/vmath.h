@@ -62,6 +62,14 @@ template <typename V> inline V vsoftplus(V u) {
   return (u > 0.0f ? u : V{}) + 2.0f * s * p;
 }
 
+// tanh from e^(-2|x|) in (0, 1]: nothing overflows; about 1e-7 absolute error, which is
+// what SiTU's soft caps need (their outputs are of order 1 to beta)
+template <typename V> inline V vtanh(V x) {
+  const V t = vexp(-2.0f * (x < 0.0f ? -x : x));
+  const V r = (1.0f - t) / (1.0f + t);
+  return x < 0.0f ? -r : r;
+}
+
 // y[i] = f(x[i]) for n floats: whole vectors, then the tail one float at a time (same code)
 template <typename F> inline void map_lanes(const float* x, float* y, int64_t n, F f) {
   int64_t i = 0;
@@ -82,4 +90,31 @@ inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n) 
     __builtin_memcpy(out + i, &v, sizeof(v));
   }
   for (; i < n; ++i) out[i] = g[i] * vsigmoid(g[i]) * u[i];
+}
+
+// The gated activation of an MLP or an expert: SwiGLU (beta 0), or K3's SiTU-GLU,
+// beta * tanh(g / beta) * sigmoid(g) * (linear_beta * tanh(u / linear_beta)), the up branch
+// uncapped when linear_beta is 0 (kernels/ref/mlp.py: situ_mul_ref)
+struct Glu {
+  float beta = 0.0f;
+  float linear_beta = 0.0f;
+};
+
+inline void glu_row(const Glu& a, const float* g, const float* u, float* out, int64_t n) {
+  if (a.beta == 0.0f) {
+    silu_mul_row(g, u, out, n);
+    return;
+  }
+  const float b = a.beta, ib = 1.0f / a.beta, lb = a.linear_beta;
+  const float ilb = lb != 0.0f ? 1.0f / lb : 0.0f;
+  const auto f = [b, ib, lb, ilb](auto gv, auto uv) {
+    const auto capped = lb != 0.0f ? lb * vtanh(uv * ilb) : uv;
+    return b * vtanh(gv * ib) * vsigmoid(gv) * capped;
+  };
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vtile v = f(load_tile(g + i), load_tile(u + i));
+    __builtin_memcpy(out + i, &v, sizeof(v));
+  }
+  for (; i < n; ++i) out[i] = f(g[i], u[i]);
 }
