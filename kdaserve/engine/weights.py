@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kdaserve.layers.parallel import Prefix, Shard, full_shape
 from kdaserve.models.loader import check_weights, load_weights
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -90,8 +91,12 @@ def load_named_tensors(blob: bytes) -> list[tuple[str, torch.Tensor]]:
 
 def update_views(model: Any) -> dict[str, torch.Tensor]:
     """Name -> destination of every tensor an update may carry: checkpoint names, or those of
-    transformers' module a trainer holds in memory."""
-    return {**model.checkpoint_tensors(), **model.transformers_tensors()}
+    transformers' module a trainer holds in memory (Kimi Linear only: transformers has no K3
+    model)."""
+    views = model.checkpoint_tensors()
+    if model.config.tensor_prefix:
+        return views
+    return {**views, **model.transformers_tensors()}
 
 
 def check_update(model: Any, named: list[tuple[str, torch.Tensor]],
@@ -110,12 +115,15 @@ def check_update(model: Any, named: list[tuple[str, torch.Tensor]],
         if name in seen:
             raise ValueError(f"tensor {name!r} given twice")
         seen.add(name)
-        if tuple(tensor.shape) != tuple(dest.shape):
+        if isinstance(dest, Prefix) and tensor.dim() == 1 and len(tensor) >= len(dest.dest):
+            dest = Prefix(dest.dest, 0, 0, 1, len(tensor))  # any stored length, as loading
+        if tuple(tensor.shape) != full_shape(dest):
             raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)}, expected "
-                             f"{list(dest.shape)}")
+                             f"{list(full_shape(dest))}")
         if not tensor.is_floating_point():
             raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
-        pairs.append((dest, tensor))
+        pairs.append((dest.dest, dest.take(tensor)) if isinstance(dest, Shard)
+                     else (dest, tensor))
     return pairs
 
 

@@ -23,6 +23,16 @@ def load_hf(path: Path) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="session")
+def k3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Kimi K3's released layout in miniature (make-checkpoint --preset k3-tiny), fp32,
+    sharded in two with an index."""
+    from kdaserve.checkpoint import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("k3"), "k3-tiny", seed=3, dtype="float32",
+                           num_shards=2)
+
+
+@pytest.fixture(scope="session")
 def hf_tiny(tiny_ckpt: Path) -> torch.nn.Module:
     return load_hf(tiny_ckpt)
 
@@ -130,3 +140,15 @@ def spec_prompts(spec_plain) -> list[list[int]]:  # noqa: ANN001
     rep = greedy_outputs(spec_plain, [out[2]])[0]
     out.append(out[2] + rep + out[2][-8:])  # the continuation is in the context: drafts hit
     return out
+
+
+def serialize(named: list[tuple[str, torch.Tensor]]) -> bytes:
+    """Named tensors as a trainer on the same host sends them to update_weights_from_tensor
+    (torch's multiprocessing pickler: shared memory, not copies)."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return buf.getvalue()

@@ -14,18 +14,12 @@ import torch
 from safetensors.torch import save_file
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.checkpoint import make_checkpoint
 
 from .conftest import clear_prompt
 
-mx = pytest.importorskip("mlx.core")
-mlx_utils = pytest.importorskip("mlx_lm.utils")
-
-
-@pytest.fixture(scope="module")
-def k3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("k3"), "k3-tiny", seed=3, dtype="float32",
-                           num_shards=2)
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm.models.kimi_k3")
+from . import mlx_k3  # noqa: E402 - after the skip
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +29,7 @@ def k3_llm(k3_ckpt: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def mlx_model(k3_ckpt: Path):  # noqa: ANN201 - an mlx_lm model
-    model, _ = mlx_utils.load_model(k3_ckpt)
-    return model
-
-
-def mlx_logits(model, ids: list[int]) -> torch.Tensor:  # noqa: ANN001
-    out = model(mx.array([ids]))[0].astype(mx.float32)
-    return torch.tensor(out.tolist())
-
-
-def mlx_greedy(model, prompt: list[int], n: int) -> list[int]:  # noqa: ANN001
-    cache = model.make_cache()
-    logits = model(mx.array([prompt]), cache=cache)
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(mx.array([[out[-1]]]), cache=cache)
-    return out
+    return mlx_k3.load(k3_ckpt)
 
 
 def test_config_reads_the_released_layout(k3_llm: LLM) -> None:
@@ -65,7 +43,7 @@ def test_config_reads_the_released_layout(k3_llm: LLM) -> None:
 def test_prefill_logits_match_mlx(k3_llm: LLM, mlx_model, length: int) -> None:  # noqa: ANN001
     ids = clear_prompt(k3_llm, length, seed=length)
     ours = k3_llm.prefill_logits(ids)
-    ref = mlx_logits(mlx_model, ids)
+    ref = mlx_k3.logits(mlx_model, ids)
     diff = (ours - ref).abs().max().item()
     assert diff < 1e-4 * max(1.0, ref.abs().max().item()), f"max |logit diff| {diff:.2e}"
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
@@ -79,7 +57,7 @@ def test_batched_greedy_decode_matches_mlx(k3_llm: LLM, mlx_model) -> None:  # n
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outs = k3_llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for prompt, out in zip(prompts, outs, strict=True):
-        assert out.token_ids == mlx_greedy(mlx_model, prompt, 16)
+        assert out.token_ids == mlx_k3.greedy(mlx_model, prompt, 16)
 
 
 def test_chunked_prefill_and_prefix_hits_give_plain_tokens(k3_ckpt: Path, k3_llm: LLM) -> None:

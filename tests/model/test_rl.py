@@ -5,8 +5,6 @@ generation after resuming is unchanged; pause modes."""
 
 from __future__ import annotations
 
-import io
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,8 @@ from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import make_checkpoint
 from kdaserve.engine import rl
 from tests.ports import free_port
+
+from .conftest import serialize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 PROMPTS = [[5, 9, 17, 33], list(range(40, 90))]
@@ -38,13 +38,6 @@ def same(a, b) -> None:  # noqa: ANN001
         for x, y in zip(la, lb, strict=True):
             assert x.keys() == y.keys()
             assert all(abs(x[k] - y[k]) <= 1e-4 for k in x)
-
-
-def serialize(named: list[tuple[str, torch.Tensor]]) -> bytes:
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(named)
-    return buf.getvalue()
 
 
 def test_update_from_disk_and_tensor(tiny_ckpt: Path, other_ckpt: Path) -> None:
