@@ -107,6 +107,7 @@ from kdaserve.kernels.native.ops import (  # noqa: E402
 )
 from kdaserve.kernels.triton import supports as _triton  # noqa: E402
 from kdaserve.kernels.triton.conv import short_conv_triton  # noqa: E402
+from kdaserve.kernels.triton.k3 import attn_res_norm_triton, situ_mul_triton  # noqa: E402
 from kdaserve.kernels.triton.kda import kda_chunk_triton, kda_decode_triton  # noqa: E402
 from kdaserve.kernels.triton.mla import mla_attention_triton  # noqa: E402
 from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton  # noqa: E402
@@ -142,9 +143,15 @@ registry.register("linear", "native", linear_native, priority=20, supports=_nati
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)
 registry.register("short_conv", "native", short_conv_native, priority=20, supports=_native)
 registry.register("mla_attention", "cpu", mla_attention_cpu, priority=10, supports=_cpu_only)
-registry.register("kda_chunk", "triton", kda_chunk_triton, priority=30, supports=_triton)
-registry.register("kda_decode", "triton", kda_decode_triton, priority=30, supports=_triton)
-registry.register("moe_experts", "triton", moe_experts_triton, priority=30, supports=_triton)
+registry.register("kda_chunk", "triton", kda_chunk_triton, priority=30, supports=_triton,
+                  features=_K3_GATE)
+registry.register("kda_decode", "triton", kda_decode_triton, priority=30, supports=_triton,
+                  features=_K3_GATE)
+registry.register("moe_experts", "triton", moe_experts_triton, priority=30, supports=_triton,
+                  features=frozenset({"situ"}))
+registry.register("situ_mul", "triton", situ_mul_triton, priority=30, supports=_triton)
+registry.register("attn_res_norm", "triton", attn_res_norm_triton, priority=30,
+                  supports=_triton)
 registry.register("moe_route", "triton", moe_route_triton, priority=30, supports=_triton)
 registry.register("short_conv", "triton", short_conv_triton, priority=30, supports=_triton)
 registry.register("mla_attention", "triton", mla_attention_triton, priority=30,

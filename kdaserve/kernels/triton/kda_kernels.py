@@ -12,11 +12,13 @@ from kdaserve.kernels.triton.conv_kernels import conv_at, conv_taps, next_conv_s
 @triton.jit
 def kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, z_ptr, conv_w_ptr, A_log_ptr, dt_bias_ptr,
                       norm_w_ptr, state_ptr, conv_ptr, slot_ptr, cu_ptr, out_ptr, eps, scale,
-                      H, D, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                      lower_bound, H, D, LOWER_BOUND: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, W: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
                       BLOCK_TAPS: tl.constexpr):
     """One sequence's head, its new tokens in order: short conv + SiLU of its q, k and v
-    channels, l2norm of q and k, the gate -exp(A_log) * softplus(f + dt_bias), sigmoid(beta),
+    channels, l2norm of q and k, the gate -exp(A_log) * softplus(f + dt_bias) (or with
+    LOWER_BOUND K3's lower_bound * sigmoid(exp(A_log) * (f + dt_bias))), sigmoid(beta),
     the delta rule on its [K, V] state held in registers, then the gated RMSNorm of the output
     (a head's V values are one program's, so the norm needs no second pass). The state and
     the conv state are written once, after the last token."""
@@ -56,10 +58,13 @@ def kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, z_ptr, conv_w_ptr, A_log_ptr, dt
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)  # fla's l2norm: eps inside the root
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
         g = tl.load(f_ptr + (t * H + h) * K + ks, mask=k_ok, other=0.0).to(tl.float32) + dt
-        g = tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(tl.minimum(g, 20.0))))  # softplus
+        if LOWER_BOUND:  # log-decay in [lower_bound, 0]; A = -exp(A_log)
+            decay = lower_bound / (1.0 + tl.exp(A * g))
+        else:
+            decay = A * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(tl.minimum(g, 20.0))))
         beta = tl.load(beta_ptr + t * H + h).to(tl.float32)
         beta = 1.0 / (1.0 + tl.exp(-beta))
-        S = S * tl.exp(A * g)[:, None]
+        S = S * tl.exp(decay)[:, None]
         delta = (v - tl.sum(k[:, None] * S, 0)) * beta
         S = S + k[:, None] * delta[None, :]
         o = tl.sum((q * scale)[:, None] * S, 0)

@@ -91,10 +91,13 @@ def moe_route_triton(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int
 
 def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
-                       scale2: torch.Tensor | None = None) -> torch.Tensor:
+                       scale2: torch.Tensor | None = None,
+                       situ: tuple[float, float | None] | None = None) -> torch.Tensor:
     """`moe_experts_ref`'s contract: x [T, D]; weights, ids [T, k]; w13 [E, 2I, D] (gate rows
     then up rows); w2 [E, D, I]; int8 weights with per-row scales [E, 2I] / [E, D]. fp32
-    inputs multiply in IEEE fp32 (no TF32), bf16 ones in bf16; both accumulate in fp32."""
+    inputs multiply in IEEE fp32 (no TF32), bf16 ones in bf16; both accumulate in fp32.
+    `situ`: K3's SiTU-GLU in the gate_up kernel, each pair's weighted row kept in fp32 and
+    summed over the token's experts in fp32."""
     kernels = _kernels()
     T, D = x.shape
     E, two_i, _ = w13.shape
@@ -105,7 +108,8 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     w13, w2 = w13.contiguous(), w2.contiguous()
     pairs, block_expert = align_by_expert(ids, E)
     h = torch.empty(pairs.numel(), inter, dtype=x.dtype, device=x.device)
-    out = torch.zeros(T * top_k, D, dtype=x.dtype, device=x.device)
+    out = torch.zeros(T * top_k, D, dtype=torch.float32 if situ else x.dtype, device=x.device)
+    beta, linear_beta = situ if situ else (1.0, None)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     if (scale13 is None) != (scale2 is None):
         raise ValueError("int8 experts need both scale13 and scale2")
@@ -115,10 +119,12 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     tile_d, tile_i = tile(D, most=64), tile(inter, most=64)
     kernels.gate_up_kernel[(block_expert.numel(), -(-inter // tile_i))](
         x, w13, scale13 if has_scale else x, pairs, block_expert, h, T * top_k, top_k, D, inter,
-        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=tile_i, BLOCK_K=tile_d, PRECISION=precision,
+        beta, linear_beta or 1.0, HAS_SCALE=has_scale, SITU=situ is not None,
+        CAP_UP=linear_beta is not None, BLOCK_M=BLOCK_M, BLOCK_N=tile_i, BLOCK_K=tile_d,
+        PRECISION=precision,
         num_warps=8)  # two weight tiles' addresses: with 4 warps they spilled (check_sm90.py)
     kernels.down_kernel[(block_expert.numel(), -(-D // tile_d))](
         h, w2, scale2 if has_scale else x, pairs, block_expert,
         weights.to(torch.float32).contiguous(), out, T * top_k, D, inter,
         HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=tile_d, BLOCK_K=tile_i, PRECISION=precision)
-    return out.view(T, top_k, D).sum(1)
+    return out.view(T, top_k, D).sum(1).to(x.dtype)

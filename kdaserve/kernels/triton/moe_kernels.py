@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kdaserve.kernels.triton.k3_kernels import situ
+
 
 @triton.jit
 def block_rows(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
@@ -19,8 +21,9 @@ def block_rows(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, h_ptr,
-                   num_pairs, top_k, D, inter,
-                   HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   num_pairs, top_k, D, inter, beta, linear_beta,
+                   HAS_SCALE: tl.constexpr, SITU: tl.constexpr, CAP_UP: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     e, rows, pair, valid = block_rows(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if e < 0:
@@ -46,7 +49,11 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, h_ptr,
         s_e = s_ptr + e * (2 * inter)
         gate = gate * tl.load(s_e + cols, mask=col_ok, other=0.0)[None, :]
         up = up * tl.load(s_e + inter + cols, mask=col_ok, other=0.0)[None, :]
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    if SITU:  # K3: from the projections rounded as the unfused path's are
+        h = situ(gate.to(h_ptr.dtype.element_ty).to(tl.float32),
+                 up.to(h_ptr.dtype.element_ty).to(tl.float32), beta, linear_beta, CAP_UP)
+    else:
+        h = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(h_ptr + rows[:, None] * inter + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
 

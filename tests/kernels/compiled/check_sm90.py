@@ -18,7 +18,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kdaserve.kernels.triton import conv_kernels, kda_kernels, mla, mla_kernels, moe, moe_kernels
+from kdaserve.kernels.triton import (
+    conv_kernels,
+    k3_kernels,
+    kda_kernels,
+    mla,
+    mla_kernels,
+    moe,
+    moe_kernels,
+)
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
@@ -44,15 +52,34 @@ def resources(fn: Any, pointers: dict[str, str], scalars: dict[str, str],
 
 BF16 = "*bf16"
 H, K, D_CONV, W = 32, 128, 3 * 32 * 128, 4  # Kimi Linear's KDA heads and conv width
-CASES = {
-    "kda_decode": lambda: resources(
+K3_D = 7168  # Kimi K3's hidden size; its AttnRes bank holds at most 9 sources
+
+
+def kda_decode(lower_bound: bool) -> tuple[int, int]:
+    return resources(
         kda_kernels.kda_decode_kernel,
         {"qkv_ptr": BF16, "f_ptr": BF16, "beta_ptr": BF16, "z_ptr": BF16, "conv_w_ptr": BF16,
          "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "norm_w_ptr": BF16, "state_ptr": "*fp32",
          "conv_ptr": BF16, "slot_ptr": "*i64", "cu_ptr": "*i64", "out_ptr": BF16},
-        {"eps": "fp32", "scale": "fp32", "H": "i32", "D": "i32"},
-        {"K": K, "V": K, "W": W, "BLOCK_K": K, "BLOCK_V": K, "BLOCK_W": 4, "BLOCK_TAPS": 4},
-        num_warps=8),
+        {"eps": "fp32", "scale": "fp32", "lower_bound": "fp32", "H": "i32", "D": "i32"},
+        {"LOWER_BOUND": lower_bound, "K": K, "V": K, "W": W, "BLOCK_K": K, "BLOCK_V": K,
+         "BLOCK_W": 4, "BLOCK_TAPS": 4}, num_warps=8)
+
+
+def moe_gate_up(situ: bool) -> tuple[int, int]:
+    return resources(
+        moe_kernels.gate_up_kernel,
+        {"x_ptr": BF16, "w_ptr": BF16, "s_ptr": BF16, "pairs_ptr": "*i64",
+         "block_expert_ptr": "*i64", "h_ptr": BF16},
+        {"num_pairs": "i32", "top_k": "i32", "D": "i32", "inter": "i32", "beta": "fp32",
+         "linear_beta": "fp32"},
+        {"HAS_SCALE": False, "SITU": situ, "CAP_UP": situ, "BLOCK_M": 16, "BLOCK_N": 64,
+         "BLOCK_K": 64, "PRECISION": "tf32"}, num_warps=8)
+
+
+CASES = {
+    "kda_decode": lambda: kda_decode(False),
+    "kda_decode_k3_gate": lambda: kda_decode(True),
     "short_conv": lambda: resources(
         conv_kernels.conv_kernel,
         {"x_ptr": BF16, "w_ptr": BF16, "state_ptr": BF16, "seq_ptr": "*i64", "pos_ptr": "*i64",
@@ -63,13 +90,18 @@ CASES = {
         {"x_ptr": BF16, "state_ptr": BF16, "slot_ptr": "*i64", "start_ptr": "*i64",
          "count_ptr": "*i64"},
         {"D": "i32"}, {"W": W, "BLOCK_W": 4, "BLOCK_D": 128}),
-    "moe_gate_up": lambda: resources(
-        moe_kernels.gate_up_kernel,
-        {"x_ptr": BF16, "w_ptr": BF16, "s_ptr": BF16, "pairs_ptr": "*i64",
-         "block_expert_ptr": "*i64", "h_ptr": BF16},
-        {"num_pairs": "i32", "top_k": "i32", "D": "i32", "inter": "i32"},
-        {"HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
-         "PRECISION": "tf32"}, num_warps=8),
+    "moe_gate_up": lambda: moe_gate_up(False),
+    "moe_gate_up_situ": lambda: moe_gate_up(True),
+    "situ_mul": lambda: resources(
+        k3_kernels.situ_mul_kernel, {"gu_ptr": BF16, "y_ptr": BF16},
+        {"inter": "i32", "beta": "fp32", "linear_beta": "fp32"},
+        {"CAP_UP": True, "BLOCK": 1024}),
+    "attn_res_norm": lambda: resources(
+        k3_kernels.attn_res_norm_kernel,
+        {"bank_ptr": BF16, "partial_ptr": BF16, "w_ptr": "*fp32", "norm_w_ptr": BF16,
+         "out_ptr": BF16},
+        {"NB": "i32", "T": "i32", "D": "i32", "eps": "fp32", "norm_eps": "fp32"},
+        {"BLOCK_D": 1024, "BLOCK_S": 16}),
     "moe_down": lambda: resources(
         moe_kernels.down_kernel,
         {"h_ptr": BF16, "w_ptr": BF16, "s_ptr": BF16, "pairs_ptr": "*i64",

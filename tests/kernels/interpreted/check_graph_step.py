@@ -3,7 +3,8 @@ forward a CUDA graph captures (engine/cuda_graph.py's static buffers, padded to 
 our Triton kernels reads no value back to the host and sizes no tensor by data, the two
 things a capture cannot hold, and its logits equal the eager forward's.
 
-The KDA step is the triton backend's own: `kda_decode_triton`, our fused kernel (fla is
+The KDA step is the triton backend's own (K3's too: its gate, SiTU in the experts and the
+dense layer, the AttnRes mix + norm): `kda_decode_triton`, our fused kernel (fla is
 needed only for prefill chunks, which a graph never runs). The MoE runs its shared expert
 inside the fused experts kernel, as the triton backend does; the reference keeps it apart.
 """
@@ -39,6 +40,7 @@ from kdaserve.kernels.ref.mla import mla_attention_ref
 from kdaserve.kernels.ref.mlp import silu_mul_ref, situ_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
+from kdaserve.kernels.triton.k3 import attn_res_norm_triton, situ_mul_triton
 from kdaserve.kernels.triton.kda import kda_decode_triton
 from kdaserve.kernels.triton.mla import mla_attention_triton
 from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton
@@ -83,20 +85,22 @@ def no_host_reads() -> Iterator[None]:
 
 
 def build(path: Path, triton: bool) -> tuple:
+    config = ModelConfig.from_pretrained(path)
     decode = kda_decode_triton if triton else functools.partial(
         compose_kda_decode, short_conv_ref, kda_recurrent_cpu)
     kernels = Kernels(linear_ref, kda_chunk_ref, kda_recurrent_ref, decode, short_conv_ref,
                       mla_attention_triton if triton else mla_attention_ref,
                       moe_route_triton if triton else moe_route_ref,
                       moe_experts_triton if triton else moe_experts_ref, rms_norm_ref,
-                      gated_rmsnorm, silu_mul_ref, situ_mul_ref, attn_res_norm_ref,
-                      fuse_shared_expert=triton)
-    config = ModelConfig.from_pretrained(path)
+                      gated_rmsnorm, silu_mul_ref, situ_mul_triton if triton else situ_mul_ref,
+                      attn_res_norm_triton if triton else attn_res_norm_ref,
+                      fuse_shared_expert=triton, features=config.kernel_features)
     model = build_model(config, kernels, torch.float32, torch.device("cpu"), path)
     return model, BlockPool(config, 32, 4, torch.float32), StatePool(config, 6, torch.float32)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small"])  # small: 4 expert groups, a q LoRA
+# small: 4 expert groups, a q LoRA; k3-tiny: K3's gate, SiTU, LatentMoE, AttnRes
+@pytest.mark.parametrize("preset", ["tiny", "small", "k3-tiny"])
 def test_captured_decode_reads_nothing_back(tmp_path: Path, preset: str) -> None:
     path = make_checkpoint(tmp_path / preset, preset, seed=0)
     prompts = [[(5 * i + 3 * j) % 700 + 2 for j in range(3 + 4 * i)] for i in range(3)]
