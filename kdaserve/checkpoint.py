@@ -96,6 +96,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, num_experts=16, num_experts_per_token=4,
         moe_intermediate_size=32, num_expert_group=1, topk_group=1, attn_res_block_size=3),
+    # K3 for tests at the suite's widest (hidden 128): 10 layers in AttnRes blocks of 4, 32
+    # experts top-8, a KDA head count whose A_log is stored longer
+    "k3-small": _k3_preset(
+        16128, 10, 128, intermediate_size=256, kda_num_heads=4, kda_head_dim=32,
+        num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, num_experts=32, num_experts_per_token=8,
+        moe_intermediate_size=64, num_expert_group=1, topk_group=1, attn_res_block_size=4),
+    # the CPU benchmark model with K3's ratios, `bench`'s size: hidden 768 with a latent of
+    # 384, 96 experts with top-16 (K3: 896, top-16), AttnRes blocks of 3 in 8 layers (K3: 12
+    # in 93), MLA at layers 4, 7 and 8 (the last two, as K3's)
+    "k3-bench": _k3_preset(
+        100256, 8, 768, intermediate_size=2048, kda_num_heads=6, kda_head_dim=128,
+        num_attention_heads=6, q_lora_rank=192, kv_lora_rank=256, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, num_experts=96, num_experts_per_token=16,
+        moe_intermediate_size=192, num_expert_group=1, topk_group=1, attn_res_block_size=3),
+    # K3's real per-layer shapes (k3_spec.md 3.2) in 4 layers (a dense KDA layer, an MoE KDA
+    # layer, two MoE MLA layers), for per-layer numbers on a GPU; the routed experts cut to
+    # 128 of 896 (same shapes, same top-16) so that it fits one GPU in bf16: 17.7B parameters, 35 GB
+    "k3-shaped": _k3_preset(
+        163584, 4, 7168, intermediate_size=33792, kda_num_heads=96, kda_head_dim=128,
+        num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, num_experts=128, num_experts_per_token=16,
+        moe_intermediate_size=3072, num_expert_group=1, topk_group=1, attn_res_block_size=12),
 }
 
 

@@ -115,8 +115,8 @@ def check_update(model: Any, named: list[tuple[str, torch.Tensor]],
         if name in seen:
             raise ValueError(f"tensor {name!r} given twice")
         seen.add(name)
-        if isinstance(dest, Prefix) and tensor.dim() == 1 and len(tensor) >= len(dest.dest):
-            dest = Prefix(dest.dest, 0, 0, 1, len(tensor))  # any stored length, as loading
+        if isinstance(dest, Prefix):
+            dest = dest.stored_as(tensor.shape)  # any stored length, as loading
         if tuple(tensor.shape) != full_shape(dest):
             raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)}, expected "
                              f"{list(full_shape(dest))}")

@@ -57,8 +57,6 @@ class KDAttention(nn.Module):
             if "kda_lower_bound" not in kernels.features:
                 raise ValueError("K3's lower-bounded KDA gate needs kernels resolved with the "
                                  "'kda_lower_bound' feature (ModelConfig.kernel_features)")
-            if tp.size > 1:
-                raise ValueError("tensor parallelism over K3's KDA layers is not supported yet")
             self.kda_chunk = partial(kernels.kda_chunk, lower_bound=bound)
             self.kda_decode = partial(kernels.kda_decode, lower_bound=bound)
         self.k3_layout = bound is not None or self.full_rank_gate
@@ -85,8 +83,9 @@ class KDAttention(nn.Module):
         views[f"{prefix}o_norm.weight"] = self.o_norm_weight
         # Kimi Linear stores A_log [1, 1, H, 1]; K3 a vector of which the first H entries are
         # used (stored [128] for 96 heads; written here as long as a head is wide)
-        stored = max(self.head_dim, self.num_heads)
-        views[f"{prefix}A_log"] = Prefix(self.A_log.data, 0, 0, 1, stored) \
+        tp = self.tp
+        stored = max(self.head_dim, self.num_heads * tp.size)
+        views[f"{prefix}A_log"] = Prefix(self.A_log.data, 0, tp.rank, tp.size, stored) \
             if self.k3_layout else shard(self.A_log.data.view(1, 1, -1, 1), 2)
         views[f"{prefix}dt_bias"] = shard(self.dt_bias, 0)
         return views

@@ -71,16 +71,17 @@ class MoE(nn.Module):
         if tp.size > 1 and ep.size > 1:
             raise ValueError("tensor and expert parallelism together are not supported yet")
         latent = config.routed_expert_hidden_size
-        if latent is not None and (tp.size > 1 or ep.size > 1):
-            # the latent sum must be reduced over ranks before its RMSNorm: not wired yet
-            raise ValueError("LatentMoE (K3) with tensor or expert parallelism is not "
-                             "supported yet")
         D = config.hidden_size
-        # LatentMoE: the experts see (and sum) the input projected to the latent width
+        # LatentMoE: the experts see (and sum) the input projected to the latent width. The
+        # down-projection and the norm are replicated; under tensor parallelism the latent
+        # sums are all-reduced before the norm (each rank's experts hold a share of the
+        # intermediate rows), and the up-projection is row-parallel over the latent, so the
+        # MoE's output stays a partial sum like every other TP layer's.
         self.down_proj = Linear(D, latent, kernels) if latent is not None else None
         self.latent_norm = RMSNorm(latent, config.rms_norm_eps, kernels) \
             if latent is not None and config.latent_moe_use_norm else None
-        self.up_proj = Linear(latent, D, kernels) if latent is not None else None
+        self.up_proj = Linear(tp.part(latent, "routed_expert_hidden_size"), D, kernels) \
+            if latent is not None else None
         Dx = latent or D  # the experts' input width
         self.local = ep.experts(config.num_experts)
         E = len(self.local)  # experts held here (the router sees all of them)
@@ -125,7 +126,8 @@ class MoE(nn.Module):
                         ("routed_expert_norm", self.latent_norm),
                         ("routed_expert_up_proj", self.up_proj)):
             if m is not None:
-                views[f"{prefix}{name}.weight"] = m.weight
+                views[f"{prefix}{name}.weight"] = self.tp.shard(m.weight, 1) \
+                    if m is self.up_proj else m.weight
         for e in range(self.config.num_experts):
             names = [f"{prefix}experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")]
             if e not in self.local:
@@ -143,6 +145,19 @@ class MoE(nn.Module):
             views[f"{s}up_proj.weight"] = shard(self.w13.data[self.shared_slot, inter:], 0)
             views[f"{s}down_proj.weight"] = shard(self.w2.data[self.shared_slot], 1)
         return views
+
+    def _latent_out(self, y: torch.Tensor) -> torch.Tensor:
+        """LatentMoE's experts' latent sum [T, latent] -> the MoE's routed output [T, D]
+        (this rank's partial sum under tensor parallelism)."""
+        tp = self.tp
+        y = tp.all_reduce(y)
+        if self.latent_norm is not None:
+            y = self.latent_norm(y)
+        if tp.size > 1:
+            n = y.shape[1] // tp.size
+            y = y[:, tp.rank * n:(tp.rank + 1) * n].contiguous()
+        assert self.up_proj is not None
+        return self.up_proj(y)
 
     def routed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """w13 and w2 of the routed experts held here (without a fused shared expert)."""
@@ -170,11 +185,9 @@ class MoE(nn.Module):
                 weights = torch.cat((weights, weights.new_ones(T, 1)), 1)
                 ids = torch.cat((ids, ids.new_full((T, 1), self.shared_slot)), 1)
             if self.down_proj is not None:
-                y = self.moe_experts(self.down_proj(x), weights, ids, self.w13, self.w2,
-                                     self.w13_scale, self.w2_scale)
-                if self.latent_norm is not None:
-                    y = self.latent_norm(y)
-                y = self.up_proj(y)
+                y = self._latent_out(self.moe_experts(
+                    self.down_proj(x), weights, ids, self.w13, self.w2, self.w13_scale,
+                    self.w2_scale))
             else:
                 y = self.moe_experts(x, weights, ids, self.w13, self.w2, self.w13_scale,
                                      self.w2_scale)
@@ -182,7 +195,12 @@ class MoE(nn.Module):
             first = sum(sizes[:ep.rank])
             if routing is not None:
                 routing.append(ids[first:first + x.shape[0]].to(torch.int32))
-            y = ep.combine(self._local_experts(xs, weights, ids), sizes)
+            # LatentMoE: every rank projects the gathered rows (the router needs them at
+            # full width); the combined latent sums of this rank's rows are then finished here
+            y = ep.combine(self._local_experts(
+                xs if self.down_proj is None else self.down_proj(xs), weights, ids), sizes)
+            if self.down_proj is not None:
+                y = self._latent_out(y)
         if self.shared_experts is not None and x.shape[0]:
             y = y + self.shared_experts(x)
         return y

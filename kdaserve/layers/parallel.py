@@ -13,7 +13,7 @@ replicated on every rank (DP attention is what stores it once).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,9 +45,10 @@ class Shard:
 
 @dataclass(frozen=True, slots=True)
 class Prefix(Shard):
-    """The first `len(dest)` entries of a longer 1-D checkpoint tensor: K3 stores `A_log` as
-    [128] for its 96 heads and every engine uses the first 96. The loader takes any stored
-    length from `len(dest)` up (`full_len`: the length the writer gives it)."""
+    """The first `size * len(dest)` entries of a longer 1-D checkpoint tensor, part `rank`
+    of them here: K3 stores `A_log` as [128] for its 96 heads, every engine uses the first
+    96, and a tensor-parallel rank its heads' share of those. The loader takes any stored
+    length from the head count up (`full_len`: the length the writer gives it)."""
 
     full_len: int = 0
 
@@ -56,7 +57,15 @@ class Prefix(Shard):
         return (self.full_len,)
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        return full[: self.dest.shape[0]]
+        n = self.dest.shape[0]
+        return full[self.rank * n:(self.rank + 1) * n]
+
+    def stored_as(self, shape: list[int] | tuple[int, ...]) -> Prefix:
+        """This destination for a stored tensor of `shape`, if it is 1-D and long enough
+        (else unchanged: the shape check names what was expected)."""
+        if len(shape) == 1 and shape[0] >= self.dest.shape[0] * self.size:
+            return replace(self, full_len=shape[0])
+        return self
 
 
 Destination = torch.Tensor | Shard

@@ -111,9 +111,8 @@ def _plan(model: KimiLinearForCausalLM, path: Path, skip: tuple[str, ...] = (),
             seen.add(name)
             if dest is None:  # an expert another expert-parallel rank holds
                 continue
-            if isinstance(dest, Prefix) and len(meta["shape"]) == 1 and \
-                    meta["shape"][0] >= dest.dest.shape[0]:
-                dest = Prefix(dest.dest, 0, 0, 1, meta["shape"][0])
+            if isinstance(dest, Prefix):
+                dest = dest.stored_as(meta["shape"])
             if list(meta["shape"]) != list(full_shape(dest)):
                 raise ValueError(f"tensor {raw_name!r} has shape {meta['shape']}, "
                                  f"expected {list(full_shape(dest))}")

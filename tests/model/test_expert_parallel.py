@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -33,7 +34,8 @@ def run(ckpt: Path, ep: ExpertParallel, mine: list[int], steps: int = STEPS,
     step `idle` this rank has no tokens (its sequences wait a step)."""
     mc = ModelConfig.from_pretrained(ckpt)
     device = torch.device("cpu")
-    model = build_model(mc, resolve_kernels(device), torch.float32, device, ckpt, ep=ep)
+    kernels = resolve_kernels(device, features=mc.kernel_features)
+    model = build_model(mc, kernels, torch.float32, device, ckpt, ep=ep)
     bs = 16
     states = StatePool(mc, len(PROMPTS), torch.float32)
     blocks = BlockPool(mc, 64, bs, torch.float32)
@@ -70,26 +72,33 @@ def _rank_main(rank: int, port: int, ckpt: str, result: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_ranks_equal_one(tiny_ckpt: Path, tmp_path: Path) -> None:
+@pytest.fixture(params=["tiny", "k3"])
+def ckpt(request: pytest.FixtureRequest) -> Path:
+    """Kimi Linear, and K3 (its KDA heads with the stored-longer A_log, the LatentMoE's
+    latent sums reduced before their norm, AttnRes)."""
+    return request.getfixturevalue(f"{request.param}_ckpt")
+
+
+def test_two_ranks_equal_one(ckpt: Path, tmp_path: Path) -> None:
     result = str(tmp_path / "ep")
-    mp.start_processes(_rank_main, args=(free_port(), str(tiny_ckpt), result), nprocs=2,
+    mp.start_processes(_rank_main, args=(free_port(), str(ckpt), result), nprocs=2,
                        join=True, start_method="spawn")
     for rank in (0, 1):
         mine = [i for i, r in enumerate(OWNER) if r == rank]
         # rank 1 sat one step out: it made one step fewer
-        want = run(tiny_ckpt, ExpertParallel(), mine, STEPS - (rank == 1))
+        want = run(ckpt, ExpertParallel(), mine, STEPS - (rank == 1))
         got = torch.load(f"{result}.{rank}")
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
             assert torch.equal(g.argmax(-1), w.argmax(-1))
 
 
-def test_ranks_hold_disjoint_experts(tiny_ckpt: Path) -> None:
-    mc = ModelConfig.from_pretrained(tiny_ckpt)
+def test_ranks_hold_disjoint_experts(ckpt: Path) -> None:
+    mc = ModelConfig.from_pretrained(ckpt)
     device = torch.device("cpu")
-    k = resolve_kernels(device)
-    full = build_model(mc, k, torch.float32, device, tiny_ckpt).checkpoint_tensors()
-    views = [build_model(mc, k, torch.float32, device, tiny_ckpt,
+    k = resolve_kernels(device, features=mc.kernel_features)
+    full = build_model(mc, k, torch.float32, device, ckpt).checkpoint_tensors()
+    views = [build_model(mc, k, torch.float32, device, ckpt,
                          ep=ExpertParallel(r, 2)).checkpoint_tensors() for r in range(2)]
     experts = [n for n in full if ".experts." in n]
     assert experts

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from kdaserve import LLM, SamplingParams
+from kdaserve.checkpoint import make_checkpoint
 
 from .conftest import clear_prompt
 
@@ -96,3 +97,17 @@ def test_vision_tower_needs_language_model_only(k3_ckpt: Path, tmp_path: Path,
     ids = clear_prompt(k3_llm, 20, seed=5)
     text_only = LLM(vl, language_model_only=True)
     assert torch.equal(text_only.prefill_logits(ids), k3_llm.prefill_logits(ids))
+
+
+def test_k3_small_matches_mlx(tmp_path: Path) -> None:
+    """The suite's widest K3 (hidden 128, blocks of 4 in 10 layers, 32 experts top-8), bf16
+    in fp32: prefill logits and batched greedy tokens against mlx-lm."""
+    path = make_checkpoint(tmp_path / "k3-small", "k3-small", seed=5, dtype="float32")
+    llm, ref = LLM(path), mlx_k3.load(path)
+    prompts = [clear_prompt(llm, n, seed=n, continuation=8) for n in (9, 50)]
+    for ids in prompts:
+        ours, theirs = llm.prefill_logits(ids), mlx_k3.logits(ref, ids)
+        assert (ours - theirs).abs().max().item() < 1e-4 * max(1.0, theirs.abs().max().item())
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == [mlx_k3.greedy(ref, p, 8) for p in prompts]

@@ -17,7 +17,7 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import resolve_kernels
-from kdaserve.layers.parallel import Shard, TensorParallel
+from kdaserve.layers.parallel import Shard, TensorParallel, tensor_of
 from kdaserve.models.loader import build_model
 from tests.ports import free_port
 
@@ -29,7 +29,8 @@ def run_model(ckpt: Path, tp: TensorParallel) -> list[torch.Tensor]:
     """Logits of a prefill of PROMPTS, then DECODES greedy decode steps, on fresh pools."""
     mc = ModelConfig.from_pretrained(ckpt)
     device = torch.device("cpu")
-    model = build_model(mc, resolve_kernels(device), torch.float32, device, ckpt, tp=tp)
+    kernels = resolve_kernels(device, features=mc.kernel_features)
+    model = build_model(mc, kernels, torch.float32, device, ckpt, tp=tp)
     bs = 16
     states = StatePool(mc, len(PROMPTS), torch.float32, tp_size=tp.size)
     blocks = BlockPool(mc, 64, bs, torch.float32)
@@ -65,10 +66,17 @@ def _rank_main(rank: int, size: int, port: int, ckpt: str, result: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_ranks_equal_one(tiny_ckpt: Path, tmp_path: Path) -> None:
-    want = run_model(tiny_ckpt, TensorParallel())
+@pytest.fixture(params=["tiny", "k3"])
+def ckpt(request: pytest.FixtureRequest) -> Path:
+    """Kimi Linear, and K3 (its KDA heads with the stored-longer A_log, the LatentMoE's
+    latent sums reduced before their norm, AttnRes)."""
+    return request.getfixturevalue(f"{request.param}_ckpt")
+
+
+def test_two_ranks_equal_one(ckpt: Path, tmp_path: Path) -> None:
+    want = run_model(ckpt, TensorParallel())
     result = tmp_path / "tp.pt"
-    mp.start_processes(_rank_main, args=(2, free_port(), str(tiny_ckpt), str(result)),
+    mp.start_processes(_rank_main, args=(2, free_port(), str(ckpt), str(result)),
                        nprocs=2, join=True, start_method="spawn")
     got = torch.load(result)
     for g, w in zip(got, want, strict=True):
@@ -76,19 +84,19 @@ def test_two_ranks_equal_one(tiny_ckpt: Path, tmp_path: Path) -> None:
         assert torch.equal(g.argmax(-1), w.argmax(-1))
 
 
-def test_shards_are_slices_of_the_checkpoint(tiny_ckpt: Path) -> None:
+def test_shards_are_slices_of_the_checkpoint(ckpt: Path) -> None:
     """Each rank's loaded tensors are its slices of the single-process model's, and together
     the ranks hold every value once (per-head and intermediate tensors) or all of it
     (replicated tensors)."""
-    mc = ModelConfig.from_pretrained(tiny_ckpt)
+    mc = ModelConfig.from_pretrained(ckpt)
     device = torch.device("cpu")
-    k = resolve_kernels(device)
-    full = build_model(mc, k, torch.float32, device, tiny_ckpt).checkpoint_tensors()
-    ranks = [build_model(mc, k, torch.float32, device, tiny_ckpt,
+    k = resolve_kernels(device, features=mc.kernel_features)
+    full = build_model(mc, k, torch.float32, device, ckpt).checkpoint_tensors()
+    ranks = [build_model(mc, k, torch.float32, device, ckpt,
                          tp=TensorParallel(r, 2)).checkpoint_tensors() for r in range(2)]
     sharded = 0
-    for name, dest in full.items():
-        assert isinstance(dest, torch.Tensor)
+    for name, whole in full.items():
+        dest = tensor_of(whole)  # K3's A_log: a Prefix of its stored vector on one rank too
         parts = [r[name] for r in ranks]
         if isinstance(parts[0], Shard):
             sharded += 1
@@ -99,9 +107,9 @@ def test_shards_are_slices_of_the_checkpoint(tiny_ckpt: Path) -> None:
     assert sharded > len(full) // 2
 
 
-def test_indivisible_heads_are_refused(tiny_ckpt: Path) -> None:
-    mc = ModelConfig.from_pretrained(tiny_ckpt)
+def test_indivisible_heads_are_refused(ckpt: Path) -> None:
+    mc = ModelConfig.from_pretrained(ckpt)
     device = torch.device("cpu")
     with pytest.raises(ValueError, match="not divisible by tp_size"):
-        build_model(mc, resolve_kernels(device), torch.float32, device, tiny_ckpt,
-                    tp=TensorParallel(0, 3))
+        build_model(mc, resolve_kernels(device, features=mc.kernel_features), torch.float32,
+                    device, ckpt, tp=TensorParallel(0, 3))
