@@ -17,6 +17,14 @@ def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def k3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Kimi K3's released layout in miniature (make-checkpoint --preset k3-tiny), fp32,
+    sharded in two with an index."""
+    return make_checkpoint(tmp_path_factory.mktemp("k3"), "k3-tiny", seed=3, dtype="float32",
+                           num_shards=2)
+
+
+@pytest.fixture(scope="session")
 def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """q_lora_rank set, 4 expert groups (top-2 groups), fp32, sharded with an index."""
     return make_checkpoint(tmp_path_factory.mktemp("small"), "small", seed=1, dtype="float32",

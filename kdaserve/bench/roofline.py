@@ -65,6 +65,19 @@ class ModelCosts:
     kda_state_bytes: int  # per sequence and step: fp32 states read and written, all KDA layers
     mla_flops_per_position: int  # per row and attended position, every MLA layer (absorbed)
     latent_bytes: int  # per cached position: its latents in every MLA layer (fp32)
+    # K3's Attention Residuals, per row: every mixing site reads its sources (the bank's
+    # filled rows and the partial sum, D values each) twice, for the scores (a dot and a
+    # square sum) and for the mix: 6 FLOPs and 4 bytes (fp32 activations) per source value
+    attn_res_sources: int = 0  # sources summed over the sites of one forward
+    hidden_size: int = 0
+
+    @property
+    def attn_res_flops(self) -> int:
+        return 6 * self.hidden_size * self.attn_res_sources
+
+    @property
+    def attn_res_bytes(self) -> int:
+        return 4 * self.hidden_size * self.attn_res_sources
 
     @property
     def active_row_params(self) -> int:
@@ -74,19 +87,35 @@ class ModelCosts:
 def model_costs(c: ModelConfig) -> ModelCosts:
     D, H_kda, K, V = c.hidden_size, c.kda_num_heads, c.kda_head_dim, c.kda_head_dim
     P = c.kda_dim
-    kda = (D * (3 * P + 2 * K + H_kda) + 2 * K * P + P * D  # in_proj, f_b, g_b, o_proj
-           + 3 * P * c.kda_conv_size)
+    # in_proj (q, k, v, f_a, the gate: K3's full-rank g_proj [P] or g_a [K], b), f_b, g_b
+    # (low-rank gate only), o_proj, the short convs
+    gate = P if c.kda_full_rank_gate else K
+    kda = (D * (3 * P + K + gate + H_kda) + K * P + (0 if c.kda_full_rank_gate else K * P)
+           + P * D + 3 * P * c.kda_conv_size)
     H = c.num_attention_heads
     q = (D * H * c.qk_head_dim if c.q_lora_rank is None
          else D * c.q_lora_rank + c.q_lora_rank * H * c.qk_head_dim)
     # kv_b_proj's W_UK / W_UV are applied per row in the absorbed form: the same count
     mla = q + D * c.latent_dim + c.kv_lora_rank * H * (c.qk_nope_head_dim + c.v_head_dim) \
-        + H * c.v_head_dim * D
-    expert = 3 * D * c.moe_intermediate_size
+        + H * c.v_head_dim * D * (2 if c.mla_use_output_gate else 1)  # o_proj, K3's g_proj
+    latent = c.routed_expert_hidden_size
+    # LatentMoE: routed experts work at the latent width, between a down- and an
+    # up-projection every row pays; shared experts stay at the hidden width
+    expert = 3 * (latent or D) * c.moe_intermediate_size
+    moe_row = 3 * D * c.moe_intermediate_size * c.num_shared_experts + D * c.num_experts \
+        + (2 * D * latent if latent else 0)
     n_moe = sum(1 for t in c.mlp_types if t == MOE)
     n_kda, n_mla = len(c.kda_layers), len(c.mla_layers)
-    row = (n_kda * kda + n_mla * mla + n_moe * (expert * c.num_shared_experts + D * c.num_experts)
+    row = (n_kda * kda + n_mla * mla + n_moe * moe_row
            + 3 * D * c.intermediate_size * (c.num_hidden_layers - n_moe))
+    sources = 0
+    if c.attn_res_block_size:
+        # the bank's filled rows at layer i's two sites (kimi_linear.py: a block's first
+        # layer banks its input after the attention site), plus the partial sum; layer 0's
+        # attention site has an empty bank and mixes nothing; the final site sees every block
+        B, L = c.attn_res_block_size, c.num_hidden_layers
+        sources = sum((-(-i // B) + 1 if i else 0) + (i // B + 2) for i in range(L)) \
+            + -(-L // B) + 1
     return ModelCosts(
         row_params=row, expert_params=expert, num_moe_layers=n_moe,
         top_k=c.num_experts_per_token, num_experts=c.num_experts,
@@ -96,7 +125,7 @@ def model_costs(c: ModelConfig) -> ModelCosts:
         kda_state_bytes=n_kda * H_kda * K * V * 4 * 2,
         # scores against latent and rope key, then the latent-weighted sum, per head
         mla_flops_per_position=n_mla * H * (2 * c.latent_dim + 2 * c.kv_lora_rank),
-        latent_bytes=n_mla * c.latent_dim * 4)
+        latent_bytes=n_mla * c.latent_dim * 4, attn_res_sources=sources, hidden_size=D)
 
 
 def flops(m: ModelCosts, rows: int, logits_rows: int, attended: int = 0) -> float:
@@ -104,7 +133,7 @@ def flops(m: ModelCosts, rows: int, logits_rows: int, attended: int = 0) -> floa
     other than a request's last do not), attending `attended` cached positions in total
     (sum over rows of each row's context; 0 leaves attention out, which only understates)."""
     return (2 * (m.active_row_params * rows + m.lm_head_params * logits_rows)
-            + m.kda_flops * rows + m.mla_flops_per_position * attended)
+            + (m.kda_flops + m.attn_res_flops) * rows + m.mla_flops_per_position * attended)
 
 
 def expected_distinct_experts(m: ModelCosts, rows: int) -> float:
@@ -117,13 +146,15 @@ def decode_step_bytes(m: ModelCosts, batch: int, distinct_experts: float | None 
                       context: int = 0, bytes_per_weight: float = 4) -> float:
     """Bytes a decode step of `batch` sequences moves: every row weight and the lm_head once,
     each touched expert once per MoE layer (`distinct_experts`, else the uniform expectation),
-    the KDA states read and written, and `context` cached positions' latents read. Weights
+    the KDA states read and written (and K3's AttnRes sources read), and `context` cached
+    positions' latents read. Weights
     take `bytes_per_weight` each (2 for bf16, 1 for int8, whose fp32 row scales add 4/K);
     states and latents stay fp32 in every mode."""
     distinct = expected_distinct_experts(m, batch) if distinct_experts is None \
         else distinct_experts
     weights = m.row_params + m.lm_head_params + m.num_moe_layers * distinct * m.expert_params
-    return bytes_per_weight * weights + batch * m.kda_state_bytes + context * m.latent_bytes
+    return bytes_per_weight * weights + batch * (m.kda_state_bytes + m.attn_res_bytes) \
+        + context * m.latent_bytes
 
 
 def limits() -> dict[str, Any]:

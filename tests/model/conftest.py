@@ -23,16 +23,6 @@ def load_hf(path: Path) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="session")
-def k3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Kimi K3's released layout in miniature (make-checkpoint --preset k3-tiny), fp32,
-    sharded in two with an index."""
-    from kdaserve.checkpoint import make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("k3"), "k3-tiny", seed=3, dtype="float32",
-                           num_shards=2)
-
-
-@pytest.fixture(scope="session")
 def hf_tiny(tiny_ckpt: Path) -> torch.nn.Module:
     return load_hf(tiny_ckpt)
 

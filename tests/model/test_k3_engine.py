@@ -5,6 +5,7 @@ mlx-lm's `kimi_k3`), and hidden states and routing are checked against mlx-lm di
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.checkpoint import make_checkpoint
+from kdaserve.checkpoint import make_checkpoint, preset_config
 from kdaserve.engine import rl
+from kdaserve.speculative.block import make_block_drafter
+from kdaserve.speculative.dspark import make_dspark_drafter
+from kdaserve.speculative.schedule import StepCost
 
 from .conftest import MIN_MARGIN, clear_prompt, routing_margin, serialize
 from .speculative_helpers import ScriptedDrafter
@@ -145,4 +149,29 @@ def test_weight_updates_by_released_names(k3_ckpt: Path, tmp_path: Path,
     rl.update_weights_from_tensor(llm.engine, [serialize(list(named.items()))], "v2")
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
                                               sampling_params=GREEDY)] == want
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("drafter", ["self", "block", "dspark"])
+def test_drafters_on_a_k3_target_keep_plain_tokens(k3_ckpt: Path, tmp_path: Path,
+                                                   prompts: list[list[int]],
+                                                   want: list[list[int]], drafter: str) -> None:
+    """The draft-model, block and DSpark drafters (DSpark tapping a KDA and an MLA layer's
+    AttnRes-era outputs) on a K3 target, with prefill chunks: tokens stay plain decoding's,
+    drafts are verified, and the target's own function as drafter is always accepted."""
+    config = preset_config("k3-tiny")
+    path = {"self": lambda: k3_ckpt,
+            "block": lambda: make_block_drafter(tmp_path / "block", config, seed=3),
+            "dspark": lambda: make_dspark_drafter(tmp_path / "dspark", config, taps=[1, 3],
+                                                  seed=4)}[drafter]()
+    llm = LLM(k3_ckpt, speculative_algorithm="draft" if drafter == "self" else drafter,
+              speculative_draft_model=str(path), max_num_batched_tokens=24)
+    # every draft verified whatever the timings (random drafts would rightly be stopped)
+    llm.engine.spec.cost = StepCost(fitted=False, prior_tokens=math.inf)  # type: ignore
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == want
+    m = llm.get_metrics()
+    assert m["spec_num_verifies"] > 0 and m["spec_num_drafted"] > 0
+    if drafter == "self":
+        assert m["spec_num_accepted"] == m["spec_num_drafted"]
     llm.check_integrity()

@@ -413,3 +413,32 @@ def test_hostile_input_leaves_both_sides_healthy(cluster: Cluster, llm: LLM,
     want = reference(llm, [prompts[3]], greedy(NEW))[0].token_ids
     assert generate(cluster.url, prompts[3]).json()["output_ids"] == want
     assert_whole(cluster.prefill, cluster.decode)
+
+
+# ---- Kimi K3 ----
+def test_k3_through_the_router_matches_reference(k3_ckpt: Path, tmp_path: Path) -> None:
+    """K3 disaggregated: its KDA states (the lower-bounded gate), MLA blocks and nothing of
+    AttnRes (recomputed per forward, never cached) cross over; outputs equal the in-process
+    engine's, multi-chunk prompts included, and both sides' pools end whole."""
+    llm = LLM(k3_ckpt)
+    g = torch.Generator().manual_seed(3)
+    cands = [torch.randint(0, llm.config.vocab_size - 256, (n,), generator=g).tolist()
+             for n in (5, 17, 40, 70, 100, 9)]
+    batch = [p for p, ok in zip(cands, clear(llm, cands, NEW), strict=True) if ok]
+    assert len(batch) >= 4
+    want = [o.token_ids for o in reference(llm, batch, greedy(NEW))]
+    prefill, bport = start_prefill(k3_ckpt, tmp_path)
+    decode = start_decode(k3_ckpt, tmp_path)
+    router, url = start_router(["--pd-disaggregation", "--prefill", prefill.url, str(bport),
+                                "--decode", decode.url], tmp_path / "router.log")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda ids: generate(url, ids), batch))
+        for r, w in zip(got, want, strict=True):
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == w
+        assert_whole(prefill, decode)
+    finally:
+        stop_router(router)
+        stop_server(decode)
+        stop_server(prefill)

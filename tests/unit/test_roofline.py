@@ -65,3 +65,24 @@ def test_bench_kernels_weight_bytes_by_hand() -> None:
     ids = torch.tensor([[1, 2], [2, 6], [6, 1]])
     kw = {"w13": w13, "w2": w2, "scale13": None, "scale2": None, "ids": ids}
     assert weight_bytes("moe_experts", kw) == 3 * (6 * 5 + 5 * 3) * 4
+
+
+def test_k3_costs_by_hand() -> None:
+    """k3-tiny: D=64, 7 layers KKKMKMM (dense first), KDA 2 heads of 32 with the full-rank
+    gate, MLA 2 heads with q LoRA 32 and the output gate, 16 experts of I=32 on a latent of
+    32, top-4, two shared experts as one MLP of 64, AttnRes blocks of 3."""
+    m = roofline.model_costs(preset_config("k3-tiny"))
+    P, K, H = 64, 32, 2
+    kda = D * (3 * P + K + P + H) + K * P + P * D + 3 * P * 4
+    mla = D * 32 + 32 * 2 * 24 + D * (32 + 8) + 32 * 2 * (16 + 16) + 2 * 16 * D * 2
+    moe_row = 3 * D * 32 * 2 + D * 16 + 2 * D * 32
+    assert m.expert_params == 3 * 32 * 32
+    assert m.row_params == 4 * kda + 3 * mla + 6 * moe_row + 3 * D * 128
+    # sources per site: attention 0, 2, 2, 2, 3, 3, 3; MLP 2, 2, 2, 3, 3, 3, 4; final 4
+    assert m.attn_res_sources == 15 + 19 + 4
+    assert m.attn_res_flops == 6 * D * 38
+    per_row = 2 * m.active_row_params + 4 * 2 * 7 * 32 * 32 + 6 * D * 38
+    assert roofline.flops(m, 10, 1) == 10 * per_row + 2 * D * VOCAB
+    assert roofline.decode_step_bytes(m, 2, distinct_experts=5) == 4 * (
+        m.row_params + D * VOCAB + 6 * 5 * m.expert_params) + 2 * (4 * 2 * 32 * 32 * 8
+                                                                   + 4 * D * 38)
