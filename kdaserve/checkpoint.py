@@ -140,16 +140,21 @@ def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: i
                     dtype: str = "bfloat16", num_shards: int = 1,
                     with_tokenizer: bool = True, tokenizer: str | Path | None = None,
                     extra_special_tokens: tuple[str, ...] = (),
-                    chat_template: str | Path | None = None) -> Path:
+                    chat_template: str | Path | None = None,
+                    expert_format: str | None = None) -> Path:
     """Writes config.json, safetensors (sharded with an index when num_shards > 1) and, unless
     disabled, a Kimi-format tokenizer. Every tensor is random, decay and router bias included.
 
     `tokenizer`: a tokenizer folder to ship instead (e.g. the real Kimi tokenizer); the model's
     vocabulary and BOS/EOS/PAD ids then come from it, and `extra_special_tokens` get free
     reserved ids in its config (K3's `<|open|>`... tags on K2's tokenizer). `chat_template`: a
-    Jinja file saved as the checkpoint's `chat_template.jinja`."""
+    Jinja file saved as the checkpoint's `chat_template.jinja`. `expert_format="mxfp4"`: the
+    routed experts written as K3 ships them (packed MXFP4 with E8M0 scales, the
+    compressed-tensors quantization_config in config.json): the same random weights,
+    quantized."""
     config = preset if isinstance(preset, ModelConfig) else preset_config(preset)
-    config = replace(config, checkpoint_dtype=dtype)
+    config = replace(config, checkpoint_dtype=dtype,
+                     expert_format=expert_format or config.expert_format)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:
@@ -173,7 +178,7 @@ def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: i
             # A_log and dt_bias are fp32 in Moonshot's checkpoints, everything else bf16 (K3
             # also keeps the router bias, the short convs and KDA's output norm fp32)
             keep_fp32 = name.endswith(FP32_IN_K3 if config.tensor_prefix else FP32_TENSORS)
-            tensors[name] = t if keep_fp32 else t.to(torch_dtype)
+            tensors[name] = t if keep_fp32 or not t.is_floating_point() else t.to(torch_dtype)
             weight_map[name] = fname
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
     if num_shards > 1:

@@ -35,7 +35,7 @@ def _make_checkpoint(args: argparse.Namespace) -> None:
     path = make_checkpoint(args.out, args.preset, seed=args.seed, dtype=args.dtype,
                            num_shards=args.shards, with_tokenizer=not args.no_tokenizer,
                            tokenizer=args.tokenizer, extra_special_tokens=extra,
-                           chat_template=args.chat_template)
+                           chat_template=args.chat_template, expert_format=args.expert_format)
     print(f"wrote random-weight '{args.preset}' checkpoint to {path}")
 
 
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated special tokens given free reserved ids, e.g. K3's "
                         "'<|open|>,<|sep|>,<|close|>,<|end_of_msg|>'")
     m.add_argument("--chat-template", default=None, help="Jinja chat template file to include")
+    m.add_argument("--expert-format", default=None, choices=["mxfp4"],
+                   help="mxfp4: the routed experts packed as Kimi K3 ships them")
     m.set_defaults(func=_make_checkpoint)
 
     d = sub.add_parser("make-block-drafter",

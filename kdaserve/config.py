@@ -19,6 +19,8 @@ from kdaserve.hub_schema import (
     KDA,
     MLA,
     MOE,
+    MXFP4_GROUP,
+    expert_format_of,
     hub_dict,
     k3_fields,
     layer_types_of,
@@ -79,6 +81,9 @@ class ModelConfig:
     # "language_model." for K3's KimiK3ForConditionalGeneration checkpoints
     tensor_prefix: str = ""
     has_vision_tower: bool = False  # the checkpoint also holds a vision tower
+    # "mxfp4": the routed experts stored (and held) as compressed-tensors' packed MXFP4
+    # (kernels/ref/mxfp4.py); None: stored as floats
+    expert_format: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +120,15 @@ class ModelConfig:
                 f"moe_router_activation_func={self.router_activation!r} is not supported "
                 "(sigmoid or softmax)"
             )
+        if self.expert_format not in (None, "mxfp4"):
+            raise ValueError(f"expert_format={self.expert_format!r} is not supported (mxfp4)")
+        if self.expert_format == "mxfp4":
+            width = self.routed_expert_hidden_size or self.hidden_size
+            for name, n in (("the experts' input width", width),
+                            ("moe_intermediate_size", self.moe_intermediate_size)):
+                if n % MXFP4_GROUP:
+                    raise ValueError(f"MXFP4 experts: {name} = {n} is not a multiple of "
+                                     f"{MXFP4_GROUP}")
 
     # ---- derived sizes (properties, never stored) ----
     @property
@@ -171,6 +185,7 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         text, vision = text_config_of(raw)
         wrapped = text is not raw
+        expert_format = expert_format_of(text) or expert_format_of(raw)
         raw = text
         reject_unsupported(raw)
         n = require(raw, "num_hidden_layers")
@@ -217,6 +232,7 @@ class ModelConfig:
             checkpoint_dtype=raw.get("torch_dtype", raw.get("dtype")) or "bfloat16",
             tensor_prefix="language_model." if wrapped else "",
             has_vision_tower=vision,
+            expert_format=expert_format,
             **k3,
         )
 

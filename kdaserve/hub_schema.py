@@ -31,6 +31,60 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
 }
 
 
+# compressed-tensors' MXFP4 as K3 ships it (k3_spec.md 5.2): what `expert_format_of` accepts
+# field by field, and what `hub_dict` writes for a checkpoint with MXFP4 experts
+MXFP4_GROUP = 32  # input elements per E8M0 scale (kernels/ref/mxfp4.py)
+MXFP4_WEIGHTS: dict[str, Any] = {
+    "num_bits": 4, "type": "float", "strategy": "group", "group_size": MXFP4_GROUP,
+    "symmetric": True, "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": None,
+    "actorder": None, "block_structure": None, "observer": "minmax"}
+MXFP4_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+    "quantization_status": "compressed", "kv_cache_scheme": None,
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": MXFP4_WEIGHTS,
+                                  "input_activations": None, "output_activations": None}},
+    "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
+               "re:.*vision_tower.*", "re:.*mm_projector.*"]}
+_MXFP4_OPTIONAL = {"observer", "observer_kwargs", "actorder", "block_structure", "zp_dtype"}
+
+
+def expert_format_of(raw: dict[str, Any]) -> str | None:
+    """"mxfp4" for a `quantization_config` that is compressed-tensors' MXFP4 (only the routed
+    experts are packed; which tensors are is read per tensor, from `weight_packed`), None
+    without one; any other quantization is refused, naming the field and its value."""
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+
+    def refuse(field: str, value: Any) -> ValueError:
+        return ValueError(f"config.json: quantization_config.{field}={value!r} is not "
+                          "supported (compressed-tensors mxfp4-pack-quantized only)")
+
+    for key in ("quant_method", "format"):
+        if q.get(key) != MXFP4_CONFIG[key]:
+            raise refuse(key, q.get(key))
+    if q.get("quantization_status", "compressed") != "compressed":
+        raise refuse("quantization_status", q.get("quantization_status"))
+    if q.get("kv_cache_scheme") is not None:
+        raise refuse("kv_cache_scheme", q["kv_cache_scheme"])
+    groups = q.get("config_groups") or {}
+    if not groups:
+        raise refuse("config_groups", groups)
+    for name, group in groups.items():
+        for act in ("input_activations", "output_activations"):
+            if group.get(act) is not None:
+                raise refuse(f"config_groups.{name}.{act}", group[act])
+        weights = group.get("weights") or {}
+        for key, want in MXFP4_WEIGHTS.items():
+            got = weights.get(key, want if key in _MXFP4_OPTIONAL else None)
+            if key == "scale_dtype" and got in ("uint8", "torch.uint8"):
+                continue
+            if got != want and not (key in _MXFP4_OPTIONAL and key != "zp_dtype"):
+                raise refuse(f"config_groups.{name}.weights.{key}", got)
+    return "mxfp4"
+
+
 def require(raw: dict[str, Any], key: str) -> Any:
     if key not in raw or raw[key] is None:
         raise ValueError(f"config.json: required field {key!r} is missing")
@@ -204,6 +258,8 @@ def hub_dict(c: ModelConfig) -> dict[str, Any]:
         lac["gate_lower_bound"] = c.kda_gate_lower_bound
     if c.kda_full_rank_gate:
         lac["use_full_rank_gate"] = True
+    if c.expert_format == "mxfp4":
+        text["quantization_config"] = MXFP4_CONFIG
     if not c.tensor_prefix:
         return text
     if c.tensor_prefix != "language_model.":

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kdaserve.config import ModelConfig
+from kdaserve.hub_schema import MXFP4_GROUP
 from kdaserve.kernels import Kernels
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.norm import RMSNorm
@@ -96,14 +97,31 @@ class MoE(nn.Module):
         # One shared expert as wide as a routed one can ride in the experts kernel as expert
         # E (see Kernels.fuse_shared_expert); under expert parallelism each rank runs it on
         # its own tokens, outside the routed exchange, so it stays a dense MLP there.
+        self.mxfp4 = config.expert_format == "mxfp4"
         self.shared_slot = E if (kernels.fuse_shared_expert and config.num_shared_experts == 1
-                                 and ep.size == 1 and latent is None) else None
+                                 and ep.size == 1 and latent is None and not self.mxfp4) else None
         rows = E + (self.shared_slot is not None)
-        self.w13 = nn.Parameter(torch.empty(rows, 2 * inter, Dx))
-        self.w2 = nn.Parameter(torch.empty(rows, Dx, inter))
-        # weight-only int8: per-row fp32 scales of w13 [E, 2I] and w2 [E, D]
-        self.w13_scale: torch.Tensor | None = None
-        self.w2_scale: torch.Tensor | None = None
+        if self.mxfp4:
+            # held as shipped (kernels/ref/mxfp4.py): codes two to a byte along the input,
+            # an E8M0 scale per 32 inputs; a TP rank's share of the intermediate rows must
+            # keep whole scale groups in w2
+            if inter % MXFP4_GROUP:
+                raise ValueError(f"MXFP4 experts: moe_intermediate_size / tp_size = {inter} "
+                                 f"is not a multiple of {MXFP4_GROUP}")
+            self.w13 = nn.Parameter(torch.empty(rows, 2 * inter, Dx // 2, dtype=torch.uint8),
+                                    requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(rows, Dx, inter // 2, dtype=torch.uint8),
+                                   requires_grad=False)
+            self.register_buffer("w13_scale", torch.empty(
+                rows, 2 * inter, Dx // MXFP4_GROUP, dtype=torch.uint8), persistent=False)
+            self.register_buffer("w2_scale", torch.empty(
+                rows, Dx, inter // MXFP4_GROUP, dtype=torch.uint8), persistent=False)
+        else:
+            self.w13 = nn.Parameter(torch.empty(rows, 2 * inter, Dx))
+            self.w2 = nn.Parameter(torch.empty(rows, Dx, inter))
+            # weight-only int8: per-row fp32 scales of w13 [E, 2I] and w2 [E, D]
+            self.w13_scale: torch.Tensor | None = None
+            self.w2_scale: torch.Tensor | None = None
         situ = situ_of(config)
         self.shared_experts = MLP(D, shared, kernels, tp, situ) \
             if shared and self.shared_slot is None else None
@@ -117,7 +135,7 @@ class MoE(nn.Module):
 
     def checkpoint_tensors(self, prefix: str) -> dict[str, Destination | None]:
         """None: an expert another rank holds (in the checkpoint, not read here)."""
-        inter = self.w2.shape[-1]
+        inter = self.w13.shape[1] // 2
         shard = self.tp.shard
         views: dict[str, Destination | None] = {
             f"{prefix}gate.weight": self.gate_weight,
@@ -128,15 +146,21 @@ class MoE(nn.Module):
             if m is not None:
                 views[f"{prefix}{name}.weight"] = self.tp.shard(m.weight, 1) \
                     if m is self.up_proj else m.weight
+        # MXFP4: each weight as its packed codes and its scales, sliced alike
+        parts = [("weight_packed", self.w13.data, self.w2.data),
+                 ("weight_scale", self.w13_scale, self.w2_scale)] if self.mxfp4 else \
+            [("weight", self.w13.data, self.w2.data)]
         for e in range(self.config.num_experts):
-            names = [f"{prefix}experts.{e}.{w}.weight" for w in ("w1", "w3", "w2")]
-            if e not in self.local:
-                views.update(dict.fromkeys(names))
-                continue
-            i = e - self.local.start
-            views[names[0]] = shard(self.w13.data[i, :inter], 0)
-            views[names[1]] = shard(self.w13.data[i, inter:], 0)
-            views[names[2]] = shard(self.w2.data[i], 1)
+            for suffix, w13, w2 in parts:
+                names = [f"{prefix}experts.{e}.{w}.{suffix}" for w in ("w1", "w3", "w2")]
+                if e not in self.local:
+                    views.update(dict.fromkeys(names))
+                    continue
+                i = e - self.local.start
+                assert w13 is not None and w2 is not None
+                views[names[0]] = shard(w13[i, :inter], 0)
+                views[names[1]] = shard(w13[i, inter:], 0)
+                views[names[2]] = shard(w2[i], 1)
         if self.shared_experts is not None:
             views.update(self.shared_experts.checkpoint_tensors(f"{prefix}shared_experts."))
         elif self.shared_slot is not None:

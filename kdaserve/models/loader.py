@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 
 from kdaserve.config import ModelConfig
+from kdaserve.hub_schema import MXFP4_GROUP
 from kdaserve.kernels import Kernels
 from kdaserve.kernels.host_memory import advise_huge_pages
+from kdaserve.kernels.ref.mxfp4 import quantize_mxfp4
 from kdaserve.kernels.ref.quant import quantize_int8
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import MLAttention
@@ -32,6 +34,7 @@ from kdaserve.layers.parallel import (
     Shard,
     TensorParallel,
     full_shape,
+    tensor_of,
 )
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
@@ -39,7 +42,7 @@ Progress = Callable[[int, int], None]  # (bytes read so far, bytes in all)
 
 DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-    "I64": torch.int64, "I32": torch.int32,
+    "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8,  # U8: MXFP4 experts
 }
 
 
@@ -87,6 +90,21 @@ def canonical_name(name: str) -> str:
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 
+def _unexpected(model: KimiLinearForCausalLM, raw_name: str, file: str) -> str:
+    """Why a checkpoint tensor has no place in the model, with MXFP4's cases named."""
+    if raw_name.endswith((".weight_packed", ".weight_scale")):
+        if ".experts." not in raw_name:
+            return (f"tensor {raw_name!r} in {file}: an MXFP4-packed tensor outside the routed "
+                    "experts is not supported")
+        if model.config.expert_format != "mxfp4":
+            return (f"tensor {raw_name!r} in {file}: packed MXFP4 experts, but config.json "
+                    "has no MXFP4 quantization_config")
+    if model.config.expert_format == "mxfp4" and ".experts." in raw_name:
+        return (f"tensor {raw_name!r} in {file}: config.json says the routed experts are "
+                "MXFP4 (weight_packed and weight_scale), this one is not")
+    return f"unexpected tensor {raw_name!r} in {file}"
+
+
 def _plan(model: KimiLinearForCausalLM, path: Path, skip: tuple[str, ...] = (),
           ) -> list[tuple[Path, int, list[tuple[str, dict, Destination]]]]:
     """Every tensor of the checkpoint checked against the model (known name, once, its shape,
@@ -104,7 +122,7 @@ def _plan(model: KimiLinearForCausalLM, path: Path, skip: tuple[str, ...] = (),
                 continue
             name = canonical_name(raw_name)
             if name not in views:
-                raise ValueError(f"unexpected tensor {raw_name!r} in {file.name}")
+                raise ValueError(_unexpected(model, raw_name, file.name))
             if name in seen:
                 raise ValueError(f"tensor {raw_name!r} appears twice in the checkpoint")
             dest = views[name]
@@ -118,6 +136,9 @@ def _plan(model: KimiLinearForCausalLM, path: Path, skip: tuple[str, ...] = (),
                                  f"expected {list(full_shape(dest))}")
             if meta["dtype"] not in DTYPES:
                 raise ValueError(f"tensor {raw_name!r} has unsupported dtype {meta['dtype']}")
+            if (meta["dtype"] == "U8") != (tensor_of(dest).dtype == torch.uint8):
+                raise ValueError(f"tensor {raw_name!r} has dtype {meta['dtype']}, expected "
+                                 f"{tensor_of(dest).dtype}")
             begin, end = meta["data_offsets"]
             if not 0 <= begin <= end or data_start + end > size:
                 raise ValueError(f"tensor {raw_name!r}: file truncated ({file.name})")
@@ -213,6 +234,13 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     Scales keep activations O(1) through the tiny test models, so logits are spread out and
     greedy parity is not decided by near-ties. Decay parameters follow fla's initialisation.
     """
+    if name.endswith((".weight_packed", ".weight_scale")):
+        # MXFP4: the float weight this name's weight would hold, quantized (so a preset with
+        # MXFP4 experts is its float self, rounded)
+        rows, cols = shape[:-1], shape[-1] * (2 if name.endswith("packed") else MXFP4_GROUP)
+        packed, scales = quantize_mxfp4(random_tensor(name.rsplit(".", 1)[0] + ".weight",
+                                                      (*rows, cols), seed))
+        return packed if name.endswith("packed") else scales
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     if name.endswith("A_log"):
         return torch.empty(shape).uniform_(1.0, 16.0, generator=g).log()
@@ -269,6 +297,8 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
     matmul_weights = {id(m.weight) for m in streamed_linears(model)}
     matmul_weights |= {id(p) for m in model.modules() if isinstance(m, MoE) for p in (m.w13, m.w2)}
     for n, p in model.named_parameters():
+        if not p.is_floating_point():  # MXFP4 experts: held as stored
+            continue
         target = p.dtype if n.endswith(fp32_suffixes) else \
             weight_dtype or dtype if id(p) in matmul_weights else dtype
         if p.dtype != target:  # nothing to convert: the values come next

@@ -111,3 +111,22 @@ def test_k3_small_matches_mlx(tmp_path: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == [mlx_k3.greedy(ref, p, 8) for p in prompts]
+
+
+def test_mxfp4_experts_match_mlx(tmp_path: Path) -> None:
+    """K3's routed experts as they ship (compressed-tensors MXFP4: packed codes and E8M0
+    scales, the quantization_config in text_config), held packed, against mlx-lm reading the
+    same packed tensors: prefill logits, batched greedy tokens."""
+    path = make_checkpoint(tmp_path / "k3-mxfp4", "k3-tiny", seed=3, dtype="float32",
+                           expert_format="mxfp4")
+    llm, ref = LLM(path), mlx_k3.load(path)
+    moe = llm.model.layers[1].mlp
+    assert moe.w13.dtype == moe.w13_scale.dtype == torch.uint8  # held as shipped
+    assert moe.w13.shape[-1] * 2 == moe.w13_scale.shape[-1] * 32 == llm.config.hidden_size // 2
+    prompts = [clear_prompt(llm, n, seed=n, continuation=8) for n in (7, 30, 61)]
+    for ids in prompts:
+        ours, theirs = llm.prefill_logits(ids), mlx_k3.logits(ref, ids)
+        assert (ours - theirs).abs().max().item() < 1e-4 * max(1.0, theirs.abs().max().item())
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in outs] == [mlx_k3.greedy(ref, p, 8) for p in prompts]

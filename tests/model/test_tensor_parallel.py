@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
+from kdaserve.checkpoint import make_checkpoint
 from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import resolve_kernels
@@ -66,10 +67,18 @@ def _rank_main(rank: int, size: int, port: int, ckpt: str, result: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(params=["tiny", "k3"])
+@pytest.fixture(scope="module")
+def k3_mxfp4_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """k3-small with MXFP4 experts: each rank holds the packed rows and the scale columns of
+    its share of the intermediate size (64 / 2 = one scale group)."""
+    return make_checkpoint(tmp_path_factory.mktemp("k3-mxfp4"), "k3-small", seed=2,
+                           dtype="float32", expert_format="mxfp4")
+
+
+@pytest.fixture(params=["tiny", "k3", "k3_mxfp4"])
 def ckpt(request: pytest.FixtureRequest) -> Path:
     """Kimi Linear, and K3 (its KDA heads with the stored-longer A_log, the LatentMoE's
-    latent sums reduced before their norm, AttnRes)."""
+    latent sums reduced before their norm, AttnRes), with float and MXFP4 experts."""
     return request.getfixturevalue(f"{request.param}_ckpt")
 
 

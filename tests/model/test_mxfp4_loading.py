@@ -1,0 +1,116 @@
+"""Loading K3's MXFP4 experts: the quantization_config read field by field (anything but
+compressed-tensors' mxfp4-pack-quantized refused, naming the field and value), packing read
+per tensor (a packed tensor outside the routed experts, packed experts without the config,
+float experts under it: each refused by name), the experts held packed at about 0.53 bytes a
+parameter, and `load_format="dummy"` and tensor parallelism giving the same packed values."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kdaserve import LLM
+from kdaserve.checkpoint import make_checkpoint
+from kdaserve.config import ModelConfig
+from kdaserve.hub_schema import MXFP4_CONFIG, expert_format_of
+from kdaserve.kernels import resolve_kernels
+from kdaserve.layers.moe import MoE
+from kdaserve.layers.parallel import TensorParallel
+from kdaserve.models.loader import build_model
+
+
+@pytest.fixture(scope="module")
+def mxfp4_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("k3-mxfp4"), "k3-tiny", seed=3,
+                           expert_format="mxfp4")
+
+
+def _with(path: dict, value: object) -> dict:
+    q = copy.deepcopy(MXFP4_CONFIG)
+    *keys, last = path
+    node = q
+    for k in keys:
+        node = node[k]
+    node[last] = value
+    return q
+
+
+@pytest.mark.parametrize("path,value,field", [
+    (("format",), "nvfp4-pack-quantized", "format"),
+    (("quant_method",), "fp8", "quant_method"),
+    (("config_groups", "group_0", "weights", "group_size"), 16, "group_size"),
+    (("config_groups", "group_0", "weights", "num_bits"), 8, "num_bits"),
+    (("config_groups", "group_0", "weights", "scale_dtype"), "torch.float16", "scale_dtype"),
+    (("config_groups", "group_0", "weights", "symmetric"), False, "symmetric"),
+    (("config_groups", "group_0", "input_activations"), {"num_bits": 8}, "input_activations"),
+    (("kv_cache_scheme",), {"num_bits": 8}, "kv_cache_scheme"),
+])
+def test_other_quantizations_are_refused_by_name(path: tuple, value: object, field: str) -> None:
+    assert expert_format_of({"quantization_config": MXFP4_CONFIG}) == "mxfp4"
+    with pytest.raises(ValueError, match=f"{field}.*{value!r}".replace("(", r"\(")):
+        expert_format_of({"quantization_config": _with(path, value)})
+
+
+def _rewrite(src: Path, dst: Path, edit_tensors=None, edit_config=None) -> Path:  # noqa: ANN001
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors" and edit_tensors is not None:
+            tensors = load_file(str(f))
+            edit_tensors(tensors)
+            save_file(tensors, str(dst / f.name))
+        elif f.name == "config.json" and edit_config is not None:
+            config = json.loads(f.read_text())
+            edit_config(config)
+            (dst / f.name).write_text(json.dumps(config))
+        else:
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_packing_is_read_per_tensor(mxfp4_ckpt: Path, k3_ckpt: Path, tmp_path: Path) -> None:
+    def pack_a_norm(t: dict) -> None:
+        t["language_model.model.norm.weight_packed"] = torch.zeros(32, dtype=torch.uint8)
+
+    bad = _rewrite(mxfp4_ckpt, tmp_path / "a", edit_tensors=pack_a_norm)
+    with pytest.raises(ValueError, match="outside the routed experts"):
+        LLM(bad)
+    no_config = _rewrite(mxfp4_ckpt, tmp_path / "b", edit_config=lambda c: c[
+        "text_config"].pop("quantization_config"))
+    with pytest.raises(ValueError, match="no MXFP4 quantization_config"):
+        LLM(no_config)
+    # float experts (k3_ckpt is k3-tiny too) under an MXFP4 config
+    float_experts = _rewrite(k3_ckpt, tmp_path / "c", edit_config=lambda c: c[
+        "text_config"].update(quantization_config=MXFP4_CONFIG))
+    with pytest.raises(ValueError, match="routed experts are MXFP4"):
+        LLM(float_experts)
+
+    def codes_as_float(t: dict) -> None:
+        name = next(n for n in t if n.endswith("w1.weight_packed"))
+        t[name] = t[name].float()
+
+    with pytest.raises(ValueError, match="dtype F32, expected torch.uint8"):
+        LLM(_rewrite(mxfp4_ckpt, tmp_path / "d", edit_tensors=codes_as_float))
+
+
+def test_experts_held_packed_and_dummy_and_tp_agree(mxfp4_ckpt: Path) -> None:
+    config = ModelConfig.from_pretrained(mxfp4_ckpt)
+    assert config.expert_format == "mxfp4"
+    cpu = torch.device("cpu")
+    kernels = resolve_kernels(cpu, features=config.kernel_features)
+    loaded = build_model(config, kernels, torch.float32, cpu, mxfp4_ckpt)
+    dummy = build_model(config, kernels, torch.float32, cpu, None, load_format="dummy", seed=3)
+    moes = [m for m in loaded.modules() if isinstance(m, MoE)]
+    for m, d in zip(moes, (m for m in dummy.modules() if isinstance(m, MoE)), strict=True):
+        assert torch.equal(m.w13, d.w13) and torch.equal(m.w2_scale, d.w2_scale)
+        params = m.w13.numel() * 2 + m.w2.numel() * 2
+        held = sum(t.numel() for t in (m.w13, m.w2, m.w13_scale, m.w2_scale))
+        assert held / params == pytest.approx(0.5 + 1 / 32)  # 0.53 bytes a parameter
+    # two TP ranks hold the packed rows and scale columns of their intermediate shares
+    # (moe_intermediate_size 32 is one scale group: a TP rank's 16 would split it)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        build_model(config, kernels, torch.float32, cpu, mxfp4_ckpt, tp=TensorParallel(0, 2))
