@@ -99,18 +99,24 @@ def test_vision_tower_needs_language_model_only(k3_ckpt: Path, tmp_path: Path,
     assert torch.equal(text_only.prefill_logits(ids), k3_llm.prefill_logits(ids))
 
 
-def test_k3_small_matches_mlx(tmp_path: Path) -> None:
-    """The suite's widest K3 (hidden 128, blocks of 4 in 10 layers, 32 experts top-8), bf16
-    in fp32: prefill logits and batched greedy tokens against mlx-lm."""
-    path = make_checkpoint(tmp_path / "k3-small", "k3-small", seed=5, dtype="float32")
-    llm, ref = LLM(path), mlx_k3.load(path)
-    prompts = [clear_prompt(llm, n, seed=n, continuation=8) for n in (9, 50)]
+def matches_mlx(llm: LLM, ref, prompts: list[list[int]]) -> None:  # noqa: ANN001
+    """Each prompt's prefill logits within 1e-4 of mlx-lm's, and the batch's greedy tokens
+    (generated together) equal to mlx-lm's cached decode of each alone."""
     for ids in prompts:
         ours, theirs = llm.prefill_logits(ids), mlx_k3.logits(ref, ids)
         assert (ours - theirs).abs().max().item() < 1e-4 * max(1.0, theirs.abs().max().item())
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.token_ids for o in outs] == [mlx_k3.greedy(ref, p, 8) for p in prompts]
+
+
+def test_k3_small_matches_mlx(tmp_path: Path) -> None:
+    """The suite's widest K3 (hidden 128, blocks of 4 in 10 layers, 32 experts top-8), in
+    fp32: prefill logits and batched greedy tokens against mlx-lm."""
+    path = make_checkpoint(tmp_path / "k3-small", "k3-small", seed=5, dtype="float32")
+    llm, ref = LLM(path), mlx_k3.load(path)
+    prompts = [clear_prompt(llm, n, seed=n, continuation=8) for n in (9, 50)]
+    matches_mlx(llm, ref, prompts)
 
 
 def test_mxfp4_experts_match_mlx(tmp_path: Path) -> None:
@@ -124,9 +130,4 @@ def test_mxfp4_experts_match_mlx(tmp_path: Path) -> None:
     assert moe.w13.dtype == moe.w13_scale.dtype == torch.uint8  # held as shipped
     assert moe.w13.shape[-1] * 2 == moe.w13_scale.shape[-1] * 32 == llm.config.hidden_size // 2
     prompts = [clear_prompt(llm, n, seed=n, continuation=8) for n in (7, 30, 61)]
-    for ids in prompts:
-        ours, theirs = llm.prefill_logits(ids), mlx_k3.logits(ref, ids)
-        assert (ours - theirs).abs().max().item() < 1e-4 * max(1.0, theirs.abs().max().item())
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    assert [o.token_ids for o in outs] == [mlx_k3.greedy(ref, p, 8) for p in prompts]
+    matches_mlx(llm, ref, prompts)
