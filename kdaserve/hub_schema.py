@@ -262,6 +262,9 @@ def hub_dict(c: ModelConfig) -> dict[str, Any]:
         text["quantization_config"] = MXFP4_CONFIG
     if not c.tensor_prefix:
         return text
+    # K3's released value (k3_spec.md 3.2); its MLA has no rotary, so nothing here reads it,
+    # but readers of the format do (llama.cpp's converter: context_length)
+    text["max_position_embeddings"] = 1048576
     if c.tensor_prefix != "language_model.":
         raise ValueError(f"no hub schema writes tensor prefix {c.tensor_prefix!r}")
     if c.has_vision_tower:
