@@ -156,6 +156,8 @@ class ModelConfig:
             needs.add("kda_lower_bound")
         if self.hidden_act == "situ" and MOE in self.mlp_types:
             needs.add("situ")
+        if self.expert_format == "mxfp4" and MOE in self.mlp_types:
+            needs.add("mxfp4")
         return frozenset(needs)
 
     @property

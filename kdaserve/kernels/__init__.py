@@ -7,7 +7,7 @@ decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `m
 `situ_mul` (SiTU-GLU) and `attn_res_norm` (the Attention Residuals mix and the RMSNorm after
 it). A model that needs more of an
 op than its base contract asks for a feature (`FEATURE_OPS`: K3's KDA gate, SiTU inside the
-experts) and gets only backends that declare it.
+experts, MXFP4 experts) and gets only backends that declare it.
 Every op has a `ref` backend (plain torch, the oracle); `cpu` is batched torch for decode
 shapes; `native` is C++ compiled for the host on first use; `triton` runs fla-core's Triton
 KDA kernels and our short conv, router, fused MoE and paged MLA on CUDA; `batch_invariant`
@@ -59,6 +59,7 @@ BATCH_INVARIANT = "batch_invariant"
 FEATURE_OPS: dict[str, tuple[str, ...]] = {
     "kda_lower_bound": ("kda_chunk", "kda_recurrent", "kda_decode"),
     "situ": ("moe_experts",),
+    "mxfp4": ("moe_experts",),  # MXFP4 experts: uint8 w13 / w2 with E8M0 group scales
 }
 _K3_GATE = frozenset({"kda_lower_bound"})
 # the batch-invariant backend has every K3 feature of the ops it covers
@@ -72,7 +73,7 @@ registry.register("kda_decode", "ref", kda_decode_ref, features=_K3_GATE)
 registry.register("short_conv", "ref", short_conv_ref)
 registry.register("mla_attention", "ref", mla_attention_ref)
 registry.register("moe_route", "ref", moe_route_ref)
-registry.register("moe_experts", "ref", moe_experts_ref, features=frozenset({"situ"}))
+registry.register("moe_experts", "ref", moe_experts_ref, features=frozenset({"situ", "mxfp4"}))
 registry.register("rms_norm", "ref", rms_norm_ref)
 registry.register("gated_rmsnorm", "ref", gated_rmsnorm)
 registry.register("silu_mul", "ref", silu_mul_ref)
@@ -130,9 +131,10 @@ registry.register("kda_chunk", "native_wy", kda_chunk_native_wy, priority=15, su
                   features=_K3_GATE)
 registry.register("mla_attention", "native", mla_attention_native, priority=20,
                   supports=_native)
-registry.register("moe_experts", "cpu", moe_experts_cpu, priority=10, supports=_cpu_only)
+registry.register("moe_experts", "cpu", moe_experts_cpu, priority=10, supports=_cpu_only,
+                  features=frozenset({"mxfp4"}))  # dequantizes the experts a batch touches
 registry.register("moe_experts", "native", moe_experts_native, priority=20, supports=_native,
-                  features=frozenset({"situ"}))
+                  features=frozenset({"situ", "mxfp4"}))
 registry.register("moe_route", "native", moe_route_native, priority=20, supports=_native)
 registry.register("silu_mul", "native", silu_mul_native, priority=20, supports=_native)
 registry.register("situ_mul", "native", situ_mul_native, priority=20, supports=_native)

@@ -86,3 +86,27 @@ def test_quantize_round_trip_error() -> None:
     assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(back)), back)
     zero_packed, zero_scales = quantize_mxfp4(torch.zeros(1, GROUP))
     assert zero_scales.item() == 0 and not zero_packed.any()
+
+
+@pytest.mark.parametrize("situ", [None, (4.0, 25.0)], ids=["swiglu", "situ"])
+@pytest.mark.parametrize("tokens", [1, 3, 5, 40])
+def test_native_experts_are_the_reference(tokens: int, situ: tuple | None) -> None:
+    """The native MXFP4 experts (csrc/mxfp4_cpu.cpp) against dequantize-then-matmul: streamed
+    (an expert with up to 4 tokens) and widened (more), widths of 3 groups (D 96, I 160: row
+    blocks with tails), SwiGLU and SiTU."""
+    from kdaserve.kernels.native.build import available
+    from kdaserve.kernels.native.ops import moe_experts_native
+    from kdaserve.kernels.ref.moe import moe_experts_ref
+
+    if not available()[0]:
+        pytest.skip(f"no native library: {available()[1]}")
+    g = torch.Generator().manual_seed(tokens)
+    E, D, inter, k = 6, 96, 160, 3
+    x = torch.randn(tokens, D, generator=g)
+    w13, s13 = quantize_mxfp4(torch.randn(E, 2 * inter, D, generator=g))
+    w2, s2 = quantize_mxfp4(torch.randn(E, D, inter, generator=g) / inter ** 0.5)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g)
+    want = moe_experts_ref(x, weights, ids, w13, w2, s13, s2, situ=situ)
+    got = moe_experts_native(x, weights, ids, w13, w2, s13, s2, situ=situ)
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)

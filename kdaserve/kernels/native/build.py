@@ -43,7 +43,8 @@ class Library:
 
 LIBRARIES = {
     "kda_cpu": Library(("kda_cpu.cpp", "kda_chunked_cpu.cpp", "gemm_cpu.cpp", "moe_cpu.cpp",
-                        "mla_cpu.cpp", "elementwise_cpu.cpp", "decode_step.cpp", "amx_cpu.cpp"),
+                        "mla_cpu.cpp", "elementwise_cpu.cpp", "decode_step.cpp", "amx_cpu.cpp",
+                        "mxfp4_cpu.cpp"),
                        (), {
         "kda_decode_f32": [_P] * 13 + [_I] * 5 + [_F, _F],
         "kda_prefill_f32": [_P] * 3 + [_I] * 3 + [_P] * 2 + [_I] + [_P] * 7 + [_I] * 5
@@ -65,6 +66,7 @@ LIBRARIES = {
         "moe_experts_bf16w": [_P] * 6 + [_I] * 6 + [_F, _F],
         "linear_small_int8w": [_P] * 4 + [_I] * 3,
         "moe_experts_int8w": [_P] * 8 + [_I] * 6 + [_F, _F],
+        "moe_experts_mxfp4": [_P] * 8 + [_I] * 5 + [_F, _F],
         "moe_route_f32": [_P] * 4 + [_I] * 7 + [_F],
         "silu_mul_f32": [_P] * 2 + [_I] * 2,
         "situ_mul_f32": [_P] * 2 + [_I] * 2 + [_F, _F],

@@ -1,0 +1,233 @@
+// Routed experts with MXFP4 weights (kernels/ref/mxfp4.py: E2M1 codes two to a byte along
+// the input, the low nibble the even element, one E8M0 scale per 32 inputs) against fp32
+// activations: K3's experts as they ship, read at 0.53 bytes a parameter. Built into the
+// kda_cpu library (build.py); `moe_experts_mxfp4`'s contract is `moe_experts_ref`'s with
+// uint8 weights, tested against it (dequantize, then the products).
+//
+// A group of 32 weights is 16 bytes. Each byte's two codes go to two vectors (even and odd
+// elements), looked up in registers (a 16-entry table: one permute per 16 codes on AVX-512;
+// the 8 magnitudes and a sign bit on AVX2), multiplied by the token's x split the same way
+// (even and odd elements, split once per call), and the group's sum is scaled once: two FMAs
+// and one multiply-add per 32 weights and token, no widened copy of the weights. An expert's
+// tokens go kStreamRows at a time over each block of 32 weight rows (in L2 after the first).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#include "tiles.h"
+#include "vmath.h"
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kStreamRows = 4;  // tokens against each weight row at once (registers)
+constexpr int64_t kRowBlock = 32;   // weight rows per task
+constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// 2^(s - 127) for every E8M0 code, exact: 0 is the subnormal 2^-127, 255 infinity (as
+// compressed-tensors' decompression and the reference give)
+struct ScaleTable {
+  float v[256];
+  ScaleTable() {
+    for (int s = 0; s < 256; ++s) {
+      const uint32_t bits = s == 0 ? 0x00400000u : static_cast<uint32_t>(s) << 23;
+      std::memcpy(&v[s], &bits, 4);
+    }
+  }
+};
+const ScaleTable kScale;
+
+// x [K] -> xs [K]: per group of 32, its 16 even elements then its 16 odd ones (the order
+// the codes come out of a byte run)
+inline void split_even_odd(const float* x, float* xs, int64_t K) {
+  for (int64_t g = 0; g < K; g += kGroup)
+    for (int64_t i = 0; i < kGroup / 2; ++i) {
+      xs[g + i] = x[g + 2 * i];
+      xs[g + kGroup / 2 + i] = x[g + 2 * i + 1];
+    }
+}
+
+// y[m] (m < M <= kStreamRows) = the row (K / 2 bytes, K / 32 scales) . x_m, x split by
+// split_even_odd
+template <int M>
+inline void dot_row(const uint8_t* __restrict w, const uint8_t* __restrict s,
+                    const float* __restrict xs, int64_t K, float* y, int64_t ldy) {
+  float total[M] = {};
+#if defined(__AVX512F__)
+  const __m512 table = _mm512_loadu_ps(kE2M1);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    __builtin_prefetch(w + g * 16 + 512, 0, 3);
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16)));
+    const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table);
+    const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+    const __m512 scale = _mm512_set1_ps(kScale.v[s[g]]);
+    for (int m = 0; m < M; ++m) {
+      const float* xg = xs + m * K + g * kGroup;
+      const __m512 part = _mm512_fmadd_ps(odd, _mm512_loadu_ps(xg + 16),
+                                          _mm512_mul_ps(even, _mm512_loadu_ps(xg)));
+      acc[m] = _mm512_fmadd_ps(part, scale, acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) total[m] = _mm512_reduce_add_ps(acc[m]);
+#elif defined(__AVX2__)
+  const __m256 mags = _mm256_loadu_ps(kE2M1);
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  const auto lookup = [&](__m256i c) {  // 8 codes: magnitude by permute, then the sign bit
+    const __m256 mag = _mm256_permutevar8x32_ps(mags, _mm256_and_si256(c, _mm256_set1_epi32(7)));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
+    return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));
+  };
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    __builtin_prefetch(w + g * 16 + 512, 0, 3);
+    const __m256 scale = _mm256_set1_ps(kScale.v[s[g]]);
+    for (int half = 0; half < 2; ++half) {  // bytes 0-7: elements 0-15; 8-15: 16-31
+      const __m256i v = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + g * 16 + half * 8)));
+      const __m256 even = lookup(v), odd = lookup(_mm256_srli_epi32(v, 4));
+      for (int m = 0; m < M; ++m) {
+        const float* xg = xs + m * K + g * kGroup + half * 8;
+        const __m256 part = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xg + 16),
+                                            _mm256_mul_ps(even, _mm256_loadu_ps(xg)));
+        acc[m] = _mm256_fmadd_ps(part, scale, acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[m]);
+    for (float l : lanes) total[m] += l;
+  }
+#else
+  for (int64_t g = 0; g < K / kGroup; ++g)
+    for (int m = 0; m < M; ++m) {
+      float part = 0.0f;
+      for (int64_t i = 0; i < kGroup / 2; ++i) {
+        const uint8_t b = w[g * 16 + i];
+        part += kE2M1[b & 15] * xs[m * K + g * kGroup + i] +
+                kE2M1[b >> 4] * xs[m * K + g * kGroup + 16 + i];
+      }
+      total[m] += part * kScale.v[s[g]];
+    }
+#endif
+  for (int m = 0; m < M; ++m) y[m * ldy] = total[m];
+}
+
+// rows [r0, r1) of a weight [N, K] (packed w, scales s) against M split x rows
+inline void stream_rows(const uint8_t* w, const uint8_t* s, const float* xs, int64_t M,
+                        int64_t K, float* y, int64_t ldy, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wr = w + r * (K / 2);
+    const uint8_t* sr = s + r * (K / kGroup);
+    switch (M) {
+      case 1: dot_row<1>(wr, sr, xs, K, y + r, ldy); break;
+      case 2: dot_row<2>(wr, sr, xs, K, y + r, ldy); break;
+      case 3: dot_row<3>(wr, sr, xs, K, y + r, ldy); break;
+      default: dot_row<4>(wr, sr, xs, K, y + r, ldy); break;
+    }
+  }
+}
+
+// One weight's rows [r0, r1) for an expert's M tokens, x split by split_even_odd: up to
+// kStreamRows tokens at a time against each row, the block's rows (61 KB at K3's 3,584
+// inputs and 32 rows) re-read from L2 by the next tokens. (Widening the block to fp32 once
+// and running plain dots on it was 3.4x slower at 8 tokens an expert: the widening is
+// scalar, and the dots read 8x the bytes.)
+inline void expert_rows(const uint8_t* w, const uint8_t* s, const float* xs, int64_t M,
+                        int64_t K, float* y, int64_t ldy, int64_t r0, int64_t r1) {
+  for (int64_t m0 = 0; m0 < M; m0 += kStreamRows)
+    stream_rows(w, s, xs + m0 * K, std::min(kStreamRows, M - m0), K, y + m0 * ldy, ldy, r0,
+                r1);
+}
+
+}  // namespace
+
+extern "C" {
+
+// `moe_experts_ref`'s contract with MXFP4 experts: x [T, D]; ids, weights [T, k];
+// w13 [E, 2I, D / 2] and s13 [E, 2I, D / 32]; w2 [E, D, I / 2] and s2 [E, D, I / 32];
+// out [T, D]. beta, linear_beta: SwiGLU (beta 0) or K3's SiTU-GLU (glu_row, vmath.h). The
+// weighted sum over a token's experts is fp32.
+void moe_experts_mxfp4(const float* x, const int64_t* ids, const float* weights,
+                       const uint8_t* w13, const uint8_t* s13, const uint8_t* w2,
+                       const uint8_t* s2, float* out, int64_t T, int64_t k, int64_t E,
+                       int64_t I, int64_t D, float beta, float linear_beta) {
+  const int64_t n = T * k;
+  std::vector<int64_t> offset(E + 1, 0), order(n), slot(n);
+  for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
+  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
+  {
+    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+    for (int64_t c = 0; c < n; ++c) {
+      slot[c] = fill[ids[c]]++;
+      order[slot[c]] = c;  // sorted position -> choice
+    }
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (offset[e + 1] > offset[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+  // rows in sorted order (an expert's tokens are consecutive)
+  std::unique_ptr<float[]> xsplit(new float[n * D]),
+      h(new float[n * 2 * I]), act(new float[n * I]), asplit(new float[n * I]),
+      ys(new float[n * D]);
+#pragma omp parallel for schedule(static) if (n * D >= (int64_t{1} << 16))
+  for (int64_t p = 0; p < n; ++p) split_even_odd(x + (order[p] / k) * D, xsplit.get() + p * D, D);
+  const Glu glu{beta, linear_beta};
+  const int64_t iblocks = (I + kRowBlock - 1) / kRowBlock;
+  const int64_t dblocks = (D + kRowBlock - 1) / kRowBlock;
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < A * iblocks; ++task) {
+      const int64_t e = active[task / iblocks], r0 = (task % iblocks) * kRowBlock;
+      const int64_t r1 = std::min(I, r0 + kRowBlock), p0 = offset[e], M = offset[e + 1] - p0;
+      const uint8_t* we = w13 + e * 2 * I * (D / 2);
+      const uint8_t* se = s13 + e * 2 * I * (D / kGroup);
+      float* he = h.get() + p0 * 2 * I;
+      const float* xse = xsplit.get() + p0 * D;
+      expert_rows(we, se, xse, M, D, he, 2 * I, r0, r1);           // gate rows
+      expert_rows(we, se, xse, M, D, he, 2 * I, I + r0, I + r1);   // up rows
+      for (int64_t m = 0; m < M; ++m) {
+        float* am = act.get() + (p0 + m) * I;
+        glu_row(glu, he + m * 2 * I + r0, he + m * 2 * I + I + r0, am + r0, r1 - r0);
+      }
+    }
+    // the down projection's inputs split once each (whole rows: after every gate task)
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < n; ++p) split_even_odd(act.get() + p * I, asplit.get() + p * I, I);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < A * dblocks; ++task) {
+      const int64_t e = active[task / dblocks], d0 = (task % dblocks) * kRowBlock;
+      const int64_t d1 = std::min(D, d0 + kRowBlock), p0 = offset[e], M = offset[e + 1] - p0;
+      expert_rows(w2 + e * D * (I / 2), s2 + e * D * (I / kGroup), asplit.get() + p0 * I, M, I,
+                  ys.get() + p0 * D, D, d0, d1);
+      for (int64_t m = 0; m < M; ++m) {
+        const float wt = weights[order[p0 + m]];
+        for (int64_t d = d0; d < d1; ++d) ys[(p0 + m) * D + d] *= wt;
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      float* __restrict o = out + t * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        const float* __restrict y = ys.get() + slot[t * k + j] * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += y[d];
+      }
+    }
+  }
+}
+
+}  // extern "C"
