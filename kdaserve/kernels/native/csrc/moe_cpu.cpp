@@ -29,6 +29,7 @@ inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 #include "tiles.h"
 #include "vmath.h"
+#include "expert_order.h"
 #include "gemm_blocks.h"
 
 // An expert's tokens from this many on run as blocks of up to kBlockRows tokens, each block
@@ -172,16 +173,8 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
                  const Glu& glu) {
   const int64_t n = T * k;
   if (T * D > INT32_MAX) blocked_from = INT64_MAX;  // gather_t's int32 row offsets
-  std::vector<int64_t> offset(E + 1, 0), order(n), slot(n);
-  for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
-  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
-  {
-    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
-    for (int64_t c = 0; c < n; ++c) {
-      slot[c] = fill[ids[c]]++;
-      order[slot[c]] = c;  // sorted position -> choice
-    }
-  }
+  const ExpertOrder sorted(ids, n, E);
+  const std::vector<int64_t>&offset = sorted.offset, &order = sorted.order;
   std::vector<int64_t> small;                 // experts split over weight rows
   std::vector<std::array<int64_t, 3>> blocks;  // (expert, s0, s1) token blocks
   for (int64_t e = 0; e < E; ++e) {
@@ -316,15 +309,7 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
       }
     }
 #pragma omp barrier
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      float* __restrict o = out + t * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-      for (int64_t j = 0; j < k; ++j) {
-        const float* __restrict y = ys.get() + slot[t * k + j] * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += y[d];
-      }
-    }
+    sum_choices(ys.get(), sorted.slot.data(), out, T, k, D);
   }
 }
 

@@ -25,6 +25,7 @@ namespace {
 
 #include "tiles.h"
 #include "vmath.h"
+#include "expert_order.h"
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kStreamRows = 4;  // tokens against each weight row at once (registers)
@@ -164,16 +165,8 @@ void moe_experts_mxfp4(const float* x, const int64_t* ids, const float* weights,
                        const uint8_t* s2, float* out, int64_t T, int64_t k, int64_t E,
                        int64_t I, int64_t D, float beta, float linear_beta) {
   const int64_t n = T * k;
-  std::vector<int64_t> offset(E + 1, 0), order(n), slot(n);
-  for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
-  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
-  {
-    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
-    for (int64_t c = 0; c < n; ++c) {
-      slot[c] = fill[ids[c]]++;
-      order[slot[c]] = c;  // sorted position -> choice
-    }
-  }
+  const ExpertOrder sorted(ids, n, E);
+  const std::vector<int64_t>&offset = sorted.offset, &order = sorted.order;
   std::vector<int64_t> active;
   for (int64_t e = 0; e < E; ++e)
     if (offset[e + 1] > offset[e]) active.push_back(e);
@@ -218,15 +211,7 @@ void moe_experts_mxfp4(const float* x, const int64_t* ids, const float* weights,
         for (int64_t d = d0; d < d1; ++d) ys[(p0 + m) * D + d] *= wt;
       }
     }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      float* __restrict o = out + t * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = 0.0f;
-      for (int64_t j = 0; j < k; ++j) {
-        const float* __restrict y = ys.get() + slot[t * k + j] * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += y[d];
-      }
-    }
+    sum_choices(ys.get(), sorted.slot.data(), out, T, k, D);
   }
 }
 
