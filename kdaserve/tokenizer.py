@@ -80,6 +80,7 @@ class _Backend(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_ordinary(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
     def decode_bytes(self, ids: Sequence[int]) -> bytes: ...
     def token_to_id(self, token: str) -> int | None: ...
@@ -98,6 +99,9 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         self._special_tokens = special_tokens
+        names = sorted(special_tokens, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(map(re.escape, names)) + ")") \
+            if names else None
         self._skip_ids = skip_ids
         self._token_bytes: dict[int, bytes] = {}  # token_bytes' cache
         self._bos_token_id = self._config_token_id(config, "bos_token")
@@ -162,8 +166,23 @@ class Tokenizer:
         return cls(_HFBackend(hf, json_path), special_tokens, skip_ids, config)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token names in the text map to their ids; no BOS added."""
+        """Token ids of `text`; special-token names in the text map to their ids; no BOS added.
+        For text a client wrote (a raw completion prompt keeps SGLang's and vLLM's meaning,
+        where these are specials); chat content goes through `encode_ordinary`."""
         return self._backend.encode(text)
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Token ids of `text` with every special-token spelling encoded as the ordinary text
+        it is (`<|im_end|>` typed by a user is a few ordinary tokens, not 163586)."""
+        return self._backend.encode_ordinary(text)
+
+    def split_special(self, text: str) -> list[str]:
+        """`text` cut around each special-token spelling it holds (longest first, as the
+        encoders match them): [ordinary, special, ordinary, ...], ordinary parts possibly
+        empty."""
+        if self._special_re is None:
+            return [text]
+        return self._special_re.split(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 (e.g. a cut multi-byte char) becomes U+FFFD."""
@@ -234,6 +253,12 @@ class _TiktokenBackend:
             ids.extend(self._encoding.encode(piece, allowed_special="all"))
         return ids
 
+    def encode_ordinary(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in _split_for_tiktoken(text):
+            ids.extend(self._encoding.encode_ordinary(piece))
+        return ids
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
@@ -254,12 +279,21 @@ class _TiktokenBackend:
 class _HFBackend:
     def __init__(self, hf: tokenizers.Tokenizer, json_path: Path) -> None:
         self._hf = hf
+        # a twin without the added tokens, so their spellings go through the pre-tokenizer
+        # and the model as any text does (tokenizers' `encode_special_tokens` leaves the
+        # non-special added tokens matched, and segments the special ones its own way)
+        plain = json.loads(hf.to_str())
+        plain["added_tokens"] = []
+        self._ordinary = type(hf).from_str(json.dumps(plain))
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self._token_bytes = _byte_level_table(hf, json_path)
 
     def encode(self, text: str) -> list[int]:
         # No post-processor BOS/EOS, so both formats give plain text -> ids.
         return self._hf.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        return self._ordinary.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         self._check_ids(ids)

@@ -136,9 +136,8 @@ class ChatHandler:
             kwargs["tool_choice"] = req.tool_choice
         if req.response_format is not None:
             kwargs["response_format"] = req.response_format
-        text = self.template.render(messages, tools=tools or None, add_generation_prompt=True,
-                                    **kwargs)
-        ids = tok.encode(text)
+        _, ids = self.template.render_ids(tok, messages, tools=tools or None,
+                                          add_generation_prompt=True, **kwargs)
         max_tokens = req.max_tokens if req.max_completion_tokens is None \
             else req.max_completion_tokens
         if max_tokens is None and self.default_max_tokens is not None:

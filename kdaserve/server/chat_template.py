@@ -16,6 +16,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kdaserve.server.chat_request import check_tools
 from kdaserve.server.tool_typescript import tools_to_typescript
+from kdaserve.server.untrusted import Untrusted
+from kdaserve.tokenizer import Tokenizer
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -153,6 +155,21 @@ class ChatTemplate:
             if source is not None:
                 return cls(source, str(config_path))
         return cls()
+
+    def render_ids(self, tok: Tokenizer, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None = None,
+                   add_generation_prompt: bool = True, **kwargs: Any) -> tuple[str, list[int]]:
+        """(prompt text, its token ids) with no control token from anything the client sent
+        (untrusted.py): the request validated as it is, then rendered from escaped values."""
+        validate_messages(messages)
+        if tools is not None:
+            check_tools(tools, "tools")
+        guard = Untrusted(tok)
+        rendered = self.render(guard.escape(messages),
+                               tools=None if tools is None else guard.escape(tools),
+                               add_generation_prompt=add_generation_prompt,
+                               **guard.escape(kwargs))
+        return guard.restore(rendered), guard.encode(rendered)
 
     def render(
         self,

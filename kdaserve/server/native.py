@@ -199,16 +199,22 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     check_model(state, req.model)
     if req.messages is not None:
         chat = state.need_chat()
-        text = chat.template.render([m.model_dump(exclude_none=True) for m in req.messages],
-                                    add_generation_prompt=req.add_generation_prompt)
+        # as chat requests are: special-token spellings in the messages stay text
+        _, ids = chat.template.render_ids(
+            tok, [m.model_dump(exclude_none=True) for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt)
     else:
         assert req.prompt is not None
-        text = req.prompt
-    # Kimi's tokenizers add no special tokens of their own (the template writes them), so
-    # add_special_tokens changes nothing here
-    ids = tok.encode(text)
+        # a raw prompt keeps SGLang's and vLLM's meaning: special spellings are specials.
+        # Kimi's tokenizers add no special tokens of their own (the template writes them),
+        # so add_special_tokens changes nothing here
+        ids = tok.encode(req.prompt)
+    # which text could spell control tokens: a raw prompt all of it, chat messages only
+    # the template's own (content is encoded as ordinary text)
     out: dict[str, Any] = {"tokens": ids, "count": len(ids),
-                           "max_model_len": state.max_request_tokens}
+                           "max_model_len": state.max_request_tokens,
+                           "special_tokens_from": "prompt" if req.messages is None
+                           else "template"}
     if req.return_token_strs:
         out["token_strs"] = [tok.decode([t]) for t in ids]
     return out

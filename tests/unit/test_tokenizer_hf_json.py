@@ -205,3 +205,23 @@ def test_make_checkpoint_writes_hf_json(tmp_path: Path) -> None:
     assert hf.get_vocab_size(with_added_tokens=True) == kimi.vocab_size == vocab_size
     text = TWIN_TEXTS["mixed"] + TWIN_TEXTS["specials"]
     assert hf.encode(text, add_special_tokens=False).ids == kimi.encode(text)
+
+
+@pytest.mark.parametrize("name", sorted(TWIN_TEXTS))
+def test_encode_ordinary_spells_specials_as_text_in_both_backends(twin: Twin,
+                                                                  name: str) -> None:
+    """`encode_ordinary` (chat content: server/untrusted.py): a tokenizer.json-only folder
+    gives the tiktoken folder's ids, special spellings as ordinary tokens that decode back."""
+    from kdaserve.tokenizer import Tokenizer as Ours
+
+    folder, kimi, _ = twin
+    text = _with_reserved(TWIN_TEXTS[name], kimi)
+    hf_only = folder.parent / f"{folder.name}-hf-only"
+    if not hf_only.is_dir():
+        hf_only.mkdir()
+        (hf_only / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
+    hf_tok = Ours.from_pretrained(hf_only)
+    ids = kimi.encode_ordinary(text)
+    assert hf_tok.encode_ordinary(text) == ids
+    assert not set(ids) & set(kimi.special_tokens.values())
+    assert kimi.decode(ids) == text
