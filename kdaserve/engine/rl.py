@@ -10,6 +10,7 @@ running requests (or aborts them, as the caller asks) before it calls these.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import threading
 from concurrent.futures import Future
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from kdaserve.engine import weights
+from kdaserve.layers.parallel import full_shape
 
 TAGS = ("weights", "kv_cache")
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -170,7 +172,8 @@ def update_weights_from_distributed(e: Any, names: list[str], dtypes: list[str],
         if "weights" in e.released:  # (and the parameters are empty: no shapes to bound by)
             raise ValueError("update_weights_from_distributed: the weights are released; "
                              "resume them first")
-        largest = max(v.numel() for v in weights.update_views(e.model).values())
+        largest = max(math.prod(full_shape(v)) for v in weights.update_views(e.model).values()
+                      if v is not None)  # (K3's A_log: its stored length; EP: held ones)
         specs = weights.broadcast_specs(names, dtypes, shapes, largest)
     except ValueError as err:
         # the trainer is already broadcasting tensors nobody can receive without their

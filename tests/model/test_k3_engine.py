@@ -175,3 +175,50 @@ def test_drafters_on_a_k3_target_keep_plain_tokens(k3_ckpt: Path, tmp_path: Path
     if drafter == "self":
         assert m["spec_num_accepted"] == m["spec_num_drafted"]
     llm.check_integrity()
+
+
+def _broadcast_trainer(port: int, path: str, names: list[str]) -> None:
+    """Rank 0 of a weight-update group: broadcasts `path`'s tensors in `names`' order."""
+    import torch.distributed as dist
+
+    named: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        named.update(load_file(str(f)))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0)
+    try:
+        for name in names:
+            dist.broadcast(named[name], src=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_distributed_weight_update_by_released_names(k3_ckpt: Path, tmp_path: Path,
+                                                     prompts: list[list[int]]) -> None:
+    """A trainer process broadcasts another K3 checkpoint's tensors by their released names
+    (torch.distributed, gloo): the engine then decodes as a fresh engine on them."""
+    import multiprocessing as mp
+
+    from tests.ports import free_port
+
+    other = make_checkpoint(tmp_path / "k3-other", "k3-tiny", seed=9, dtype="float32")
+    new = [o.token_ids for o in LLM(other).generate(prompt_token_ids=prompts,
+                                                     sampling_params=GREEDY)]
+    meta = {}
+    for f in sorted(other.glob("*.safetensors")):
+        meta.update({k: (str(v.dtype), list(v.shape)) for k, v in load_file(str(f)).items()})
+    names = sorted(meta)
+    llm = LLM(k3_ckpt)
+    port = free_port()
+    trainer = mp.get_context("spawn").Process(target=_broadcast_trainer,
+                                              args=(port, str(other), names))
+    trainer.start()
+    try:
+        rl.init_weights_update_group(llm.engine, "127.0.0.1", port, 1, 2).result(timeout=120)
+        rl.update_weights_from_distributed(llm.engine, names, [meta[n][0] for n in names],
+                                           [meta[n][1] for n in names], weight_version="d1")
+        rl.destroy_weights_update_group(llm.engine)
+    finally:
+        trainer.join(timeout=60)
+    assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
+                                              sampling_params=GREEDY)] == new
+    llm.check_integrity()
