@@ -409,10 +409,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.device == "cpu" and self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} on a CPU: float32, or bfloat16 (weight-only)")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization={self.quantization!r} is not supported (int8)")
-        if self.quantization is not None and (self.device != "cpu" or self.dtype
-                                              not in (None, "float32")):
+        if self.quantization not in (None, "int8", "mxfp4"):
+            raise ValueError(f"quantization={self.quantization!r} is not supported "
+                             "(int8, mxfp4)")
+        if self.quantization == "int8" and (self.device != "cpu" or self.dtype
+                                            not in (None, "float32")):
             raise ValueError("quantization=int8 is weight-only int8 for the CPU's fp32 path "
                              f"(got device={self.device!r}, dtype={self.dtype!r})")
         if self.enable_deterministic_inference:
@@ -496,3 +497,10 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine options: {sorted(unknown)}")
         return cls(**kwargs)
+
+
+def kernel_features(model: ModelConfig, engine: EngineConfig) -> frozenset[str]:
+    """What the kernels must have for this model as this engine serves it: the model's own
+    needs, and MXFP4 experts where `--quantization mxfp4` packs them at load."""
+    extra = {"mxfp4"} if engine.quantization == "mxfp4" and MOE in model.mlp_types else set()
+    return model.kernel_features | extra

@@ -16,7 +16,7 @@ import torch
 
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.checkpoint import resolve_model_path
-from kdaserve.config import EngineConfig, ModelConfig
+from kdaserve.config import EngineConfig, ModelConfig, kernel_features
 from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.cuda_graph import graph_runner
 from kdaserve.engine.disaggregation import DecodeSide, PrefillSide, make_side
@@ -74,7 +74,7 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
         with phase("kernels") as p:  # includes compiling the native CPU kernels, once
             self.kernels = resolve_kernels(self.device, config.kernel_backend,
                                            config.enable_deterministic_inference,
-                                           self.model_config.kernel_features)
+                                           kernel_features(self.model_config, config))
             p.note = kernel_summary(self.kernels)
         keep_freed_memory()  # a step's large temporaries reuse the last step's pages
         self.followers: Followers | None = None  # tensor-parallel ranks 1.., when tp_size > 1

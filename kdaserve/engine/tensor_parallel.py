@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.config import EngineConfig, ModelConfig
+from kdaserve.config import EngineConfig, ModelConfig, kernel_features
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.parallel import COMM, ExpertParallel, TensorParallel
@@ -177,7 +177,8 @@ def follower_main(c: EngineConfig, rank: int) -> None:
     device = torch.device(c.device)
     tp = join(c, rank)
     model = build_model(mc, resolve_kernels(device, c.kernel_backend,
-                                            features=mc.kernel_features), torch.float32, device,
+                                            features=kernel_features(mc, c)), torch.float32,
+                        device,
                         path, c.load_format, c.seed,
                         getattr(torch, c.dtype) if c.dtype else None, c.quantization, tp)
     got: list[Any] = [None]

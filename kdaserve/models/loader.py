@@ -315,8 +315,10 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
         raise ValueError(f"unknown load_format {load_format!r} (auto or dummy)")
     if quantization == "int8":
         quantize_weights(model)
+    elif quantization == "mxfp4":
+        pack_experts(model)
     elif quantization is not None:
-        raise ValueError(f"unknown quantization {quantization!r} (int8)")
+        raise ValueError(f"unknown quantization {quantization!r} (int8, mxfp4)")
     return model.eval()
 
 
@@ -340,6 +342,26 @@ def quantize_weights(model: KimiLinearForCausalLM) -> None:
             q2, m.w2_scale = quantize_int8(m.w2.data)
             m.w13 = torch.nn.Parameter(_on_huge_pages(q13), requires_grad=False)
             m.w2 = torch.nn.Parameter(_on_huge_pages(q2), requires_grad=False)
+
+
+def pack_experts(model: KimiLinearForCausalLM) -> None:
+    """`quantization="mxfp4"`: every MoE layer's routed experts packed to MXFP4 (as K3 ships
+    its own) from the loaded float values, expert by expert (one expert's float temporaries
+    at a time); experts stored packed stay as they are."""
+    for m in model.modules():
+        if not isinstance(m, MoE) or m.mxfp4:
+            continue
+        inter, width = m.w2.shape[-1], m.w2.shape[1]
+        for name, n in (("the experts' input width", width), ("moe_intermediate_size", inter)):
+            if n % MXFP4_GROUP:
+                raise ValueError(f"--quantization mxfp4: {name} = {n} (per rank) is not a "
+                                 f"multiple of {MXFP4_GROUP}")
+        packed = [[quantize_mxfp4(w[e]) for e in range(w.shape[0])] for w in (m.w13, m.w2)]
+        (w13, s13), (w2, s2) = ((torch.stack([p for p, _ in ws]), torch.stack([s for _, s in ws]))
+                                for ws in packed)
+        m.w13 = torch.nn.Parameter(_on_huge_pages(w13), requires_grad=False)
+        m.w2 = torch.nn.Parameter(_on_huge_pages(w2), requires_grad=False)
+        m.w13_scale, m.w2_scale, m.mxfp4 = s13, s2, True
 
 
 def _on_huge_pages(t: torch.Tensor) -> torch.Tensor:

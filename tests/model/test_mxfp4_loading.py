@@ -114,3 +114,33 @@ def test_experts_held_packed_and_dummy_and_tp_agree(mxfp4_ckpt: Path) -> None:
     # (moe_intermediate_size 32 is one scale group: a TP rank's 16 would split it)
     with pytest.raises(ValueError, match="multiple of 32"):
         build_model(config, kernels, torch.float32, cpu, mxfp4_ckpt, tp=TensorParallel(0, 2))
+
+
+def test_quantization_mxfp4_packs_as_shipped(k3_ckpt: Path, tmp_path: Path) -> None:
+    """`--quantization mxfp4` packs a float checkpoint's experts at load: the same bytes, so
+    the same logits, as the checkpoint written with those experts packed."""
+    shipped = make_checkpoint(tmp_path / "shipped", "k3-tiny", seed=3, dtype="float32",
+                              expert_format="mxfp4")
+    packed_at_load = LLM(k3_ckpt, quantization="mxfp4")
+    moe = packed_at_load.model.layers[1].mlp
+    assert moe.w13.dtype == moe.w13_scale.dtype == torch.uint8
+    ids = [5, 99, 7, 1000, 42, 3]
+    assert torch.equal(packed_at_load.prefill_logits(ids), LLM(shipped).prefill_logits(ids))
+
+
+def test_quantization_mxfp4_on_kimi_linear(tiny_ckpt: Path, tmp_path: Path) -> None:
+    """Kimi Linear's experts packed too (SwiGLU in the MXFP4 kernel): the native kernels give
+    the plain-torch reference's tokens; widths that split a scale group are refused."""
+    from kdaserve import SamplingParams
+    from kdaserve.checkpoint import preset_config
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 9, 17, 33], list(range(40, 90))]
+    fast = LLM(tiny_ckpt, quantization="mxfp4")
+    ref = LLM(tiny_ckpt, quantization="mxfp4", kernel_backend="ref")
+    assert fast.model.layers[1].mlp.w13.dtype == torch.uint8
+    assert [o.token_ids for o in fast.generate(prompt_token_ids=prompts, sampling_params=params)] \
+        == [o.token_ids for o in ref.generate(prompt_token_ids=prompts, sampling_params=params)]
+    odd = make_checkpoint(tmp_path / "odd", preset_config("tiny", moe_intermediate_size=24))
+    with pytest.raises(ValueError, match="moe_intermediate_size = 24"):
+        LLM(odd, quantization="mxfp4")
