@@ -25,6 +25,14 @@ def k3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def k3_mxfp4_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """k3-small with its routed experts as K3 ships them (MXFP4), fp32 otherwise: a
+    tensor-parallel rank's share of the intermediate size (64 / 2) is one scale group."""
+    return make_checkpoint(tmp_path_factory.mktemp("k3-mxfp4"), "k3-small", seed=2,
+                           dtype="float32", expert_format="mxfp4")
+
+
+@pytest.fixture(scope="session")
 def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """q_lora_rank set, 4 expert groups (top-2 groups), fp32, sharded with an index."""
     return make_checkpoint(tmp_path_factory.mktemp("small"), "small", seed=1, dtype="float32",

@@ -72,10 +72,10 @@ def _rank_main(rank: int, port: int, ckpt: str, result: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(params=["tiny", "k3"])
+@pytest.fixture(params=["tiny", "k3", "k3_mxfp4"])
 def ckpt(request: pytest.FixtureRequest) -> Path:
     """Kimi Linear, and K3 (its KDA heads with the stored-longer A_log, the LatentMoE's
-    latent sums reduced before their norm, AttnRes)."""
+    latent sums reduced before their norm, AttnRes), with float and MXFP4 experts."""
     return request.getfixturevalue(f"{request.param}_ckpt")
 
 

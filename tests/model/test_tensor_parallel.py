@@ -14,7 +14,6 @@ import torch.multiprocessing as mp
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.checkpoint import make_checkpoint
 from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import resolve_kernels
@@ -65,14 +64,6 @@ def _rank_main(rank: int, size: int, port: int, ckpt: str, result: str) -> None:
             torch.save(logits, result)
     finally:
         dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def k3_mxfp4_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """k3-small with MXFP4 experts: each rank holds the packed rows and the scale columns of
-    its share of the intermediate size (64 / 2 = one scale group)."""
-    return make_checkpoint(tmp_path_factory.mktemp("k3-mxfp4"), "k3-small", seed=2,
-                           dtype="float32", expert_format="mxfp4")
 
 
 @pytest.fixture(params=["tiny", "k3", "k3_mxfp4"])
