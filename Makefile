@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test,pd]"
 	scripts/fetch_rdma_libs.sh .venv/lib/rdma-core
-	$(PY) -m pip install -q --no-deps sglang==0.5.23 lm-eval==0.4.13
+	$(PY) -m pip install -q --no-deps sglang==0.5.23 lm-eval==0.4.13 mlx-vlm==0.7.10
 	touch $(STAMP)
 
 # The OpenAI-compatible server on the built-in default model (a random-weight `bench`

@@ -32,6 +32,8 @@ from kdaserve.server.chat_request import (
 )
 from kdaserve.server.chat_template import ChatTemplate
 from kdaserve.server.k3_parser import Event
+from kdaserve.server.k3_render import CONTROL_TOKENS as K3_CONTROL_TOKENS
+from kdaserve.server.k3_render import K3Renderer, is_kimi_k3
 from kdaserve.server.protocol import ChatCompletionRequest
 from kdaserve.server.sampling_policy import SamplingPolicy
 from kdaserve.server.serving import (
@@ -89,11 +91,12 @@ def delta_of(ev: Event) -> dict[str, Any]:
 
 
 class ChatHandler:
-    def __init__(self, template: ChatTemplate, tokenizer: Tokenizer,
+    def __init__(self, template: ChatTemplate | K3Renderer, tokenizer: Tokenizer,
                  reasoning_parser: str | None = None, policy: SamplingPolicy | None = None,
                  default_max_tokens: int | None = None) -> None:
         self.template, self.tokenizer = template, tokenizer
-        self.format: ChatFormat = detect_format(template.source)
+        self.format: ChatFormat = K3Format() if isinstance(template, K3Renderer) \
+            else detect_format(template.source)
         # K3 always separates its channels; K2 splits <think> only when asked
         self.reasoning = reasoning_parser is not None or isinstance(self.format, K3Format)
         self.policy = policy
@@ -105,9 +108,16 @@ class ChatHandler:
                         template_file: str | Path | None = None,
                         policy: SamplingPolicy | None = None,
                         default_max_tokens: int | None = None) -> ChatHandler:
-        template = (ChatTemplate(Path(template_file).read_text(encoding="utf-8"),
-                                 str(template_file))
-                    if template_file is not None else ChatTemplate.from_pretrained(path))
+        template: ChatTemplate | K3Renderer
+        if template_file is not None:
+            template = ChatTemplate(Path(template_file).read_text(encoding="utf-8"),
+                                    str(template_file))
+        else:
+            template = ChatTemplate.from_pretrained(path)
+            # K3 ships no template: its own renderer, where the tokenizer has its tags
+            if template.origin == "builtin" and is_kimi_k3(path) and all(
+                    t in tokenizer.special_tokens for t in K3_CONTROL_TOKENS):
+                template = K3Renderer()
         return cls(template, tokenizer, reasoning_parser, policy, default_max_tokens)
 
     def plan(self, req: ChatCompletionRequest, room: int) -> ChatPlan:
