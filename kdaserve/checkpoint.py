@@ -22,7 +22,11 @@ from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.parallel import full_shape
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.models.loader import random_tensor
-from kdaserve.tokenizer_writer import write_hf_tokenizer_json, write_kimi_tokenizer
+from kdaserve.tokenizer_writer import (
+    added_tokens_decoder,
+    write_hf_tokenizer_json,
+    write_kimi_tokenizer,
+)
 
 NUM_SPECIAL = 256
 FP32_TENSORS = ("A_log", "dt_bias")
@@ -189,9 +193,10 @@ def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: i
         f"{seed}): for tests and benchmarks; the text this model generates is meaningless.\n")
     hub = config.to_hub_dict()
     if with_tokenizer and tokenizer is None:
-        write_kimi_tokenizer(out, config.vocab_size - NUM_SPECIAL)
+        layout = "k3" if config.tensor_prefix else "k2"  # K3's special ids (k3_spec.md 6.2)
+        write_kimi_tokenizer(out, config.vocab_size - NUM_SPECIAL, layout=layout)
         # tokenizer.json twin for tools that read only HF fast tokenizers (llama.cpp)
-        write_hf_tokenizer_json(out, config.vocab_size - NUM_SPECIAL)
+        write_hf_tokenizer_json(out, config.vocab_size - NUM_SPECIAL, layout=layout)
     with open(out / "config.json", "w") as f:
         json.dump(hub, f, indent=2)
     return out
@@ -207,6 +212,18 @@ def copy_tokenizer(src: Path, out: Path, config: ModelConfig,
         if (src / name).is_file():
             shutil.copyfile(src / name, out / name)
     tok = Tokenizer.from_pretrained(out)  # also checks the folder holds a tokenizer
+    if config.tensor_prefix:
+        # K3: its layout of the reserved ids (the shared folder's config is K2's), its stop
+        # token; the ranks are the same
+        cfg_path = out / CONFIG_FILE
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        cfg["added_tokens_decoder"] = added_tokens_decoder(tok.vocab_size - NUM_SPECIAL, "k3")
+        cfg["eos_token"] = "<|end_of_msg|>"
+        cfg.pop("additional_special_tokens", None)
+        cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n",
+                            encoding="utf-8")
+        (out / "tokenizer.json").unlink(missing_ok=True)  # a K2 twin would disagree
+        tok = Tokenizer.from_pretrained(out)
     if extra_special_tokens:
         cfg_path = out / CONFIG_FILE
         cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}

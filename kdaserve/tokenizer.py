@@ -63,6 +63,28 @@ KIMI_SPECIAL_NAMES: dict[int, str] = {
     254: "[UNK]",
     255: "[PAD]",
 }
+# Kimi K3's layout of the same 256 reserved ids (k3_spec.md 6.2): its XTML tags in K2's
+# message tokens' place, `<|end_of_msg|>` (the stop token) where K2 has `<|im_end|>`
+K3_SPECIAL_NAMES: dict[int, str] = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|end_of_msg|>",
+    3: "<|open|>",
+    4: "<|close|>",
+    5: "<|sep|>",
+    6: "[start_header_id]",
+    7: "[end_header_id]",
+    8: "<|MASK|>",
+    9: "[EOT]",
+    18: "<|media_begin|>",
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",
+    65: "<osagent_mode>",
+    254: "[UNK]",
+    255: "[PAD]",
+}
+SPECIAL_LAYOUTS = {"k2": KIMI_SPECIAL_NAMES, "k3": K3_SPECIAL_NAMES}
 # Kimi K2 marks these `special: false`, so tool calls survive skip_special_tokens.
 KIMI_NON_SPECIAL = frozenset(
     {

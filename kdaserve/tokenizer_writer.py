@@ -16,8 +16,8 @@ from kdaserve.tokenizer import (
     HF_TOKENIZER_FILE,
     KIMI_NON_SPECIAL,
     KIMI_PAT_STR,
-    KIMI_SPECIAL_NAMES,
     NUM_RESERVED_SPECIAL_TOKENS,
+    SPECIAL_LAYOUTS,
     TIKTOKEN_FILE,
     _bytes_to_unicode,
 )
@@ -52,20 +52,24 @@ def _cl100k_prefix(num_base_tokens: int) -> tuple[bytes, ...]:
     return tokens[:num_base_tokens]
 
 
-def _kimi_added_tokens(num_base_tokens: int) -> list[tuple[str, bool]]:
-    """Kimi K2's 256 added tokens as (content, special), in id order from `num_base_tokens`."""
+def _kimi_added_tokens(num_base_tokens: int, layout: str = "k2") -> list[tuple[str, bool]]:
+    """The 256 added tokens of Kimi K2's (or K3's) layout as (content, special), in id order
+    from `num_base_tokens`."""
+    names = SPECIAL_LAYOUTS[layout]
     added: list[tuple[str, bool]] = []
     for offset in range(NUM_RESERVED_SPECIAL_TOKENS):
-        name = KIMI_SPECIAL_NAMES.get(offset, f"<|reserved_token_{num_base_tokens + offset}|>")
+        name = names.get(offset, f"<|reserved_token_{num_base_tokens + offset}|>")
         added.append((name, name not in KIMI_NON_SPECIAL))
     return added
 
 
 def write_kimi_tokenizer(
-    out_dir: Path, num_base_tokens: int, model_max_length: int = 1_048_576
+    out_dir: Path, num_base_tokens: int, model_max_length: int = 1_048_576,
+    layout: str = "k2",
 ) -> int:
-    """Write a Kimi-format tokenizer (first `num_base_tokens` cl100k ranks + Kimi K2's 256
-    specials) into `out_dir`; returns the vocab size, num_base_tokens + 256.
+    """Write a Kimi-format tokenizer (first `num_base_tokens` cl100k ranks + the 256 specials
+    of Kimi K2's layout, or K3's with `layout="k3"`) into `out_dir`; returns the vocab size,
+    num_base_tokens + 256.
 
     Only `tiktoken.model` + `tokenizer_config.json`; `write_hf_tokenizer_json` adds the HF
     `tokenizer.json` twin (kept separate: building its merges costs ~1 s at full cl100k size)."""
@@ -75,18 +79,8 @@ def write_kimi_tokenizer(
     lines = [base64.b64encode(tok) + b" %d" % rank for rank, tok in enumerate(tokens)]
     (out_dir / TIKTOKEN_FILE).write_bytes(b"\n".join(lines) + b"\n")
 
-    added_tokens_decoder: dict[str, dict[str, Any]] = {}
-    for offset, (name, special) in enumerate(_kimi_added_tokens(num_base_tokens)):
-        added_tokens_decoder[str(num_base_tokens + offset)] = {
-            "content": name,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": special,
-        }
     config = {
-        "added_tokens_decoder": added_tokens_decoder,
+        "added_tokens_decoder": added_tokens_decoder(num_base_tokens, layout),
         "additional_special_tokens": [
             "<|im_end|>",
             "<|im_user|>",
@@ -96,9 +90,9 @@ def write_kimi_tokenizer(
             "[EOT]",
             "<|im_system|>",
             "<|im_middle|>",
-        ],
+        ] if layout == "k2" else ["<|end_of_msg|>", "<|open|>", "<|close|>", "<|sep|>", "[EOT]"],
         "bos_token": "[BOS]",
-        "eos_token": "<|im_end|>",
+        "eos_token": "<|im_end|>" if layout == "k2" else "<|end_of_msg|>",
         "pad_token": "[PAD]",
         "unk_token": "[UNK]",
         "clean_up_tokenization_spaces": False,
@@ -117,7 +111,15 @@ def write_kimi_tokenizer(
     return num_base_tokens + NUM_RESERVED_SPECIAL_TOKENS
 
 
-def write_hf_tokenizer_json(out_dir: Path, num_base_tokens: int) -> Path:
+def added_tokens_decoder(num_base_tokens: int, layout: str = "k2") -> dict[str, dict[str, Any]]:
+    """tokenizer_config.json's `added_tokens_decoder` for the layout's 256 specials."""
+    return {str(num_base_tokens + offset): {
+        "content": name, "lstrip": False, "normalized": False, "rstrip": False,
+        "single_word": False, "special": special}
+        for offset, (name, special) in enumerate(_kimi_added_tokens(num_base_tokens, layout))}
+
+
+def write_hf_tokenizer_json(out_dir: Path, num_base_tokens: int, layout: str = "k2") -> Path:
     """Write `tokenizer.json`: the vocabulary of `write_kimi_tokenizer(out_dir, num_base_tokens)`
     as an HF byte-level BPE fast tokenizer that encodes token-for-token like the tiktoken one
     (same ids, same 256 added tokens and `special` flags); returns its path.
@@ -125,7 +127,8 @@ def write_hf_tokenizer_json(out_dir: Path, num_base_tokens: int) -> Path:
     One known difference: our tiktoken path cuts runs of more than MAX_RUN_CHARS (non-)whitespace
     chars into separate encode calls, as Kimi does; HF has no such chunking, so such runs (25k+
     chars of one class) may encode differently at the cut points."""
-    hf = _byte_level_bpe(_cl100k_prefix(num_base_tokens), _kimi_added_tokens(num_base_tokens))
+    hf = _byte_level_bpe(_cl100k_prefix(num_base_tokens),
+                         _kimi_added_tokens(num_base_tokens, layout))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / HF_TOKENIZER_FILE

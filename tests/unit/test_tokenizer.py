@@ -314,3 +314,32 @@ def test_kimi_format_preferred(small_dir: Path, tmp_path: Path) -> None:
     _save_hf(tmp_path, byte_level=False)  # overwrites the config, keeps tiktoken.model
     tok = Tokenizer.from_pretrained(tmp_path)
     assert tok.vocab_size == SMALL_BASE + 256
+
+
+def test_k3_checkpoints_get_k3s_special_ids(tmp_path: Path) -> None:
+    """make-checkpoint --preset k3-*: K3's layout of the reserved ids (k3_spec.md 6.2) in the
+    tiktoken config and the tokenizer.json twin, `<|end_of_msg|>` the stop token; with the
+    real Kimi ranks (../shared/kimi), the released ids themselves."""
+    from kdaserve.checkpoint import make_checkpoint
+
+    want = {"[BOS]": 0, "[EOS]": 1, "<|end_of_msg|>": 2, "<|open|>": 3, "<|close|>": 4,
+            "<|sep|>": 5, "<|MASK|>": 8, "[EOT]": 9, "<|media_begin|>": 18,
+            "<|media_content|>": 19, "<|media_end|>": 20, "<|media_pad|>": 21,
+            "<osagent_mode>": 65, "[UNK]": 254, "[PAD]": 255}
+    path = make_checkpoint(tmp_path / "k3", "k3-tiny", seed=0)
+    hf_only = tmp_path / "hf"
+    hf_only.mkdir()
+    (hf_only / "tokenizer.json").write_bytes((path / "tokenizer.json").read_bytes())
+    for folder in (path, hf_only):
+        tok = Tokenizer.from_pretrained(folder)
+        base = tok.vocab_size - 256
+        assert {n: tok.special_tokens[n] - base for n in want} == want
+        assert "<|im_end|>" not in tok.special_tokens
+    assert Tokenizer.from_pretrained(path).eos_token_ids[0] == base + 2
+    kimi = Path(__file__).resolve().parents[3] / "shared" / "kimi" / "tokenizer"
+    if (kimi / "tiktoken.model").is_file():
+        real = Tokenizer.from_pretrained(make_checkpoint(tmp_path / "real", "k3-tiny",
+                                                         tokenizer=kimi))
+        assert {n: real.special_tokens[n] for n in want} == {n: 163584 + o
+                                                              for n, o in want.items()}
+        assert real.eos_token_ids[0] == 163586
