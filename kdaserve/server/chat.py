@@ -93,10 +93,18 @@ def delta_of(ev: Event) -> dict[str, Any]:
 class ChatHandler:
     def __init__(self, template: ChatTemplate | K3Renderer, tokenizer: Tokenizer,
                  reasoning_parser: str | None = None, policy: SamplingPolicy | None = None,
-                 default_max_tokens: int | None = None) -> None:
+                 default_max_tokens: int | None = None,
+                 tool_call_parser: str | None = None) -> None:
         self.template, self.tokenizer = template, tokenizer
         self.format: ChatFormat = K3Format() if isinstance(template, K3Renderer) \
             else detect_format(template.source)
+        # SGLang's and vLLM's flags name the parser; ours is the chat format's, so a flag
+        # naming the other format's would parse every answer wrong: refused at start-up
+        for flag, parser in (("--reasoning-parser", reasoning_parser),
+                             ("--tool-call-parser", tool_call_parser)):
+            if parser is not None and parser != self.format.name:
+                raise ValueError(f"{flag} {parser}: this checkpoint's chat format is "
+                                 f"{self.format.name} ({template.origin})")
         # K3 always separates its channels; K2 splits <think> only when asked
         self.reasoning = reasoning_parser is not None or isinstance(self.format, K3Format)
         self.policy = policy
@@ -107,7 +115,8 @@ class ChatHandler:
                         reasoning_parser: str | None = None,
                         template_file: str | Path | None = None,
                         policy: SamplingPolicy | None = None,
-                        default_max_tokens: int | None = None) -> ChatHandler:
+                        default_max_tokens: int | None = None,
+                        tool_call_parser: str | None = None) -> ChatHandler:
         template: ChatTemplate | K3Renderer
         if template_file is not None:
             template = ChatTemplate(Path(template_file).read_text(encoding="utf-8"),
@@ -118,7 +127,8 @@ class ChatHandler:
             if template.origin == "builtin" and is_kimi_k3(path) and all(
                     t in tokenizer.special_tokens for t in K3_CONTROL_TOKENS):
                 template = K3Renderer()
-        return cls(template, tokenizer, reasoning_parser, policy, default_max_tokens)
+        return cls(template, tokenizer, reasoning_parser, policy, default_max_tokens,
+                   tool_call_parser)
 
     def plan(self, req: ChatCompletionRequest, room: int) -> ChatPlan:
         """Validates and renders `req`; `room`: the context left for prompt + output."""

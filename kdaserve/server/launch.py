@@ -47,7 +47,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model's name in /v1/models and responses (default: the preset's "
                         "name or the checkpoint folder's); requests may also name its path")
-    p.add_argument("--reasoning-parser", default=None, choices=[None, "kimi_k2"])
+    # SGLang's and vLLM's names; each must be the chat format's own (chat.py)
+    p.add_argument("--reasoning-parser", default=None, choices=[None, "kimi_k2", "kimi_k3"])
+    p.add_argument("--tool-call-parser", default=None, choices=[None, "kimi_k2", "kimi_k3"])
     p.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (default: the checkpoint's, else built-in K2)")
     p.add_argument("--sampling-policy", default=None,
@@ -189,7 +191,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
         chat = ChatHandler.from_pretrained(path, tokenizer, args.reasoning_parser,
                                            args.chat_template,
                                            load_policy(args.sampling_policy, path),
-                                           args.default_max_tokens)
+                                           args.default_max_tokens, args.tool_call_parser)
     name, aliases = served_names(str(args.model), str(path), args.served_model_name)
     logger.info("start-up config: checkpoint %s%s (%.1f s)", path,
                 "" if chat is None else ", tokenizer and chat template",

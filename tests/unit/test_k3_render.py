@@ -166,3 +166,18 @@ def test_refusals(tok: Tokenizer) -> None:
     with pytest.raises(ValueError, match="JSON object"):
         r.render_ids(tok, [*user, {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}])
+
+
+def test_parser_flags_must_name_the_chat_format(tok: Tokenizer) -> None:
+    """`--reasoning-parser` / `--tool-call-parser` as SGLang and vLLM name them: the format's
+    own parser is taken, the other format's refused at start-up."""
+    from kdaserve.server.chat import ChatHandler
+    from kdaserve.server.chat_template import ChatTemplate
+
+    k3 = ChatHandler(K3Renderer(), tok, "kimi_k3", tool_call_parser="kimi_k3")
+    assert k3.format.name == "kimi_k3" and k3.reasoning
+    assert ChatHandler(ChatTemplate(), tok, "kimi_k2", tool_call_parser="kimi_k2").reasoning
+    with pytest.raises(ValueError, match="--reasoning-parser kimi_k2.*kimi_k3"):
+        ChatHandler(K3Renderer(), tok, "kimi_k2")
+    with pytest.raises(ValueError, match="--tool-call-parser kimi_k3.*kimi_k2"):
+        ChatHandler(ChatTemplate(), tok, tool_call_parser="kimi_k3")
