@@ -1,7 +1,8 @@
 """Runs the Kimi Vendor Verifier (../shared/kimi/vendor-verifier, third-party, run from a
-writable copy) against `kdaserve serve` on a random-weight Kimi K3 test checkpoint (the real Kimi
-tokenizer, Moonshot's K3 template, the kimi-k3 sampling policy), and fails unless every test
-that does not need a trained model passes. `make verify` runs it; CI runs it after `make test`.
+writable copy) against `kdaserve serve` on two random-weight test checkpoints in turn (the real
+Kimi tokenizer, the kimi-k3 sampling policy): one served with Moonshot's K3 Jinja template,
+one a kimi_k3 checkpoint served by our K3 renderer; fails unless every test that does not need
+a trained model passes on both. `make verify` runs it; CI runs it after `make test`.
 
 The tests that need a trained model (a random model never chooses to call a tool, to stop, or to
 write a given word) are listed in NEEDS_TRAINED_MODEL with the reason; they run and are counted,
@@ -50,9 +51,14 @@ NEEDS_TRAINED_MODEL = {
 }
 
 
-def make_checkpoint(out: Path) -> Path:
+def make_checkpoint(out: Path, kind: str) -> Path:
+    """`template`: a Kimi Linear checkpoint served with Moonshot's K3 Jinja template (K3's
+    tags added to the real tokenizer); `k3`: a kimi_k3 checkpoint (K3's special-id layout on
+    the real tokenizer) and no template, so served by our K3 renderer (server/k3_render.py)."""
     from kdaserve.checkpoint import make_checkpoint as write
 
+    if kind == "k3":
+        return write(out, "k3-tiny", seed=0, tokenizer=KIMI / "tokenizer")
     return write(out, "tiny", seed=0, tokenizer=KIMI / "tokenizer",
                  extra_special_tokens=tuple(K3_TAGS.split(",")),
                  chat_template=KIMI / "templates" / "Kimi-K3.jinja")
@@ -83,16 +89,28 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=40,
                         help="tool_call_json_schema cases (of 204; 0 = all), each in 2 modes")
     parser.add_argument("--keep", default=None, help="keep the work folder here")
+    parser.add_argument("--checkpoint", default="template,k3",
+                        help="which test checkpoints to serve, in turn (make_checkpoint)")
     args = parser.parse_args()
     if not (KIMI / "vendor-verifier").is_dir():  # a checkout without the shared folder
         print(f"SKIPPED: the Kimi Vendor Verifier is not at {KIMI / 'vendor-verifier'}")
         return
     work = Path(args.keep or tempfile.mkdtemp(prefix="kdaserve-verify-"))
     work.mkdir(parents=True, exist_ok=True)
+    failed = [kind for kind in args.checkpoint.split(",")
+              if not verify(work / kind, kind, args.cases)]
+    if failed:
+        sys.exit(f"the verifier failed on: {', '.join(failed)}")
+
+
+def verify(work: Path, kind: str, cases: int) -> bool:
+    """One server on the `kind` checkpoint, the suites against it; whether every failure is
+    one a trained model is needed to avoid."""
+    work.mkdir(parents=True, exist_ok=True)
     suite = work / "vendor-verifier"
     shutil.rmtree(suite, ignore_errors=True)
     shutil.copytree(KIMI / "vendor-verifier", suite)
-    ckpt = make_checkpoint(work / "k3-tiny")
+    ckpt = make_checkpoint(work / "checkpoint", kind)
     port = 31000 + os.getpid() % 1000
     server = start_server(ckpt, port, work / "server.log")
     report = work / "report.xml"
@@ -100,8 +118,8 @@ def main() -> None:
            "tests/tool_call_json_schema", "--base-url", f"http://127.0.0.1:{port}/v1",
            "--api-key", "verifier", "--smoke-model", "kimi-k3", "--think-mode", "opensource",
            "--max-tokens", "160", "-p", "no:cacheprovider", "-q", f"--junitxml={report}"]
-    if args.cases:
-        cmd += ["--max-cases", str(args.cases)]
+    if cases:
+        cmd += ["--max-cases", str(cases)]
     t0 = time.monotonic()
     try:
         subprocess.run(cmd, cwd=suite, check=False)
@@ -120,15 +138,15 @@ def main() -> None:
             (tolerated if base in NEEDS_TRAINED_MODEL else unexpected).append(name)
         else:
             outcomes["passed"] += 1
-    print(f"\nKimi Vendor Verifier in {time.monotonic() - t0:.0f}s: {outcomes['passed']} passed, "
-          f"{outcomes['failed']} failed ({len(tolerated)} need a trained model), "
-          f"{outcomes['skipped']} skipped by the suite")
+    print(f"\nKimi Vendor Verifier ({kind} checkpoint) in {time.monotonic() - t0:.0f}s: "
+          f"{outcomes['passed']} passed, {outcomes['failed']} failed ({len(tolerated)} need a "
+          f"trained model), {outcomes['skipped']} skipped by the suite")
     for name in tolerated:
         print(f"  needs a trained model: {name}: {NEEDS_TRAINED_MODEL[name.split('[')[0]]}")
     if unexpected:
         print("FAILED (not explained by random weights):\n  " + "\n  ".join(unexpected))
         print(f"server log: {work / 'server.log'}")
-        sys.exit(1)
+    return not unexpected
 
 
 if __name__ == "__main__":
