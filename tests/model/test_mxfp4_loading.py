@@ -7,6 +7,7 @@ parameter, and `load_format="dummy"` and tensor parallelism giving the same pack
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -144,3 +145,42 @@ def test_quantization_mxfp4_on_kimi_linear(tiny_ckpt: Path, tmp_path: Path) -> N
     odd = make_checkpoint(tmp_path / "odd", preset_config("tiny", moe_intermediate_size=24))
     with pytest.raises(ValueError, match="moe_intermediate_size = 24"):
         LLM(odd, quantization="mxfp4")
+
+
+def test_pd_fingerprint_and_routing_replay_see_the_format(k3_ckpt: Path,
+                                                          mxfp4_ckpt: Path) -> None:
+    """The PD pool fingerprint tells MXFP4 experts from float ones of the same checkpoint (a
+    float decode server must not take a packed prefill server's caches), and routed-experts
+    replay on packed experts records the router's choices, as a plain forward's hooks see."""
+    from kdaserve import SamplingParams
+    from kdaserve.engine.disaggregation.layout import model_fingerprint
+
+    def fingerprint(llm: LLM) -> str:
+        return model_fingerprint(dataclasses.asdict(llm.engine.model_config), llm.model)
+
+    floats, packed = LLM(k3_ckpt), LLM(k3_ckpt, quantization="mxfp4")
+    assert fingerprint(floats) != fingerprint(packed)
+    assert fingerprint(packed) == fingerprint(LLM(k3_ckpt, quantization="mxfp4"))
+    llm = LLM(mxfp4_ckpt)
+    ids = [5, 99, 7, 1000, 42, 3, 8, 8]
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, return_routed_experts=True))[0]
+    got = out.outputs[0].routed_experts
+    seen: list[torch.Tensor] = []
+
+    def hook(mod: MoE, inp: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
+        c = mod.config
+        logits = torch.nn.functional.linear(inp[0].float(), mod.gate_weight)
+        seen.append(mod.kernels.moe_route(
+            logits, mod.e_score_correction_bias, c.num_experts_per_token, c.num_expert_group,
+            c.topk_group, c.moe_renormalize, c.routed_scaling_factor,
+            c.router_activation)[1].to(torch.int32))
+
+    handles = [m.register_forward_hook(hook) for m in llm.model.modules() if isinstance(m, MoE)]
+    try:
+        llm.prefill_logits(ids + out.token_ids[:-1])
+    finally:
+        for h in handles:
+            h.remove()
+    want = torch.stack(seen, 1)
+    assert got is not None and torch.equal(got.sort(-1).values, want.sort(-1).values)
