@@ -16,12 +16,14 @@ import io
 import math
 import pickle
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kdaserve.layers.parallel import Prefix, Shard, full_shape
+from kdaserve.kernels.ref.mxfp4 import quantize_mxfp4
+from kdaserve.layers.parallel import Prefix, Shard, full_shape, tensor_of
 from kdaserve.models.loader import check_weights, load_weights
 
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -38,6 +40,7 @@ SAFE_GLOBALS = {
     ("torch", "Size"),
     ("collections", "OrderedDict"),
     *(("torch", name) for name in FLOAT_DTYPES),
+    ("torch", "uint8"),  # MXFP4 experts' codes and scales, sent as stored
 }
 
 
@@ -89,11 +92,29 @@ def load_named_tensors(blob: bytes) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def update_views(model: Any) -> dict[str, torch.Tensor]:
-    """Name -> destination of every tensor an update may carry: checkpoint names, or those of
-    transformers' module a trainer holds in memory (Kimi Linear only: transformers has no K3
-    model)."""
+@dataclass(frozen=True)
+class PackInto:
+    """An MXFP4 expert weight (its codes and scales) that a trainer sends as floats under the
+    weight's own name (`...w1.weight`): packed on arrival, as `--quantization mxfp4` packs."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:  # the float weight's
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * 2)
+
+
+def update_views(model: Any) -> dict[str, Any]:
+    """Name -> destination of every tensor an update may carry: checkpoint names (MXFP4
+    experts also by their float names: PackInto), or those of transformers' module a trainer
+    holds in memory (Kimi Linear only: transformers has no K3 model)."""
     views = model.checkpoint_tensors()
+    for name in [n for n in views if n.endswith(".weight_packed")]:
+        base = name.removesuffix("_packed")
+        codes, scales = views[name], views.get(base + "_scale")
+        if isinstance(codes, torch.Tensor) and isinstance(scales, torch.Tensor):  # not TP
+            views[base] = PackInto(codes, scales)
     if model.config.tensor_prefix:
         return views
     return {**views, **model.transformers_tensors()}
@@ -115,13 +136,23 @@ def check_update(model: Any, named: list[tuple[str, torch.Tensor]],
         if name in seen:
             raise ValueError(f"tensor {name!r} given twice")
         seen.add(name)
+        if isinstance(dest, PackInto):
+            if tuple(tensor.shape) != dest.shape or not tensor.is_floating_point():
+                raise ValueError(f"tensor {name!r} ({tensor.dtype} {list(tensor.shape)}) is "
+                                 f"packed to MXFP4 from a float {list(dest.shape)}")
+            codes, scales = quantize_mxfp4(tensor)
+            pairs += [(dest.codes, codes), (dest.scales, scales)]
+            continue
         if isinstance(dest, Prefix):
             dest = dest.stored_as(tensor.shape)  # any stored length, as loading
         if tuple(tensor.shape) != full_shape(dest):
             raise ValueError(f"tensor {name!r} has shape {list(tensor.shape)}, expected "
                              f"{list(full_shape(dest))}")
-        if not tensor.is_floating_point():
-            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, expected a float dtype")
+        stored = tensor_of(dest).dtype
+        packed = stored == torch.uint8  # MXFP4 codes or scales: sent as they are stored
+        if (tensor.dtype == torch.uint8) != packed or not (packed or tensor.is_floating_point()):
+            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, expected "
+                             f"{'uint8 (MXFP4)' if packed else 'a float dtype'}")
         pairs.append((dest.dest, dest.take(tensor)) if isinstance(dest, Shard)
                      else (dest, tensor))
     return pairs

@@ -184,3 +184,43 @@ def test_pd_fingerprint_and_routing_replay_see_the_format(k3_ckpt: Path,
             h.remove()
     want = torch.stack(seen, 1)
     assert got is not None and torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+def test_rl_updates_to_packed_experts(tmp_path: Path) -> None:
+    """A served MXFP4 checkpoint takes a trainer's float expert weights under their own names
+    (packed on arrival) or the packed tensors under the released names: either way it then
+    decodes as the checkpoint those weights were packed into. Floats sent as codes, or codes
+    as floats, are refused."""
+    from kdaserve import SamplingParams
+    from kdaserve.engine import rl
+
+    from .conftest import serialize
+
+    def tensors(path: Path) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for f in sorted(path.glob("*.safetensors")):
+            out.update(load_file(str(f)))
+        return out
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 17, 33], list(range(40, 70))]
+    serving = make_checkpoint(tmp_path / "a", "k3-tiny", seed=3, dtype="float32",
+                              expert_format="mxfp4")
+    floats = make_checkpoint(tmp_path / "b", "k3-tiny", seed=8, dtype="float32")
+    packed = make_checkpoint(tmp_path / "c", "k3-tiny", seed=8, dtype="float32",
+                             expert_format="mxfp4")
+    want = [o.token_ids for o in LLM(packed).generate(prompt_token_ids=prompts,
+                                                       sampling_params=params)]
+    for source in (floats, packed):
+        llm = LLM(serving)
+        rl.update_weights_from_tensor(llm.engine, [serialize(list(tensors(source).items()))])
+        assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
+                                                  sampling_params=params)] == want
+    codes = next(n for n in tensors(packed) if n.endswith("w1.weight_packed"))
+    llm = LLM(serving)
+    with pytest.raises(ValueError, match="uint8"):
+        rl.update_weights_from_tensor(llm.engine, [serialize([(codes, torch.zeros(
+            tensors(packed)[codes].shape))])])
+    with pytest.raises(ValueError, match="packed to MXFP4 from a float"):
+        rl.update_weights_from_tensor(llm.engine, [serialize([(
+            codes.removesuffix("_packed"), tensors(packed)[codes])])])
