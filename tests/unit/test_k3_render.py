@@ -181,3 +181,19 @@ def test_parser_flags_must_name_the_chat_format(tok: Tokenizer) -> None:
         ChatHandler(K3Renderer(), tok, "kimi_k2")
     with pytest.raises(ValueError, match="--tool-call-parser kimi_k3.*kimi_k2"):
         ChatHandler(ChatTemplate(), tok, tool_call_parser="kimi_k3")
+
+
+def test_long_runs_equal_moonshots_renderer(moonshot: Any, tok: Tokenizer) -> None:
+    """Runs past Kimi's 25,000-character chunking (whitespace in a user turn and a tool result,
+    one long word in a tool argument), each segment chunked alone as Moonshot's encoding
+    chunks it."""
+    messages = [
+        {"role": "user", "content": "a" + " " * 60_000 + "b<|open|>"},
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "c0", "type": "function",
+            "function": {"name": "f", "arguments": json.dumps({"q": "x" * 30_000})}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": "\n" * 26_000},
+    ]
+    want = moonshot.build_chat_segments(messages, None, add_generation_prompt=True)
+    _, ids = K3Renderer().render_ids(tok, messages)
+    assert ids == reference_ids(moonshot, tok, want)
