@@ -62,9 +62,11 @@ FEATURE_OPS: dict[str, tuple[str, ...]] = {
     "mxfp4": ("moe_experts",),  # MXFP4 experts: uint8 w13 / w2 with E8M0 group scales
 }
 _K3_GATE = frozenset({"kda_lower_bound"})
-# the batch-invariant backend has every K3 feature of the ops it covers
-FEATURES_OF = {op: frozenset(f for f, ops in FEATURE_OPS.items() if op in ops) for op in (
-    "kda_chunk", "kda_recurrent", "kda_decode", "moe_experts")}
+# what the batch-invariant backend's kernels have: K3's gate and SiTU, not MXFP4 experts (it
+# runs fp32 weights only), so a deterministic model with MXFP4 experts is refused when its
+# kernels are resolved, not at its first forward
+_BATCH_INVARIANT_FEATURES = {"kda_chunk": _K3_GATE, "kda_recurrent": _K3_GATE,
+                             "kda_decode": _K3_GATE, "moe_experts": frozenset({"situ"})}
 
 registry.register("linear", "ref", linear_ref)
 registry.register("kda_chunk", "ref", kda_chunk_ref, features=_K3_GATE)
@@ -90,9 +92,9 @@ from kdaserve.kernels.cpu.gemm import linear_cpu  # noqa: E402
 from kdaserve.kernels.cpu.moe import moe_experts_cpu  # noqa: E402
 from kdaserve.kernels.native import batch_invariant as bi  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
+from kdaserve.kernels.native.k3 import attn_res_norm_native, situ_mul_native  # noqa: E402
 from kdaserve.kernels.native.ops import (  # noqa: E402
     argmax_rows,
-    attn_res_norm_native,
     gated_rmsnorm_native,
     kda_chunk_native,
     kda_chunk_native_wy,
@@ -104,7 +106,6 @@ from kdaserve.kernels.native.ops import (  # noqa: E402
     rms_norm_native,
     short_conv_native,
     silu_mul_native,
-    situ_mul_native,
 )
 from kdaserve.kernels.triton import supports as _triton  # noqa: E402
 from kdaserve.kernels.triton.conv import short_conv_triton  # noqa: E402
@@ -175,7 +176,7 @@ for _op, _fn in (("linear", bi.linear_bi), ("kda_chunk", bi.kda_chunk_bi),
                  ("silu_mul", bi.silu_mul_bi), ("situ_mul", bi.situ_mul_bi),
                  ("attn_res_norm", bi.attn_res_norm_bi)):
     registry.register(_op, BATCH_INVARIANT, _fn, priority=-1, supports=_batch_invariant,
-                      features=FEATURES_OF.get(_op, frozenset()))
+                      features=_BATCH_INVARIANT_FEATURES.get(_op, frozenset()))
 
 
 registry.register("rms_norm", "native", rms_norm_native, priority=20, supports=_native)

@@ -4,6 +4,7 @@ request validation that turns bad messages/tools into `ValueError`s the server m
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from datetime import datetime
@@ -164,7 +165,7 @@ class ChatTemplate:
         validate_messages(messages)
         if tools is not None:
             check_tools(tools, "tools")
-        guard = Untrusted(tok)
+        guard = _guard(tok)
         rendered = self.render(guard.escape(messages),
                                tools=None if tools is None else guard.escape(tools),
                                add_generation_prompt=add_generation_prompt,
@@ -202,6 +203,13 @@ class ChatTemplate:
                 f"chat template from {self.origin} failed on this request: "
                 f"{type(e).__name__}: {e}"
             ) from e
+
+
+@functools.cache
+def _guard(tok: Tokenizer) -> Untrusted:
+    """One per tokenizer (a server has one): its pattern of every special spelling is
+    compiled once, not per request."""
+    return Untrusted(tok)
 
 
 def deep_sort(obj: Any) -> Any:

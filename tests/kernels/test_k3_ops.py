@@ -241,9 +241,9 @@ def test_k3_resolves_native_kernels_here() -> None:
     """On a CPU with the native library (test_native.py asserts it builds), a K3 model gets
     the native kernels for its new work, not the references."""
     from kdaserve.kernels import resolve_kernels
-    from kdaserve.kernels.native import ops
+    from kdaserve.kernels.native import k3, ops
 
     k = resolve_kernels(torch.device("cpu"), features=frozenset({"kda_lower_bound", "situ"}))
     assert (k.kda_chunk, k.kda_decode, k.moe_experts, k.situ_mul, k.attn_res_norm) == (
         ops.kda_chunk_native, ops.kda_decode_native, ops.moe_experts_native,
-        ops.situ_mul_native, ops.attn_res_norm_native)
+        k3.situ_mul_native, k3.attn_res_norm_native)

@@ -224,3 +224,10 @@ def test_rl_updates_to_packed_experts(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="packed to MXFP4 from a float"):
         rl.update_weights_from_tensor(llm.engine, [serialize([(
             codes.removesuffix("_packed"), tensors(packed)[codes])])])
+
+
+def test_deterministic_inference_refuses_mxfp4_experts(mxfp4_ckpt: Path) -> None:
+    """The batch-invariant kernels run fp32 weights only: a checkpoint with MXFP4 experts is
+    refused as its kernels are resolved, by name."""
+    with pytest.raises(ValueError, match="no 'batch_invariant' kernel with .*mxfp4"):
+        LLM(mxfp4_ckpt, enable_deterministic_inference=True)

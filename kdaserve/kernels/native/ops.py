@@ -17,25 +17,15 @@ from kdaserve.kernels.cpu.gemm import cpu_vendor, gemm, onednn_usable
 from kdaserve.kernels.cpu.moe import moe_experts_cpu
 from kdaserve.kernels.native import isa
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
-from kdaserve.kernels.ref.attn_res import attn_res_norm_ref
+from kdaserve.kernels.native.k3 import moe_experts_mxfp4
+from kdaserve.kernels.native.tensors import f32 as _f32
+from kdaserve.kernels.native.tensors import ptr as _ptr
 from kdaserve.kernels.ref.kda import Snapshots, gated_rmsnorm, kda_chunk_ref
 from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS, mla_split_chunks
-from kdaserve.kernels.ref.mlp import silu_mul_ref, situ_mul_ref
+from kdaserve.kernels.ref.mlp import silu_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
 from kdaserve.kernels.ref.quant import dequantize
-
-
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
-
-
-def _f32(*ts: torch.Tensor) -> bool:
-    # a plain loop: a generator in all() cost ~2 us a call, ~1.5% of a small model's step
-    for t in ts:
-        if t.dtype != torch.float32 or not t.is_cpu:
-            return False
-    return True
 
 
 def kda_decode_native(qkv: torch.Tensor, f: torch.Tensor, beta: torch.Tensor, z: torch.Tensor,
@@ -267,7 +257,7 @@ def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     sum is fp32 here whatever the experts)."""
     T, k = ids.shape
     if w13.dtype == torch.uint8:  # MXFP4 (kernels/ref/mxfp4.py)
-        return _moe_experts_mxfp4(x, weights, ids, w13, w2, scale13, scale2, situ)
+        return moe_experts_mxfp4(x, weights, ids, w13, w2, scale13, scale2, situ)
     kernel = _WEIGHT_KERNELS.get(w13.dtype, ("", ""))[1]
     blocked_from = moe_blocked_from(w13.dtype) if blocked_from is None else blocked_from
     beta, linear_beta = (situ[0], situ[1] or 0.0) if situ else (0.0, 0.0)
@@ -292,30 +282,6 @@ def moe_experts_native(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     else:
         getattr(library(), kernel)(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13), _ptr(w2),
                                    _ptr(out), T, k, E, inter, D, blocked_from, beta, linear_beta)
-    return out
-
-
-def _moe_experts_mxfp4(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                       w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None,
-                       scale2: torch.Tensor | None,
-                       situ: tuple[float, float | None] | None) -> torch.Tensor:
-    """MXFP4 experts in one C++ call (csrc/mxfp4_cpu.cpp), held packed: the decode path
-    reads 0.53 bytes a parameter, looked up in registers."""
-    if scale13 is None or scale2 is None:
-        raise ValueError("MXFP4 experts come with their E8M0 scales")
-    if not _f32(x) or not all(t.is_contiguous() and t.is_cpu
-                              for t in (w13, w2, scale13, scale2)):
-        return moe_experts_ref(x, weights, ids, w13, w2, scale13, scale2, situ=situ)
-    beta, linear_beta = (situ[0], situ[1] or 0.0) if situ else (0.0, 0.0)
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    T, k = ids.shape
-    E, inter, D = w13.shape[0], w2.shape[-1] * 2, x.shape[1]
-    ids, weights = ids.to(torch.int64).contiguous(), weights.float().contiguous()  # held
-    if T:
-        library().moe_experts_mxfp4(_ptr(x), _ptr(ids), _ptr(weights), _ptr(w13),
-                                    _ptr(scale13), _ptr(w2), _ptr(scale2), _ptr(out), T, k, E,
-                                    inter, D, beta, linear_beta)
     return out
 
 
@@ -393,36 +359,6 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     library().silu_mul_f32(x.data_ptr(), y.data_ptr(), x.numel() // (2 * inter) if inter else 0,
                            inter)
     return y
-
-
-def situ_mul_native(gate_up: torch.Tensor, beta: float,
-                    linear_beta: float | None) -> torch.Tensor:
-    """`situ_mul_ref`'s contract (K3's SiTU-GLU of [..., gate | up]) in one C++ pass."""
-    if gate_up.dtype != torch.float32 or not gate_up.is_cpu or beta <= 0 \
-            or (linear_beta is not None and linear_beta <= 0):
-        return situ_mul_ref(gate_up, beta, linear_beta)
-    x = gate_up.contiguous()
-    inter = x.shape[-1] // 2
-    y = x.new_empty(*x.shape[:-1], inter)
-    library().situ_mul_f32(x.data_ptr(), y.data_ptr(), x.numel() // (2 * inter) if inter else 0,
-                           inter, beta, linear_beta or 0.0)
-    return y
-
-
-def attn_res_norm_native(bank: torch.Tensor, partial: torch.Tensor, w_eff: torch.Tensor,
-                         eps: float, norm_weight: torch.Tensor,
-                         norm_eps: float) -> torch.Tensor:
-    """`attn_res_norm_ref`'s contract (K3's AttnRes mix and the RMSNorm after it) in one C++
-    pass per token: each source read once for its score, once for the mix."""
-    NB, (T, D) = bank.shape[0], partial.shape
-    if not _f32(bank, partial, w_eff, norm_weight) or NB + 1 > 64:
-        return attn_res_norm_ref(bank, partial, w_eff, eps, norm_weight, norm_eps)
-    bank, partial, w_eff, norm_weight = (
-        t.contiguous() for t in (bank, partial, w_eff, norm_weight))
-    out = torch.empty_like(partial)
-    library().attn_res_norm_f32(_ptr(bank), NB, _ptr(partial), _ptr(w_eff), eps,
-                                _ptr(norm_weight), norm_eps, _ptr(out), T, D)
-    return out
 
 
 def copy_slots(pool: torch.Tensor, pairs: list[tuple[int, int]]) -> bool:
