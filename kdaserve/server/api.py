@@ -9,14 +9,18 @@ status. The handlers live in one module per API (completions, chat, responses, n
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from kdaserve.engine.client import EngineError
 from kdaserve.request import SamplingParams
@@ -44,18 +48,41 @@ from kdaserve.server.serving import (
 __all__ = ["ServerState", "create_app"]
 
 
+# pydantic's names for a union's alternatives in an error's location: "str", "list[int]",
+# "constrained-str", "function-after[...]"
+_BRANCH = re.compile(r"^(str|int|float|bool|list|dict|constrained-\w+|function-[\w-]+)(\[.*\])?$")
+
+
+def _where(loc: Sequence[Any]) -> str:
+    """An error's field path as a client wrote it: no `body`, no union alternatives."""
+    return ".".join(str(x) for x in loc if x != "body" and not _BRANCH.match(str(x)))
+
+
+def _closest_branches(errs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A value that fits no alternative of a union gets one error per alternative; where some
+    alternative took its JSON type and failed on its value ("" for a prompt: too short), only
+    those are reported, not "should be a valid list" for every other one."""
+    by_field: dict[str, list[dict[str, Any]]] = {}
+    for e in errs:
+        by_field.setdefault(_where(e.get("loc", ())), []).append(e)
+    out = []
+    for group in by_field.values():
+        close = [e for e in group if not str(e.get("type", "")).endswith("_type")]
+        out += close if len(group) > 1 and close else group
+    return out
+
+
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="kdaserve")
     app.state.kd = state
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        param = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or None
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body')}: "
-                        f"{e.get('msg')}" for e in errs)
-        return JSONResponse(error_body(msg or "invalid request", 400, param), status_code=400)
+        errs = [(_where(e.get("loc", ())), e) for e in _closest_branches(exc.errors())]
+        param = errs[0][0] if errs else None
+        msg = "; ".join(f"{where}: {e.get('msg')}" for where, e in errs)
+        return JSONResponse(error_body(msg or "invalid request", 400, param or None),
+                            status_code=400)
 
     @app.exception_handler(ValueError)
     async def _value(request: Request, exc: ValueError) -> JSONResponse:
@@ -70,9 +97,14 @@ def create_app(state: ServerState) -> FastAPI:
         # unknown paths and methods too get OpenAI error objects, not {"detail": ...}
         message = {404: f"no route {request.url.path}",
                    405: f"method {request.method} not allowed on {request.url.path}"}
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # Starlette names the first matching route's methods only
+            headers["Allow"] = ", ".join(sorted(
+                {m for r in app.routes if isinstance(r, APIRoute)
+                 and r.matches(request.scope)[0] is not Match.NONE for m in r.methods}))
         return JSONResponse(error_body(message.get(exc.status_code, str(exc.detail)),
                                        exc.status_code), status_code=exc.status_code,
-                            headers=exc.headers)
+                            headers=headers)
 
     @app.exception_handler(QueueFullError)
     async def _full(request: Request, exc: QueueFullError) -> JSONResponse:
@@ -234,13 +266,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/responses/{response_id}", response_model=oa.ResponseObject,
              responses=oa.responses(oa.ResponseObject, {**oa.STORED, 400: oa._error(
-                 "a query parameter not supported here (stream, starting_after, include)")}))
-    async def get_response(response_id: str, stream: bool = False,
-                           starting_after: int | None = None,
-                           include: Annotated[list[str] | None, Query()] = None,
+                 "a query parameter not documented here (OpenAI's stream, starting_after "
+                 "and include are not supported)")}))
+    async def get_response(request: Request, response_id: str,
                            include_obfuscation: bool = True) -> Response:
-        """A stored response as it was returned (`include_obfuscation`: accepted, no effect)."""
-        return response_store.retrieve(state, response_id, stream, starting_after, include)
+        """A stored response as it was returned (`include_obfuscation`: a stream option, and
+        no stream is replayed here)."""
+        return response_store.unknown_query(request, {"include_obfuscation"}) \
+            or response_store.retrieve(state, response_id)
 
     @app.delete("/v1/responses/{response_id}", response_model=oa.ResponseDeleted,
                 responses=oa.responses(oa.ResponseDeleted, oa.STORED))
@@ -249,15 +282,15 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/responses/{response_id}/input_items", response_model=oa.ResponseItemList,
              responses=oa.responses(oa.ResponseItemList, {**oa.STORED, 400: oa._error(
-                 "a bad limit, order or after, or include (not supported here)")}))
+                 "a bad limit, order or after, or a query parameter not documented here "
+                 "(OpenAI's include is not supported)")}))
     async def response_input_items(
-            response_id: str,
+            request: Request, response_id: str,
             limit: Annotated[int, Query(ge=1, le=response_store.MAX_PAGE)] = 20,
-            order: Literal["asc", "desc"] = "desc", after: str | None = None,
-            include: Annotated[list[str] | None, Query()] = None) -> Response:
+            order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Response:
         """A stored response's input context (the responses it continues, then its input)."""
-        return response_store.list_input_items(state, response_id, limit, order, after,
-                                               include)
+        return response_store.unknown_query(request, {"limit", "order", "after"}) \
+            or response_store.list_input_items(state, response_id, limit, order, after)
 
     @app.post("/generate", response_model=oa.GenerateResult | list[oa.GenerateResult],
               responses=oa.responses(oa.GenerateResult, oa.GENERATION, stream=True))

@@ -152,7 +152,10 @@ GENERATION = {**BODY, 404: _error("unknown model"), 429: _error("too many reques
               503: _error("the engine is down or restarting"),
               504: _error("request timed out (--request-timeout)")}
 STORED = {404: _error("no such stored response (unknown, store: false, deleted or dropped)")}
-SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# Before OpenAPI 3.2's itemSchema, an event stream's `schema` describes each event
+SSE = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}}}
 
 
 def responses(model: type[BaseModel] | None, errors: dict[int, Any],
@@ -168,16 +171,86 @@ def responses(model: type[BaseModel] | None, errors: dict[int, Any],
     return {200: ok, **COMMON, **errors}
 
 
+# What a request schema cannot say: rules on the tokens a text becomes, on the engine's state
+# or the model's weights, on one field against another. A request the schema admits is refused
+# (400) only with one of its route's messages here; the document lists them under
+# `x-kdaserve-refusals`, and the suite's schemathesis run holds the server to them.
+CONTEXT = ("the prompt and max_tokens together exceed the context",
+           r"exceeds the context of \d+ tokens|the context holds \d+")
+VOCAB = ("a token id outside the vocabulary", r"token id -?\d+ outside the")
+PD_MODE = ("bootstrap fields sent to a server not in disaggregation mode",
+           r"not in disaggregation mode")
+ONE_PROMPT = ("a disaggregated request (bootstrap_room) with several prompts",
+              r"a disaggregated request \(bootstrap_room\) takes one prompt")
+GRAMMAR = ("a grammar (regex, json_schema, ebnf, response_format) that does not compile",
+           r"^(regex|json_schema|ebnf|response_format)\b|grammar")
+MESSAGES = ("a message the chat template cannot render (tool calls, content parts, order)",
+            r"^messages\[\d+\]|^the chat template")
+TOOLS = ("tools, tool_choice or thinking options that do not fit together",
+         r"^(tools|tool_choice|thinking|chat_template_kwargs)\b")
+UPDATE = ("weights that are not this model's (tensor names, shapes, dtypes; a folder that is no "
+          "checkpoint of this architecture)",
+          r"^(serialized_named_tensors|model_path|checkpoint|tensor|unknown tensor name|"
+          r"names, dtypes|dtype)\b|^FileNotFoundError: no config\.json")
+UPDATE_STATE = ("an engine that takes no weights now (memory released, quantized or parallel "
+                "serving, requests running) or no such weight update group",
+                r"^update_weights_from_\w+\b|weight update group")
+DP_RANK = ("a data_parallel_rank this server does not have", r"^data_parallel_rank \d+:")
+SEQUENCES = ("prompts x n above the sequences one request may ask for",
+             r"sequences; a request may ask for at most \d+")
+MIN_TOKENS = ("min_tokens above max_tokens (given or default)", r"min_tokens \(\d+\) is above")
+GENERATION_REFUSALS = (CONTEXT, MIN_TOKENS, VOCAB, DP_RANK, PD_MODE, ONE_PROMPT, GRAMMAR)
+REFUSALS: dict[str, tuple[tuple[str, str], ...]] = {
+    "POST /v1/completions": (*GENERATION_REFUSALS, SEQUENCES,
+                             ("best_of other than n", r"best_of other than n")),
+    "POST /v1/chat/completions": (*GENERATION_REFUSALS, MESSAGES, TOOLS),
+    "POST /v1/responses": (CONTEXT, MIN_TOKENS, VOCAB, GRAMMAR, MESSAGES, TOOLS,
+                           ("an input item this server cannot read", r"^input\[\d+\]"),
+                           ("previous_response_id not stored here",
+                            r"previous_response_id .* is not stored here")),
+    "POST /generate": (*GENERATION_REFUSALS, SEQUENCES,
+                       ("logprob_start_len past the prompt", r"logprob_start_len")),
+    "POST /tokenize": (MESSAGES, TOOLS),
+    "POST /detokenize": (VOCAB,),
+    "GET /v1/responses/{response_id}/input_items": (
+        ("after naming no input item of this response", r"after .* is no input item"),),
+    "POST /update_weights_from_disk": (UPDATE, UPDATE_STATE),
+    "POST /update_weights_from_tensor": (UPDATE, UPDATE_STATE),
+    "POST /update_weights_from_distributed": (UPDATE, UPDATE_STATE),
+    "POST /destroy_weights_update_group": (UPDATE_STATE,),
+}
+
+
+def _integer_bounds(node: Any) -> None:
+    """Integer bounds written as integers: pydantic writes `lt=2**64` as 1.8446744073709552e19,
+    and a client computing the largest value from that float gets one the server refuses."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(node.get(key), float) and node[key].is_integer():
+                    node[key] = int(node[key])
+        for v in node.values():
+            _integer_bounds(v)
+    elif isinstance(node, list):
+        for v in node:
+            _integer_bounds(v)
+
+
 def install(app: FastAPI) -> None:
-    """Replaces FastAPI's default 422 responses (never sent: validation errors are 400)."""
+    """Replaces FastAPI's default 422 responses (never sent: validation errors are 400),
+    writes integer bounds as integers and each route's refusals (REFUSALS)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for path in doc.get("paths", {}).values():
-            for op in path.values():
+        for route, path in doc.get("paths", {}).items():
+            for method, op in path.items():
                 op.get("responses", {}).pop("422", None)
+                refusals = REFUSALS.get(f"{method.upper()} {route}")
+                if refusals:
+                    op["x-kdaserve-refusals"] = [{"when": w, "message": m} for w, m in refusals]
+        _integer_bounds(doc)
         for name in ("HTTPValidationError", "ValidationError"):
             doc.get("components", {}).get("schemas", {}).pop(name, None)
         app.openapi_schema = doc

@@ -4,15 +4,18 @@ The policy is strict: a field we do not know is a 400 naming it, never silently 
 few fields OpenAI documents as advisory (`user`, `metadata`, `store`, `service_tier`,
 `prompt_cache_key`, `safety_identifier`; SGLang's `log_metrics`, `stream_interval`) are
 accepted and ignored, and listed in the README. Types are strict: a number sent as a string
-("10"), a boolean as a string ("yes") or as a number, and a float where an integer belongs are
-400s, as are non-finite numbers (Infinity, NaN); token ids are integers (`false` is not token 0);
-every count has bounds, so nothing reaches the engine that could overflow there.
+("10"), a boolean as a string ("yes") or as a number, and a number with a fraction where an
+integer belongs are 400s (1.0 is 1, as JSON Schema's `integer` says), as are non-finite numbers
+(Infinity, NaN); token ids are integers (`false` is not token 0); every count has bounds, so
+nothing reaches the engine that could overflow there. The OpenAPI document (openapi.py) says
+all of this, and where a rule is beyond what a schema can say, it names the refusal.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+import re
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
@@ -32,18 +35,88 @@ MAX_STOPS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 Count = Annotated[int, Field(ge=0, lt=2**31)]
 Seed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+TOKEN_KEY = "[0-9]+"  # a token id as a JSON object key (logit_bias)
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=f"^{TOKEN_KEY}$")],
+                           Annotated[float, Field(ge=-100, le=100)]],  # SamplingParams' range
+                      Field(max_length=MAX_LOGIT_BIAS,
+                            json_schema_extra={"additionalProperties": False})]
+Stop = NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOPS)]
+
+
+def _integral(value: Any) -> Any:
+    """Integral floats (1.0, 1e3) as ints, inside lists too: JSON Schema's `integer` is any
+    number with no fraction, so the document's integers admit them (1.5 stays a 400)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return value
+
+
+def _takes_int(annotation: Any) -> bool:
+    """Whether a field's type has integers in it and no floats (a float field keeps 1.0)."""
+    seen: set[Any] = set()
+
+    def walk(t: Any) -> None:
+        seen.add(t)
+        for a in get_args(t):
+            walk(a)
+
+    walk(annotation)
+    return int in seen and float not in seen
+
+
+def _nullable_optionals(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The document says what `_null_is_unset` does: an optional field also takes null.
+    A required one does not (its null is a missing field, a 400)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required:
+            continue
+        options = prop.get("anyOf")
+        if options is not None:
+            if {"type": "null"} not in options:
+                options.append({"type": "null"})
+            continue
+        keep = {k: prop.pop(k) for k in ("title", "default", "description") if k in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **keep}
+    rules = getattr(cls, "schema_rules", None)
+    if rules is not None:
+        schema.setdefault("allOf", []).extend(rules())
+
+
+def given(name: str) -> dict[str, Any]:
+    """JSON Schema for "field `name` is present and not null" (null is unset here)."""
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+def exactly_one(*names: str) -> dict[str, Any]:
+    return {"oneOf": [given(n) for n in names]}
+
+
+def at_most_one(*names: str) -> dict[str, Any]:
+    return {"not": {"anyOf": [{"allOf": [given(a), given(b)]}
+                              for i, a in enumerate(names) for b in names[i + 1:]]}}
+
+
+GRAMMARS = ("regex", "json_schema", "ebnf")  # constraint(): at most one
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              json_schema_extra=_nullable_optionals)
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
         """`null` means "not given", as OpenAI's schemas type most fields `X | null`: it
-        takes the field's default (and a null we do not implement is no request for it)."""
+        takes the field's default (and a null we do not implement is no request for it).
+        Integral floats in integer fields are their integers."""
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
+            fields = {f.alias or n: f for n, f in cls.model_fields.items()}
+            return {k: _integral(v) if k in fields and _takes_int(fields[k].annotation) else v
+                    for k, v in data.items() if v is not None}
         return data
 
 
@@ -70,10 +143,9 @@ def parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """OpenAI sends token ids as JSON object keys (strings)."""
     out: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        try:
-            out[int(key)] = float(value)
-        except ValueError:
-            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if not re.fullmatch(TOKEN_KEY, key):  # not int(): that takes " 5", "-1", "1_0"
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        out[int(key)] = float(value)
     return out
 
 
@@ -94,11 +166,13 @@ def constraint(regex: str | None, json_schema: str | dict[str, Any] | None,
             raise ValueError(f"json_schema is not valid JSON: {e}") from None
         return Grammar("json_schema", source)
     if ebnf is not None:
-        from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+        from llguidance.gbnf_to_lark import gbnf_to_lark
 
         try:  # SGLang's EBNF is GBNF (`root ::= ...`); llguidance reads Lark
             return Grammar("lark", gbnf_to_lark(ebnf))
-        except (GbnfToLarkError, ValueError) as e:
+        # GbnfToLarkError, ValueError, and a bare Exception for some inputs ("No 'root' rule
+        # found" for an empty grammar): each the request's fault
+        except Exception as e:  # noqa: BLE001
             raise ValueError(f"ebnf: {e}") from None
     return None
 
@@ -115,6 +189,14 @@ class BootstrapFields(Strict):
     bootstrap_host: str | None = None
     bootstrap_port: int | None = Field(None, gt=0, lt=65536)
     bootstrap_room: int | None = Field(None, ge=0, lt=2**64)
+
+    @classmethod
+    def schema_rules(cls) -> list[dict[str, Any]]:
+        """bootstrap() as the document says it: the room comes with a host, and a host or
+        port only with a room."""
+        return [{"if": given("bootstrap_room"), "then": given("bootstrap_host")},
+                {"if": {"anyOf": [given("bootstrap_host"), given("bootstrap_port")]},
+                 "then": given("bootstrap_room")}]
 
     def bootstrap(self) -> Bootstrap | None:
         if self.bootstrap_room is None:
@@ -142,12 +224,12 @@ class SamplingFields(BootstrapFields):
     repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY,
                                              le=MAX_REPETITION_PENALTY)
     seed: Seed | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stop: Stop | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOPS)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_tokens: Count = 0
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: LogitBias | None = None
     regex: str | None = None  # SGLang's constrained decoding (one of the three)
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
@@ -164,6 +246,10 @@ class SamplingFields(BootstrapFields):
     # what sglang-router sends as defaults: accepted at those values only
     no_stop_trim: Literal[False] = False  # stop strings are always trimmed
     return_hidden_states: Literal[False] = False  # /generate returns them
+
+    @classmethod
+    def schema_rules(cls) -> list[dict[str, Any]]:
+        return [*super().schema_rules(), at_most_one(*GRAMMARS)]
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         values: dict[str, Any] | None = None, **extra: Any) -> SamplingParams:
@@ -202,7 +288,7 @@ class SamplingFields(BootstrapFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+    prompt: (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenId], Field(min_length=1)]
              | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_PROMPTS)])
@@ -211,6 +297,13 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: None = None  # insertion is not supported: only null is accepted
+
+    @classmethod
+    def schema_rules(cls) -> list[dict[str, Any]]:
+        # max_tokens 0 scores the prompt (echo) and generates nothing: only with echo
+        zero = {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}}
+        echo = {"required": ["echo"], "properties": {"echo": {"const": True}}}
+        return [*super().schema_rules(), {"if": zero, "then": echo}]
 
     @model_validator(mode="after")
     def _best_of(self) -> CompletionRequest:
@@ -222,7 +315,7 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(BaseModel):
     # Other keys (reasoning_content, partial, ...) go to the chat template, which reads them
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal["system", "user", "assistant", "tool"]  # chat_template.ROLES
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -230,7 +323,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=1, lt=2**31)
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
     logprobs: bool = False
@@ -241,7 +334,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool = True  # false: only the first tool call is returned
     response_format: Any = None
     thinking: Any = None  # Kimi's {"type": "enabled"|"disabled", "effort": ..., "keep": ...}
-    reasoning_effort: Any = None
+    reasoning_effort: Literal["low", "high", "max"] | None = None  # chat_request.EFFORTS
     chat_template_kwargs: Any = None
     # reasoning is always reported apart (K3 channels, K2 with a reasoning parser)
     separate_reasoning: Literal[True] = True
@@ -264,13 +357,13 @@ class GenerateSampling(Strict):
     presence_penalty: float | None = Field(0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(1.0, ge=MIN_REPETITION_PENALTY,
                                              le=MAX_REPETITION_PENALTY)
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    stop: Stop | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOPS)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = Field(1, ge=1, le=MAX_N)
     seed: Seed | None = Field(default=None, alias="sampling_seed")
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: LogitBias | None = None
     regex: str | None = None
     json_schema: str | dict[str, Any] | None = None
     ebnf: str | None = None
@@ -279,6 +372,10 @@ class GenerateSampling(Strict):
     no_stop_trim: Literal[False] = False  # stop strings are always trimmed
     spaces_between_special_tokens: Literal[True] = True
     stream_interval: int | None = None  # advisory: every step is streamed
+
+    @classmethod
+    def schema_rules(cls) -> list[dict[str, Any]]:
+        return [at_most_one(*GRAMMARS)]
 
     def to_params(self, logprobs: int | None, **extra: Any) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -305,7 +402,8 @@ class GenerateSampling(Strict):
 
 
 class GenerateRequest(BootstrapFields):
-    text: str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | None = None
+    text: (NonEmpty | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
+           | None) = None
     input_ids: (Annotated[list[TokenId], Field(min_length=1)]
                 | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                             Field(min_length=1, max_length=MAX_PROMPTS)] | None) = None
@@ -331,16 +429,24 @@ class GenerateRequest(BootstrapFields):
     return_routed_experts: bool = False
     routed_experts_start_len: int = Field(0, ge=0, lt=2**31)
 
+    @classmethod
+    def schema_rules(cls) -> list[dict[str, Any]]:
+        return [*super().schema_rules(), exactly_one("text", "input_ids")]
+
 
 class TokenizeRequest(Strict):
     """SGLang's and vLLM's /tokenize: a prompt, or chat messages rendered by the template."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    @classmethod
+    def schema_rules(cls) -> list[dict[str, Any]]:
+        return [exactly_one("prompt", "messages")]
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:

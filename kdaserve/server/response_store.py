@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kdaserve.server.protocol import error_body
@@ -122,22 +123,20 @@ def _find(state: ServerState, rid: str) -> StoredResponse | None:
     return None if state.responses is None else state.responses.find(rid)
 
 
-def _unsupported(**given: Any) -> JSONResponse | None:
-    """A 400 naming the query parameters of OpenAI's that this server does not implement."""
-    used = [k for k, v in given.items() if v]
-    if not used:
+def unknown_query(request: Request, documented: set[str]) -> JSONResponse | None:
+    """A 400 naming the query parameters a GET route does not document (FastAPI drops them
+    unread): OpenAI's stream, starting_after and include ask for a replay or extra data that
+    stored responses here do not have."""
+    unknown = sorted(set(request.query_params) - documented)
+    if not unknown:
         return None
     return JSONResponse(error_body(
-        f"query parameter(s) {', '.join(used)} not supported here (stored responses are "
-        "complete: no stream replay, nothing extra to include)", 400, used[0]), status_code=400)
+        f"query parameter(s) {', '.join(unknown)} not supported here (stored responses are "
+        "complete: no stream replay, nothing extra to include)", 400, unknown[0]),
+        status_code=400)
 
 
-def retrieve(state: ServerState, rid: str, stream: bool = False,
-             starting_after: int | None = None, include: list[str] | None = None) -> Response:
-    refused = _unsupported(stream=stream, starting_after=starting_after is not None,
-                           include=include)
-    if refused is not None:
-        return refused
+def retrieve(state: ServerState, rid: str) -> Response:
     stored = _find(state, rid)
     return not_found(rid) if stored is None else JSONResponse(stored.response)
 
@@ -149,12 +148,9 @@ def delete(state: ServerState, rid: str) -> Response:
 
 
 def list_input_items(state: ServerState, rid: str, limit: int = 20,
-                     order: Literal["asc", "desc"] = "desc", after: str | None = None,
-                     include: list[str] | None = None) -> Response:
+                     order: Literal["asc", "desc"] = "desc", after: str | None = None
+                     ) -> Response:
     """OpenAI's cursor page: `limit` items after the item `after`, newest first by default."""
-    refused = _unsupported(include=include)
-    if refused is not None:
-        return refused
     stored = _find(state, rid)
     if stored is None:
         return not_found(rid)

@@ -45,7 +45,7 @@ __all__ = ["ResponseStore", "ResponsesRequest", "create_response"]  # the store:
 
 class ResponsesRequest(Strict):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1, lt=2**31)
     temperature: float | None = Field(None, ge=0)

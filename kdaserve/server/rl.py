@@ -26,7 +26,7 @@ class UpdateCommon(Strict):
 
 
 class UpdateFromDisk(UpdateCommon):
-    model_path: str
+    model_path: Annotated[str, Field(min_length=1)]
 
 
 class UpdateFromTensor(UpdateCommon):

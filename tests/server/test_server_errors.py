@@ -65,9 +65,9 @@ BAD: list[tuple[str, str, dict[str, Any] | list[int] | bytes, str]] = [
     ("chat-top-p-above-one", CHAT, {"messages": USER, "top_p": 1.5}, "top_p"),
     ("gen-top-p-zero", GEN, {"text": "hi", "sampling_params": {"top_p": 0}}, "top_p"),
     ("chat-presence-penalty", CHAT, {"messages": USER, "presence_penalty": 3}, "presence_penalty"),
-    ("chat-empty-messages", CHAT, {"messages": []}, "messages must not be empty"),
+    ("chat-empty-messages", CHAT, {"messages": []}, "messages: list should have at least 1 item"),
     ("chat-unknown-role", CHAT, {"messages": [{"role": "robot", "content": "hi"}]},
-     "unknown role"),
+     "messages.0.role: input should be 'system', 'user', 'assistant' or 'tool'"),
     ("chat-tool-without-id", CHAT, {"messages": [*USER, {"role": "tool", "content": "x"}]},
      "tool_call_id"),
     ("chat-image-part", CHAT, {"messages": [{"role": "user", "content": [
@@ -99,7 +99,8 @@ BAD: list[tuple[str, str, dict[str, Any] | list[int] | bytes, str]] = [
     ("cmpl-n-negative", CMPL, {"prompt": "hi", "n": -2}, "n: input should be"),
     ("chat-empty-stop", CHAT, {"messages": USER, "stop": [""]}, "stop"),
     ("cmpl-empty-prompt-list", CMPL, {"prompt": []}, "prompt"),
-    ("cmpl-empty-prompt-text", CMPL, {"prompt": ""}, "empty prompt"),
+    ("cmpl-empty-prompt-text", CMPL, {"prompt": ""},
+     "prompt: string should have at least 1 character"),
     ("cmpl-token-out-of-vocab", CMPL, {"prompt": [1, 10**7]}, "vocabulary"),
     ("gen-token-negative", GEN, {"input_ids": [-1]}, "input_ids"),
     ("gen-neither-text-nor-ids", GEN, {"sampling_params": {"max_new_tokens": 2}},
@@ -172,6 +173,33 @@ def test_tiny_temperatures_are_greedy(http: httpx.Client) -> None:
     greedy = ids(0.0)
     assert ids(1e-300) == ids(1e-39) == greedy
     assert greedy != [0] * 6
+
+
+def test_integral_numbers_are_integers(http: httpx.Client) -> None:
+    """JSON Schema's `integer` is any number with no fraction, and the document says
+    integer: 2.0 and 1e1 are 2 and 10 (1.5 stays a 400, above), in a list too."""
+    r = http.post(GEN, json={"input_ids": [5.0, 6, 7e0], "sampling_params": {
+        "max_new_tokens": 2.0, "temperature": 0, "ignore_eos": True, "sampling_seed": 1e1}})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["output_ids"]) == 2
+    plain = http.post(GEN, json={"input_ids": [5, 6, 7], "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0, "ignore_eos": True}})
+    assert r.json()["output_ids"] == plain.json()["output_ids"]
+    assert_error(http.post(GEN, json={"input_ids": [5, 6.5]}), 400, "input_ids")
+
+
+def test_logit_bias_keys_are_digits(http: httpx.Client) -> None:
+    """As the document's pattern says: int() would also take " 5", "+5" and "1_0"."""
+    for key in (" 5", "+5", "1_0", "-1", "5\n"):
+        assert_error(http.post(CMPL, json={"prompt": "hi", "max_tokens": 1,
+                                           "logit_bias": {key: 1}}), 400, "logit_bias")
+    ok = http.post(CMPL, json={"prompt": "hi", "max_tokens": 1, "logit_bias": {"5": 100}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_405_names_every_method_of_the_path(http: httpx.Client) -> None:
+    r = http.request("OPTIONS", "/v1/responses/resp_x")
+    assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET", r.headers
 
 
 def test_prompt_beyond_the_context_is_400(http: httpx.Client) -> None:
