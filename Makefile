@@ -8,7 +8,7 @@ STAMP := .venv/.installed
 TRITON := .venv/triton/.installed
 MODEL ?= bench
 
-.PHONY: serve test verify lint venv clean
+.PHONY: serve test test-unit test-kernels test-model test-server verify lint venv clean
 
 venv: $(STAMP) $(TRITON)
 
@@ -34,6 +34,10 @@ $(TRITON): $(STAMP)
 # (scripts/run_tests.py); prints the time each run took
 test: $(STAMP) $(TRITON)
 	$(PY) scripts/run_tests.py
+
+# one tier of the suite, at the host's level (pytest markers set from the test folders)
+test-unit test-kernels test-model test-server: $(STAMP) $(TRITON)
+	$(PY) -m pytest -m $(@:test-%=%)
 
 # The Kimi Vendor Verifier (../shared/kimi/vendor-verifier) against a served random-weight K3
 # test checkpoint; fails on any failure a trained model is not needed to avoid.

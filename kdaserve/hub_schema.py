@@ -212,8 +212,6 @@ def k3_fields(raw: dict[str, Any], lac: dict[str, Any]) -> dict[str, Any]:
 def hub_dict(c: ModelConfig) -> dict[str, Any]:
     """Moonshot's hub schema for `c`: Kimi Linear's flat config, or (with a tensor prefix) K3's
     `kimi_k3` wrapper whose `text_config` holds the text model and the token ids sit on top."""
-    from kdaserve.config import MOE  # noqa: PLC0415 - config imports this module
-
     moe_layers = [i for i, t in enumerate(c.mlp_types) if t == MOE]
     first_dense = moe_layers[0] if moe_layers else c.num_hidden_layers
     if moe_layers != list(range(first_dense, c.num_hidden_layers)):

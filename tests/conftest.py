@@ -10,6 +10,18 @@ import pytest
 from kdaserve.checkpoint import make_checkpoint
 
 
+TIERS = ("unit", "kernels", "model", "server")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test is marked with its tier, its folder under tests/ (make test-<tier>)."""
+    here = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(here).parts
+        if parts and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """q_lora_rank null, one expert group; bf16 on disk like real checkpoints."""

@@ -37,13 +37,14 @@ from kdaserve.engine.pools import make_pools, num_snapshot_slots
 from kdaserve.engine.prefill_budget import PrefillBudget
 from kdaserve.engine.rl import EngineAsleep
 from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
-from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
+from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.tensor_parallel import Followers, join_expert_parallel, with_init_addr
 from kdaserve.kernels import argmax_rows, resolve_kernels
 from kdaserve.kernels.host_memory import keep_freed_memory
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
 from kdaserve.request import Request, RequestOutput, SamplingParams
+from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.build import build_speculator
 from kdaserve.speculative.verify import trim_drafts
 from kdaserve.tokenizer import Tokenizer

@@ -13,11 +13,11 @@ from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.engine.cuda_graph import CudaGraphRunner
 from kdaserve.engine.overlap import resolve_inputs
-from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.engine.tensor_parallel import Followers
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.request import Request
+from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.step_record import StepRecord
 
 

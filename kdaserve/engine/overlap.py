@@ -25,8 +25,8 @@ import torch
 
 from kdaserve.engine.logprobs import Picked, record_prompt_logprobs
 from kdaserve.engine.sampler import Drawn, Sampler, SamplerOutput
-from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.request import Request, RequestOutput
+from kdaserve.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger("kdaserve")
 

@@ -19,7 +19,6 @@ positions where it should leave snapshots for later requests (`snapshot_points`)
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from kdaserve.cache.block_pool import BlockPool
@@ -27,6 +26,7 @@ from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.engine.prefill_budget import PrefillBudget
 from kdaserve.request import Request, RequestStatus
+from kdaserve.scheduled_batch import ScheduledBatch
 
 LPM_MAX_QUEUE = 128
 DEDUP_LEADERS = 16  # prefilling requests a waiting one is compared with for in-batch dedup
@@ -60,24 +60,6 @@ class RequestHooks(Protocol):
     def on_finish(self, req: Request) -> None: ...
     def on_abort(self, req: Request) -> None: ...
     def on_preempt(self, req: Request) -> None: ...
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    reqs: list[Request] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # prefix-cache snapshots inside this step's chunks, (request, position, state slot): the
-    # KDA layers write the state after `position` tokens into the slot during the forward
-    snapshots: list[tuple[Request, int, int]] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.reqs
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
 
 
 class Scheduler:

@@ -21,9 +21,9 @@ import torch
 
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.engine.sampler import apply_filters
-from kdaserve.engine.scheduler import ScheduledBatch
 from kdaserve.request import Request
+from kdaserve.sampling_filters import apply_filters
+from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.adaptive import AdaptiveSpeculation
 from kdaserve.speculative.drafter import Drafter
 from kdaserve.speculative.schedule import StepCost, choose_lengths, plan_drafting

@@ -345,7 +345,7 @@ def test_tiny_temperature_and_penalty_sample_as_argmax() -> None:
 def test_windowed_top_k_top_p_equals_full_sort(scale: float) -> None:
     """The top-window shortcut (no full-vocabulary sort) masks exactly what the full sort
     masks, whether the window holds the top-p mass (peaked) or not (flat: the fallback)."""
-    from kdaserve.engine import sampler
+    from kdaserve import sampling_filters as sampler
 
     g = torch.Generator().manual_seed(0)
     V = 3 * sampler.TOP_WINDOW
@@ -361,7 +361,7 @@ def test_windowed_top_k_top_p_equals_full_sort(scale: float) -> None:
 def test_bucketed_top_p_keeps_the_exact_prefix() -> None:
     """Flat rows take the bucket path: the kept set is the smallest set of best tokens whose
     mass reaches top_p (checked in float64 against a full sort)."""
-    from kdaserve.engine import sampler
+    from kdaserve import sampling_filters as sampler
 
     g = torch.Generator().manual_seed(1)
     V = 5 * sampler.TOP_WINDOW

@@ -20,8 +20,9 @@ from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.checkpoint import preset_config
 from kdaserve.engine.prefill_budget import PrefillBudget
-from kdaserve.engine.scheduler import ScheduledBatch, Scheduler
+from kdaserve.engine.scheduler import Scheduler
 from kdaserve.request import Request, RequestStatus, SamplingParams
+from kdaserve.scheduled_batch import ScheduledBatch
 
 from .radix_fakes import FAKE_VOCAB, expected_output, fake_next_token
 

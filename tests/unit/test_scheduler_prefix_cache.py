@@ -13,8 +13,9 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.engine.scheduler import LPM_MAX_QUEUE, ScheduledBatch, Scheduler
+from kdaserve.engine.scheduler import LPM_MAX_QUEUE, Scheduler
 from kdaserve.request import Request, RequestStatus, SamplingParams
+from kdaserve.scheduled_batch import ScheduledBatch
 
 from .radix_fakes import (
     CONFIG,

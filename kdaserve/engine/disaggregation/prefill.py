@@ -25,7 +25,7 @@ from kdaserve.request import Request
 
 if TYPE_CHECKING:
     from kdaserve.engine.llm_engine import LLMEngine
-    from kdaserve.engine.scheduler import ScheduledBatch
+    from kdaserve.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger("kdaserve")
 
