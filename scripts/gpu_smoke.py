@@ -144,7 +144,7 @@ for preset in ("bench", "kimi-shaped"):
 import math  # noqa: E402
 
 from kdaserve.speculative.schedule import StepCost  # noqa: E402
-from tests.model.speculative_helpers import ScriptedDrafter  # noqa: E402
+from kdaserve.speculative.scripted import ScriptedDrafter  # noqa: E402
 
 try:
     p = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)

@@ -9,7 +9,6 @@ import pytest
 
 from kdaserve.checkpoint import make_checkpoint
 
-
 TIERS = ("unit", "kernels", "model", "server")
 
 

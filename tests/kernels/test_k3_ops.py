@@ -18,7 +18,7 @@ from kdaserve.kernels.ref.attn_res import attn_res_mix_ref
 from kdaserve.kernels.ref.kda import kda_gate_ref, l2norm_ref
 from kdaserve.kernels.ref.mlp import situ_mul_ref
 
-from .test_kda import make_inputs
+from .conftest import make_inputs
 
 BOUND = -5.0
 H, K = 2, 16

@@ -9,21 +9,9 @@ import torch.nn.functional as F
 from kdaserve.kernels import registry
 from kdaserve.kernels.ref.kda import kda_gate_ref, l2norm_ref, short_conv_ref
 
+from .conftest import make_inputs
+
 H, K, V = 2, 16, 16
-
-
-def make_inputs(lengths: list[int], seed: int = 0, strong_decay: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    T = sum(lengths)
-    q = torch.randn(T, H, K, generator=g)
-    k = torch.randn(T, H, K, generator=g)
-    v = torch.randn(T, H, V, generator=g)
-    f = torch.randn(T, H, K, generator=g) * (4.0 if strong_decay else 1.0)
-    beta = torch.randn(T, H, generator=g)
-    A_log = torch.rand(H, generator=g) * 2.0
-    dt_bias = torch.randn(H * K, generator=g)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    return q, k, v, f, beta, A_log, dt_bias, cu
 
 
 def fla_reference(fla_naive, q, k, v, f, beta, A_log, dt_bias, cu, init):

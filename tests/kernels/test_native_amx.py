@@ -12,6 +12,8 @@ import torch
 
 from kdaserve.kernels.native import ops
 
+from .conftest import bound, spy_on_native_calls
+
 pytestmark = pytest.mark.skipif(not ops.amx(), reason="no AMX tiles on this host")
 
 
@@ -26,13 +28,6 @@ def amx_linear(x: torch.Tensor, w: torch.Tensor, team: int = 1) -> torch.Tensor:
                                         w.shape[0], x.shape[1], team)
     assert rc == 0
     return y
-
-
-def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per output: the split's 2^-17 relative error on each activation, plus fp32 sums over
-    K terms, as a multiple of sum_k |x_k w_k|."""
-    K = x.shape[1]
-    return (2.0**-16 + K * 2.0**-23) * (x.double().abs() @ w.double().abs().t())
 
 
 @pytest.mark.parametrize(("M", "N", "K"), [(1, 1, 32), (5, 17, 40), (16, 130, 768),
@@ -75,7 +70,6 @@ def test_linear_native_runs_bf16_weights_on_amx_at_any_row_count(
     """`linear_native` keeps bf16 weights native at every row count (no widened copy for
     oneDNN), and the native call takes the tiles from 16 rows (8 for an lm_head-sized
     weight): its result is then the AMX product's, bit for bit."""
-    from tests.kernels.test_native_linear import spy_on_native_calls
 
     assert ops.linear_native_max_rows(torch.empty(4, 4, dtype=torch.bfloat16)) >= 2**40
     g = gen(rows)
@@ -129,7 +123,6 @@ def test_linear_native_runs_int8_weights_on_amx(rows: int,
     """int8 weights stay native at every row count (no dequantized copy for a GEMM) and take
     the tiles from 16 rows, bit for bit the AMX product's."""
     from kdaserve.kernels.ref.quant import dequantize, quantize_int8
-    from tests.kernels.test_native_linear import spy_on_native_calls
 
     g = gen(rows + 7)
     x = torch.randn(rows, 96, generator=g)

@@ -9,6 +9,8 @@ import torch
 
 from kdaserve.kernels.native.ops import linear_native
 
+from .conftest import bound, spy_on_native_calls
+
 
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
@@ -47,22 +49,6 @@ def test_linear_native_every_last_panel(N: int, rows: int, monkeypatch) -> None:
     x, w = torch.randn(rows, 40, generator=g), torch.randn(N, 40, generator=g)
     torch.testing.assert_close(linear_native(x, w), torch.nn.functional.linear(x, w),
                                atol=1e-4, rtol=1e-5)
-
-
-def spy_on_native_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the native library's functions called from now on (in order)."""
-    from kdaserve.kernels.native import ops
-
-    calls: list[str] = []
-    real = ops.library
-
-    class Spy:
-        def __getattr__(self, name: str):  # noqa: ANN204
-            calls.append(name)
-            return getattr(real(), name)
-
-    monkeypatch.setattr(ops, "library", Spy)
-    return calls
 
 
 def test_linear_native_takes_more_rows_of_a_large_weight(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -186,7 +172,6 @@ def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
     16 rows on an AMX host the tiles take them, and 1-4 rows on an AVX512_BF16 host the BF16
     dots, both on split activations (within test_native_amx's bound)."""
     from kdaserve.kernels.native import ops
-    from tests.kernels.test_native_amx import bound
 
     g = gen(rows + K)
     x = torch.randn(rows, K, generator=g)
@@ -211,7 +196,6 @@ def test_linear_native_with_int8_weights(rows: int, K: int) -> None:
     from kdaserve.kernels import linear_ref
     from kdaserve.kernels.native import ops
     from kdaserve.kernels.ref.quant import dequantize, quantize_int8
-    from tests.kernels.test_native_amx import bound
 
     g = gen(rows + K)
     x = torch.randn(rows, K, generator=g)

@@ -267,7 +267,7 @@ def test_verify_graphs_equal_eager_verifies(tiny_ckpt: Path) -> None:
 
     from kdaserve import LLM, SamplingParams
     from kdaserve.speculative.schedule import StepCost
-    from tests.model.speculative_helpers import ScriptedDrafter
+    from kdaserve.speculative.scripted import ScriptedDrafter
 
     prompts = [[(11 * i + 5 * j) % 900 + 3 for j in range(4 + 9 * i)] for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=7 + 6 * i, ignore_eos=True)

@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kdaserve import LLM
+from kdaserve.engine.cuda_graph import CudaGraphRunner, GraphKey
+
 
 def load_hf(path: Path) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
@@ -142,3 +145,26 @@ def serialize(named: list[tuple[str, torch.Tensor]]) -> bytes:
     buf = io.BytesIO()
     ForkingPickler(buf).dump(named)
     return buf.getvalue()
+
+
+def attach(llm: LLM, max_bs: int, max_q: int = 1) -> list[int]:
+    """Gives the engine an eager-replay runner; returns the batch sizes it ran, in order (and
+    keeps the graph keys in `KEYS`)."""
+    e = llm.engine
+    graphs = CudaGraphRunner(e.model, e.states, e.blocks, max_bs,
+                             e.scheduler.max_request_tokens(), max_q, capture=False)
+    ran: list[int] = []
+    KEYS.clear()
+    run = graphs.run
+
+    def counted(fb, key):  # noqa: ANN001, ANN202
+        ran.append(fb.num_seqs)
+        KEYS.append(key)
+        return run(fb, key)
+
+    graphs.run = counted  # type: ignore[method-assign]
+    e.runner.graphs = graphs
+    return ran
+
+
+KEYS: list[GraphKey] = []

@@ -15,31 +15,10 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.config import EngineConfig
-from kdaserve.engine.cuda_graph import CudaGraphRunner, GraphKey, capture_sizes
+from kdaserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
 from kdaserve.forward_batch import ForwardBatch
 
-
-def attach(llm: LLM, max_bs: int, max_q: int = 1) -> list[int]:
-    """Gives the engine an eager-replay runner; returns the batch sizes it ran, in order (and
-    keeps the graph keys in `KEYS`)."""
-    e = llm.engine
-    graphs = CudaGraphRunner(e.model, e.states, e.blocks, max_bs,
-                             e.scheduler.max_request_tokens(), max_q, capture=False)
-    ran: list[int] = []
-    KEYS.clear()
-    run = graphs.run
-
-    def counted(fb, key):  # noqa: ANN001, ANN202
-        ran.append(fb.num_seqs)
-        KEYS.append(key)
-        return run(fb, key)
-
-    graphs.run = counted  # type: ignore[method-assign]
-    e.runner.graphs = graphs
-    return ran
-
-
-KEYS: list[GraphKey] = []
+from .conftest import KEYS, attach
 
 
 def test_capture_sizes() -> None:
@@ -213,8 +192,7 @@ def test_verify_steps_replay_with_rollback(tiny_ckpt: Path, drafter: str,
     from kdaserve.checkpoint import preset_config
     from kdaserve.speculative.dspark import make_dspark_drafter
     from kdaserve.speculative.schedule import StepCost
-
-    from .speculative_helpers import ScriptedDrafter
+    from kdaserve.speculative.scripted import ScriptedDrafter
 
     k = 3
     ps = prompts(5)
@@ -261,8 +239,7 @@ def test_drafter_rows_from_graphs(tiny_ckpt: Path,
     from kdaserve.checkpoint import preset_config
     from kdaserve.speculative.dspark import make_dspark_drafter
     from kdaserve.speculative.schedule import StepCost
-
-    from .speculative_helpers import ScriptedDrafter
+    from kdaserve.speculative.scripted import ScriptedDrafter
 
     k = 3
     path = make_dspark_drafter(tmp_path_factory.mktemp("dspark-rows"), preset_config("tiny"),
@@ -297,8 +274,7 @@ def test_a_failed_capture_leaves_steps_to_the_eager_forward(tiny_ckpt: Path) -> 
     then on runs the plain forward, verifies with their rollback included: the tokens equal
     the plain engine's and no padding is left where a later step would read it."""
     from kdaserve.speculative.schedule import StepCost
-
-    from .speculative_helpers import ScriptedDrafter
+    from kdaserve.speculative.scripted import ScriptedDrafter
 
     ps = prompts(3)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

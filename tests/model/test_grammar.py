@@ -14,9 +14,9 @@ import pytest
 from kdaserve import LLM, SamplingParams
 from kdaserve.request import Grammar
 from kdaserve.server.tool_parser import parse_tool_calls
+from kdaserve.speculative.scripted import ScriptedDrafter
 
 from .conftest import clear_prompt
-from .speculative_helpers import ScriptedDrafter
 
 jsonschema = pytest.importorskip("jsonschema")
 

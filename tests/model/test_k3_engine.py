@@ -18,9 +18,9 @@ from kdaserve.engine import rl
 from kdaserve.speculative.block import make_block_drafter
 from kdaserve.speculative.dspark import make_dspark_drafter
 from kdaserve.speculative.schedule import StepCost
+from kdaserve.speculative.scripted import ScriptedDrafter
 
 from .conftest import MIN_MARGIN, clear_prompt, routing_margin, serialize
-from .speculative_helpers import ScriptedDrafter
 
 pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm.models.kimi_k3")

@@ -253,7 +253,7 @@ def test_abort_pause_and_failures_in_flight(tiny_ckpt: Path) -> None:
 def test_graph_replay_overlaps(tiny_ckpt: Path) -> None:
     """The CUDA-graph runner's static buffers (replayed eagerly on the CPU) take their input
     ids from the step in flight's tokens."""
-    from tests.model.test_cuda_graph import attach
+    from .conftest import attach
 
     ps = prompts(5)
     params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True)

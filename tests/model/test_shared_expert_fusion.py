@@ -18,7 +18,7 @@ from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.moe import MoE
 from kdaserve.models.native_decode import Unsupported
 
-from .test_rl import serialize
+from .conftest import serialize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 PROMPTS = [[5, 9, 17, 33], list(range(40, 110)), [7] * 19]

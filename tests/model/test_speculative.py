@@ -15,10 +15,10 @@ from kdaserve.speculative import verify
 from kdaserve.speculative.drafter import TokenDrafter
 from kdaserve.speculative.ngram import NgramDrafter
 from kdaserve.speculative.schedule import StepCost
+from kdaserve.speculative.scripted import ScriptedDrafter
 
 from .conftest import SPEC_NEW as NEW
 from .conftest import greedy_outputs as reference
-from .speculative_helpers import ScriptedDrafter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 

@@ -16,10 +16,10 @@ from kdaserve.config import DENSE, KDA, MLA, MOE, EngineConfig
 from kdaserve.speculative.block import BlockDrafter, make_block_drafter
 from kdaserve.speculative.dspark import make_dspark_drafter
 from kdaserve.speculative.schedule import StepCost
+from kdaserve.speculative.scripted import ScriptedDrafter
 
 from .conftest import SPEC_NEW as NEW
 from .conftest import greedy_outputs as reference
-from .speculative_helpers import ScriptedDrafter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 

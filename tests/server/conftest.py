@@ -358,3 +358,26 @@ def stop_router(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def start_router(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", *args, "--host", "127.0.0.1",
+           "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn",
+           "--disable-retries"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"router exited:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200 and httpx.post(
+                    f"{url}/generate", json={"input_ids": [1, 2], "sampling_params": {
+                        "max_new_tokens": 1}}, timeout=30).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    pytest.fail(f"router not ready:\n{log.read_text()}")

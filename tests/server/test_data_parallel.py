@@ -22,11 +22,11 @@ from tests.server.conftest import (
     is_gone,
     kill,
     reference,
+    start_router,
     start_server,
     stop_router,
     stop_server,
 )
-from tests.server.test_disaggregation import start_router
 
 NEW = 8
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from kdaserve import LLM
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.config import ModelConfig
 from tests.server.conftest import (
-    REPO,
     ServerProc,
     clear,
     descendants,
@@ -38,6 +36,7 @@ from tests.server.conftest import (
     kill,
     reference,
     sse_events,
+    start_router,
     start_server,
     stop_router,
     stop_server,
@@ -69,29 +68,6 @@ def start_prefill(ckpt: Path, logs: Path, *extra: str) -> tuple[ServerProc, int]
 
 def start_decode(ckpt: Path, logs: Path, *extra: str) -> ServerProc:
     return start_server(ckpt, logs, "--disaggregation-mode", "decode", *PD_ARGS, *extra)
-
-
-def start_router(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", *args, "--host", "127.0.0.1",
-           "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn",
-           "--disable-retries"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"router exited:\n{log.read_text()}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200 and httpx.post(
-                    f"{url}/generate", json={"input_ids": [1, 2], "sampling_params": {
-                        "max_new_tokens": 1}}, timeout=30).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    pytest.fail(f"router not ready:\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")

@@ -130,3 +130,24 @@ def test_the_checks_see_circles_and_upward_imports() -> None:
     assert cycles(graph) == [["kdaserve.engine.a", "kdaserve.engine.b"]]
     assert [b for a, ts in graph.items() for b in ts if LEVEL[top(b)] < LEVEL[top(a)]] == \
         ["kdaserve.server.s"]
+
+
+def test_tests_share_helpers_through_conftest_only() -> None:
+    """No test module imports another test module (shared helpers live in conftest.py or
+    tests/ports.py), and no script imports the tests."""
+    repo = ROOT.parent
+    found = []
+    for path in [*(repo / "tests").rglob("*.py"), *(repo / "scripts").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(a.name for a in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                last = name.split(".")[-1]
+                if last.startswith("test_") or (path.parts[-2] == "scripts"
+                                                and name.split(".")[0] == "tests"):
+                    found.append(f"{path.relative_to(repo)}: {name}")
+    assert found == []

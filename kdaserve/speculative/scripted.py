@@ -1,4 +1,6 @@
-"""A drafter wrapper for the speculation tests: forces how many drafts get accepted."""
+"""A drafter with a known acceptance, for the speculation tests and the GPU check
+(scripts/gpu_smoke.py): it wraps a real drafter (or none) and forces how many drafts get
+accepted, so a verify path can be checked against plain decoding at every acceptance count."""
 
 from __future__ import annotations
 
