@@ -8,6 +8,12 @@ STAMP := .venv/.installed
 TRITON := .venv/triton/.installed
 MODEL ?= bench
 
+# GSM8K for the benchmarks, the training commands and the tests (kdaserve/datasets.py), from the
+# shared data beside the checkout where it is there (else they use ~/.cache/kdaserve/gsm8k)
+ifneq ($(wildcard ../shared/data/gsm8k/test.jsonl),)
+export KDASERVE_GSM8K_DIR ?= $(abspath ../shared/data/gsm8k)
+endif
+
 .PHONY: serve test test-unit test-kernels test-model test-server verify lint venv clean
 
 venv: $(STAMP) $(TRITON)

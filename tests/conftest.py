@@ -3,13 +3,23 @@ with fixed seeds by the real checkpoint writer and read back by the real loader.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from kdaserve.checkpoint import make_checkpoint
+from kdaserve.datasets import GSM8K_ENV
 
 TIERS = ("unit", "kernels", "model", "server")
+SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """What `make` does for a bare `pytest` run: GSM8K from the shared data beside the
+    checkout, where it is there (the training tests read its train split)."""
+    if GSM8K_ENV not in os.environ and (SHARED_GSM8K / "test.jsonl").is_file():
+        os.environ[GSM8K_ENV] = str(SHARED_GSM8K)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -50,15 +60,14 @@ def small_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            num_shards=3)
 
 
-SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
-
-
 @pytest.fixture(scope="session")
 def gsm8k_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real GSM8K test set when the shared data sits beside the checkout, else a small
-    file in the same format (a clean CI clone may not have ../shared)."""
-    if SHARED_GSM8K.is_file():
-        return SHARED_GSM8K
+    """The real GSM8K test set where $KDASERVE_GSM8K_DIR names it (`make` sets it to
+    ../shared/data/gsm8k when that exists), else a small file in the same format (a clean
+    CI clone may not have ../shared)."""
+    folder = os.environ.get(GSM8K_ENV)
+    if folder and (Path(folder) / "test.jsonl").is_file():
+        return Path(folder) / "test.jsonl"
     import json
 
     path = tmp_path_factory.mktemp("gsm8k") / "test.jsonl"

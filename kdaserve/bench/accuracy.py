@@ -192,7 +192,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("accuracy", help="bf16 / int8 weights against fp32 (and llama.cpp's)")
     p.add_argument("--model", default="bench")
     p.add_argument("--variants", default="bf16,int8", help="of bf16, int8, fp32")
-    p.add_argument("--data", default=None, help="GSM8K JSONL (default: ../shared or download)")
+    p.add_argument("--data", default=None,
+                   help="GSM8K JSONL (default: $KDASERVE_GSM8K_DIR or the cache)")
     p.add_argument("--positions", type=int, default=1000)
     p.add_argument("--window", type=int, default=250)
     p.add_argument("--greedy-prompts", type=int, default=16)

@@ -14,42 +14,22 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
-import json
 import re
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from kdaserve.bench import roofline, write_result
+from kdaserve.datasets import gsm8k_file, read_jsonl
 
-OFFICIAL_URL = ("https://raw.githubusercontent.com/openai/grade-school-math/master/"
-                "grade_school_math/data/test.jsonl")
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k" / \
-    "test.jsonl"
 STOP = ["Question", "Assistant:", "<|separator|>"]
 INVALID = -9999999
 
 
 def load_data(path: str | None) -> list[dict[str, str]]:
-    if path is None:
-        if SHARED_DATA.is_file():
-            path = str(SHARED_DATA)
-        else:
-            cache = Path.home() / ".cache" / "kdaserve" / "gsm8k_test.jsonl"
-            if not cache.is_file():
-                try:
-                    cache.parent.mkdir(parents=True, exist_ok=True)
-                    urllib.request.urlretrieve(OFFICIAL_URL, cache)
-                except OSError as e:
-                    raise ValueError(f"no --data given and the GSM8K test set could not be "
-                                     f"downloaded ({e}); pass --data PATH") from e
-            path = str(cache)
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"GSM8K data file {p} not found")
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    """The GSM8K test rows: the file `path` names, else as kdaserve.datasets finds them."""
+    return read_jsonl(path if path is not None else gsm8k_file("test"))
 
 
 def answer_value(text: str) -> int | float:

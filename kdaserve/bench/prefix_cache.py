@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -19,17 +18,13 @@ import torch
 
 from kdaserve.bench import write_result
 from kdaserve.config import EngineConfig
+from kdaserve.datasets import gsm8k_file, read_jsonl
 from kdaserve.engine.llm_engine import LLMEngine
 from kdaserve.request import SamplingParams
 
-DEFAULT_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k" / \
-    "test.jsonl"
-
 
 def gsm8k_prompts(path: Path, n: int, shots: int) -> list[str]:
-    if not path.is_file():
-        raise ValueError(f"GSM8K data not found at {path}; pass --data")
-    rows = [json.loads(line) for line in path.read_text().splitlines()[: shots + n]]
+    rows = read_jsonl(path)[: shots + n]
     prefix = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows[:shots])
     return [prefix + f"Question: {r['question']}\nAnswer:" for r in rows[shots:]]
 
@@ -60,7 +55,8 @@ def run(engine: LLMEngine, prompts: list[Any], params: SamplingParams) -> dict[s
 
 
 def main(args: argparse.Namespace) -> None:
-    prompts = gsm8k_prompts(Path(args.data), args.num_questions + 1, args.num_shots)
+    prompts = gsm8k_prompts(Path(args.data) if args.data else gsm8k_file("test"),
+                            args.num_questions + 1, args.num_shots)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     result: dict[str, Any] = {"model": args.model, "num_questions": args.num_questions,
                               "parallel": args.parallel, "threads": torch.get_num_threads()}
@@ -114,7 +110,7 @@ def main(args: argparse.Namespace) -> None:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("prefix-cache", help="prefix-cache savings: GSM8K 8-shot, TTFT, chat")
     p.add_argument("--model", default="bench")
-    p.add_argument("--data", default=str(DEFAULT_DATA))
+    p.add_argument("--data", default=None, help="GSM8K test.jsonl (default: kdaserve.datasets)")
     p.add_argument("--num-questions", type=int, default=32)
     p.add_argument("--num-shots", type=int, default=8)
     p.add_argument("--parallel", type=int, default=16)

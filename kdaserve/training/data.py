@@ -4,20 +4,17 @@ it continues those prompts in kind."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-SHARED_GSM8K = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "gsm8k"
+from kdaserve.datasets import gsm8k_file, read_jsonl
 
 
 def gsm8k_rows(split: str, data_dir: str | Path | None = None) -> list[dict[str, str]]:
-    """The rows of `train.jsonl` or `test.jsonl` (question, answer)."""
-    path = Path(data_dir or SHARED_GSM8K) / f"{split}.jsonl"
-    if not path.is_file():
-        raise ValueError(f"GSM8K {split} data {path} not found (pass --data-dir)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of `train.jsonl` or `test.jsonl` (question, answer): in `data_dir`, else as
+    kdaserve.datasets finds them."""
+    return read_jsonl(gsm8k_file(split, data_dir))
 
 
 def record(row: dict[str, str]) -> str:

@@ -27,7 +27,7 @@ LEVELS: list[set[str]] = [
     {"layers"},
     {"cache", "forward_batch", "step_record", "scheduled_batch", "sampling_filters",
      "detokenizer"},
-    {"config", "hub_schema", "request", "tokenizer"},
+    {"config", "hub_schema", "request", "tokenizer", "datasets"},
     {"kernels"},
 ]
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}
