@@ -62,11 +62,12 @@ FEATURE_OPS: dict[str, tuple[str, ...]] = {
     "mxfp4": ("moe_experts",),  # MXFP4 experts: uint8 w13 / w2 with E8M0 group scales
 }
 _K3_GATE = frozenset({"kda_lower_bound"})
-# what the batch-invariant backend's kernels have: K3's gate and SiTU, not MXFP4 experts (it
-# runs fp32 weights only), so a deterministic model with MXFP4 experts is refused when its
+# what the batch-invariant backend's kernels have: K3's gate, SiTU, and MXFP4 experts (each
+# row decoded exactly to fp32); a feature missing here refuses a deterministic model when its
 # kernels are resolved, not at its first forward
 _BATCH_INVARIANT_FEATURES = {"kda_chunk": _K3_GATE, "kda_recurrent": _K3_GATE,
-                             "kda_decode": _K3_GATE, "moe_experts": frozenset({"situ"})}
+                             "kda_decode": _K3_GATE,
+                             "moe_experts": frozenset({"situ", "mxfp4"})}
 
 registry.register("linear", "ref", linear_ref)
 registry.register("kda_chunk", "ref", kda_chunk_ref, features=_K3_GATE)

@@ -22,6 +22,7 @@ from kdaserve.kernels.ref.kda import gated_rmsnorm, kda_chunk_ref, short_conv_re
 from kdaserve.kernels.ref.mla import mla_attention_ref
 from kdaserve.kernels.ref.mlp import situ_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
+from kdaserve.kernels.ref.mxfp4 import dequantize_mxfp4
 
 CPU = torch.device("cpu")
 
@@ -205,3 +206,29 @@ def test_moe_matches_reference_and_does_not_depend_on_the_batch() -> None:
         w_part, i_part = bi.moe_route_bi(logits[lo:hi], *args)
         assert torch.equal(w_part, weights[lo:hi]) and torch.equal(i_part, ids[lo:hi])
         assert torch.equal(bi.moe_experts_bi(x[lo:hi], w_part, i_part, w13, w2), out[lo:hi])
+
+
+@pytest.mark.parametrize("situ", [None, (4.0, 8.0)])
+def test_moe_with_mxfp4_experts_is_the_dequantized_one_bit_for_bit(situ) -> None:  # noqa: ANN001
+    """MXFP4 experts (uint8 codes, E8M0 scales) decoded row by row inside the kernel give the
+    bits of fp32 experts holding the dequantized weights, at any batch: deterministic
+    inference serves K3's released experts as they ship. Inputs 64 / 96 wide (two and three
+    scale groups), every code and a wide range of scales."""
+    T, D, E, inter, k = 23, 96, 5, 64, 2
+    g = torch.Generator().manual_seed(70)
+    w13 = torch.randint(0, 256, (E, 2 * inter, D // 2), generator=g, dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, D, inter // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(117, 130, (E, 2 * inter, D // 32), generator=g, dtype=torch.uint8)
+    s2 = torch.randint(117, 130, (E, D, inter // 32), generator=g, dtype=torch.uint8)
+    s13[0, 0, 0], s2[1, 2, 0] = 0, 1  # the subnormal end of E8M0
+    x = rand(T, D, seed=71)
+    weights, ids = bi.moe_route_bi(rand(T, E, seed=72), None, k, 1, 1, True, 1.0, "softmax")
+    out = bi.moe_experts_bi(x, weights, ids, w13, w2, s13, s2, situ=situ)
+    plain = bi.moe_experts_bi(x, weights, ids, dequantize_mxfp4(w13, s13),
+                              dequantize_mxfp4(w2, s2), situ=situ)
+    assert torch.equal(out, plain) and out.abs().sum() > 0
+    for lo, hi in [(0, 1), (5, 6), (2, 17), (22, 23)]:
+        assert torch.equal(bi.moe_experts_bi(x[lo:hi], weights[lo:hi], ids[lo:hi], w13, w2,
+                                             s13, s2, situ=situ), out[lo:hi])
+    with pytest.raises(ValueError, match="E8M0 scales"):
+        bi.moe_experts_bi(x, weights, ids, w13, w2)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kdaserve import LLM
+from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import make_checkpoint
 from kdaserve.config import ModelConfig
 from kdaserve.hub_schema import MXFP4_CONFIG, expert_format_of
@@ -226,8 +226,23 @@ def test_rl_updates_to_packed_experts(tmp_path: Path) -> None:
             codes.removesuffix("_packed"), tensors(packed)[codes])])])
 
 
-def test_deterministic_inference_refuses_mxfp4_experts(mxfp4_ckpt: Path) -> None:
-    """The batch-invariant kernels run fp32 weights only: a checkpoint with MXFP4 experts is
-    refused as its kernels are resolved, by name."""
-    with pytest.raises(ValueError, match="no 'batch_invariant' kernel with .*mxfp4"):
-        LLM(mxfp4_ckpt, enable_deterministic_inference=True)
+def test_deterministic_inference_with_mxfp4_experts(mxfp4_ckpt: Path) -> None:
+    """The batch-invariant experts decode MXFP4 rows exactly: a request's tokens and logprobs
+    are the same bits alone and among others, at other chunk budgets, and the greedy tokens
+    are the plain engine's on the same packed experts."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompt = [5 + (7 * i) % 200 for i in range(37)]
+    others = [[3 + (11 * i + j) % 190 for i in range(9 + 4 * j)] for j in range(6)]
+
+    def bits(llm: LLM, batch: list[list[int]]) -> tuple:
+        outs = llm.generate(prompt_token_ids=batch, sampling_params=params)
+        out = outs[batch.index(prompt)].outputs[0]
+        return out.token_ids, out.logprobs
+
+    det = LLM(mxfp4_ckpt, enable_deterministic_inference=True)
+    assert det.engine.model.kernels.moe_experts.__name__ == "moe_experts_bi"
+    alone = bits(det, [prompt])
+    assert bits(det, [*others[:3], prompt, *others[3:]]) == alone
+    chunked = LLM(mxfp4_ckpt, enable_deterministic_inference=True, max_num_batched_tokens=16)
+    assert bits(chunked, [others[0], prompt, others[1]]) == alone
+    assert alone[0] == bits(LLM(mxfp4_ckpt), [prompt])[0]

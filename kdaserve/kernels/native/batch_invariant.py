@@ -213,15 +213,32 @@ def moe_experts_bi(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    w13: torch.Tensor, w2: torch.Tensor, scale13: torch.Tensor | None = None,
                    scale2: torch.Tensor | None = None,
                    situ: tuple[float, float | None] | None = None) -> torch.Tensor:
-    _no_scales(scale13, scale2)
+    """fp32 experts, or MXFP4 ones (uint8 codes with their E8M0 scales, kernels/ref/mxfp4.py),
+    each weight row decoded exactly: the values of fp32 experts holding the dequantized
+    weights."""
     beta, linear_beta = (situ[0], situ[1] or 0.0) if situ else (0.0, 0.0)
-    _check(x, weights, w13, w2)
+    mxfp4 = w13.dtype == torch.uint8
+    if mxfp4:
+        if scale13 is None or scale2 is None:
+            raise ValueError("MXFP4 experts come with their E8M0 scales")
+        if any(t.dtype != torch.uint8 or not t.is_cpu for t in (w2, scale13, scale2)):
+            raise ValueError("MXFP4 experts: uint8 codes and scales on the CPU")
+        _check(x, weights)
+    else:
+        _no_scales(scale13, scale2)
+        _check(x, weights, w13, w2)
     T, k = ids.shape
     xc, idc, wc = x.contiguous(), ids.to(torch.int64).contiguous(), weights.contiguous()
     w13c, w2c = w13.contiguous(), w2.contiguous()
     out = torch.empty_like(xc)
-    if T:
+    E, D = w13.shape[0], x.shape[1]
+    if T and mxfp4:
+        s13, s2 = scale13.contiguous(), scale2.contiguous()  # type: ignore[union-attr]
+        _lib().bi_moe_mxfp4(xc.data_ptr(), idc.data_ptr(), wc.data_ptr(), w13c.data_ptr(),
+                            s13.data_ptr(), w2c.data_ptr(), s2.data_ptr(), out.data_ptr(), T,
+                            k, E, w2.shape[-1] * 2, D, beta, linear_beta)
+    elif T:
         _lib().bi_moe_f32(xc.data_ptr(), idc.data_ptr(), wc.data_ptr(), w13c.data_ptr(),
-                          w2c.data_ptr(), out.data_ptr(), T, k, w13.shape[0], w2.shape[-1],
-                          x.shape[1], beta, linear_beta)
+                          w2c.data_ptr(), out.data_ptr(), T, k, E, w2.shape[-1], D, beta,
+                          linear_beta)
     return out

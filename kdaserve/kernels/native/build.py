@@ -87,6 +87,7 @@ LIBRARIES = {
         "bi_short_conv_f32": [_P] * 6 + [_I] * 3,
         "bi_mla_attention_f32": [_P] * 9 + [_I] * 9 + [_F],
         "bi_moe_f32": [_P] * 6 + [_I] * 5 + [_F, _F],
+        "bi_moe_mxfp4": [_P] * 8 + [_I] * 5 + [_F, _F],
     }),
 }
 

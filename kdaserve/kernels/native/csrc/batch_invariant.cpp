@@ -54,6 +54,97 @@ inline float inv_rms(const float* x, int64_t n, float eps) {
   return 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
 }
 
+// Where bi_moe reads a weight row: fp32 weights in place; MXFP4 rows decoded into the
+// caller's scratch (exact: an E2M1 value times a power of two).
+struct F32Rows {
+  const float* w;
+  int64_t n;  // row length
+  size_t scratch() const { return 0; }
+  const float* row(int64_t r, float*) const { return w + r * n; }
+};
+
+struct Mxfp4Rows {
+  const uint8_t* packed;  // [rows, n / 2], the low nibble the even element
+  const uint8_t* scales;  // [rows, n / 32], E8M0
+  int64_t n;
+  size_t scratch() const { return static_cast<size_t>(n); }
+  const float* row(int64_t r, float* out) const {
+    static constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                        -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    const uint8_t* p = packed + r * (n / 2);
+    const uint8_t* s = scales + r * (n / 32);
+    for (int64_t g = 0; g < n / 32; ++g) {
+      // 2^(s - 127) as the reference computes it: 2^-127 (subnormal) at 0, infinity at 255
+      const float scale = std::ldexp(1.0f, static_cast<int>(s[g]) - 127);
+      for (int64_t j = 0; j < 16; ++j) {
+        const uint8_t b = p[g * 16 + j];
+        out[g * 32 + 2 * j] = kE2M1[b & 0x0F] * scale;
+        out[g * 32 + 2 * j + 1] = kE2M1[b >> 4] * scale;
+      }
+    }
+    return out;
+  }
+};
+
+// Routed experts: sum over each token's k choices, in choice order, of
+// weight * W2 (SiLU(W1 x) * W3 x). x [T, D]; ids, weights [T, k]; w13 [E, 2I, D]; w2 [E, D, I].
+// Choices are grouped by expert so a weight row is read once for all its tokens; the grouping
+// only orders the work, every value is still one dot() of a weight row with a token's row.
+// beta, linear_beta: SwiGLU (beta 0) or K3's SiTU-GLU (linear_beta 0: the up branch uncapped)
+template <typename Rows>
+void bi_moe(const float* x, const int64_t* ids, const float* weights, Rows w13, Rows w2,
+            float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D, float beta,
+            float linear_beta) {
+  const int64_t n = T * k;
+  std::vector<int64_t> offset(E + 1, 0), order(n);
+  for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
+  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
+  {
+    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
+    for (int64_t c = 0; c < n; ++c) order[fill[ids[c]]++] = c;
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < E; ++e)
+    if (offset[e + 1] > offset[e]) active.push_back(e);
+  const int64_t A = static_cast<int64_t>(active.size());
+  std::vector<float> act(n * I), ys(n * D);
+  constexpr int64_t kRows = 32;
+  const int64_t iblocks = (I + kRows - 1) / kRows, dblocks = (D + kRows - 1) / kRows;
+#pragma omp parallel
+  {
+    std::vector<float> gate(w13.scratch()), up(w13.scratch()), down(w2.scratch());
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < A * iblocks; ++task) {
+      const int64_t e = active[task / iblocks], r0 = (task % iblocks) * kRows;
+      for (int64_t r = r0; r < std::min(I, r0 + kRows); ++r) {
+        const float* wg = w13.row(e * 2 * I + r, gate.data());
+        const float* wu = w13.row(e * 2 * I + I + r, up.data());
+        for (int64_t s = offset[e]; s < offset[e + 1]; ++s) {
+          const float* xt = x + (order[s] / k) * D;
+          const float g = dot(wg, xt, D), u = dot(wu, xt, D);
+          act[s * I + r] = glu(g, u, beta, linear_beta);
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < A * dblocks; ++task) {
+      const int64_t e = active[task / dblocks], d0 = (task % dblocks) * kRows;
+      for (int64_t d = d0; d < std::min(D, d0 + kRows); ++d) {
+        const float* wd = w2.row(e * D + d, down.data());
+        for (int64_t s = offset[e]; s < offset[e + 1]; ++s)
+          ys[order[s] * D + d] = dot(wd, act.data() + s * I, I) * weights[order[s]];
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) {
+      float* o = out + t * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = ys[t * k * D + d];
+      for (int64_t j = 1; j < k; ++j)
+        for (int64_t d = 0; d < D; ++d) o[d] += ys[(t * k + j) * D + d];
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -219,61 +310,23 @@ void bi_mla_attention_f32(const float* q_nope, const float* q_pe, const float* k
   }
 }
 
-// Routed experts: sum over each token's k choices, in choice order, of
-// weight * W2 (SiLU(W1 x) * W3 x). x [T, D]; ids, weights [T, k]; w13 [E, 2I, D]; w2 [E, D, I].
-// Choices are grouped by expert so a weight row is read once for all its tokens; the grouping
-// only orders the work, every value is still one dot() of a weight row with a token's row.
-// beta, linear_beta: SwiGLU (beta 0) or K3's SiTU-GLU (linear_beta 0: the up branch uncapped)
 void bi_moe_f32(const float* x, const int64_t* ids, const float* weights, const float* w13,
                 const float* w2, float* out, int64_t T, int64_t k, int64_t E, int64_t I,
                 int64_t D, float beta, float linear_beta) {
-  const int64_t n = T * k;
-  std::vector<int64_t> offset(E + 1, 0), order(n);
-  for (int64_t c = 0; c < n; ++c) ++offset[ids[c] + 1];
-  for (int64_t e = 0; e < E; ++e) offset[e + 1] += offset[e];
-  {
-    std::vector<int64_t> fill(offset.begin(), offset.end() - 1);
-    for (int64_t c = 0; c < n; ++c) order[fill[ids[c]]++] = c;
-  }
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (offset[e + 1] > offset[e]) active.push_back(e);
-  const int64_t A = static_cast<int64_t>(active.size());
-  std::vector<float> act(n * I), ys(n * D);
-  constexpr int64_t kRows = 32;
-  const int64_t iblocks = (I + kRows - 1) / kRows, dblocks = (D + kRows - 1) / kRows;
-#pragma omp parallel
-  {
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < A * iblocks; ++task) {
-      const int64_t e = active[task / iblocks], r0 = (task % iblocks) * kRows;
-      for (int64_t r = r0; r < std::min(I, r0 + kRows); ++r) {
-        const float* wg = w13 + (e * 2 * I + r) * D;
-        const float* wu = wg + I * D;
-        for (int64_t s = offset[e]; s < offset[e + 1]; ++s) {
-          const float* xt = x + (order[s] / k) * D;
-          const float g = dot(wg, xt, D), u = dot(wu, xt, D);
-          act[s * I + r] = glu(g, u, beta, linear_beta);
-        }
-      }
-    }
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < A * dblocks; ++task) {
-      const int64_t e = active[task / dblocks], d0 = (task % dblocks) * kRows;
-      for (int64_t d = d0; d < std::min(D, d0 + kRows); ++d) {
-        const float* wd = w2 + (e * D + d) * I;
-        for (int64_t s = offset[e]; s < offset[e + 1]; ++s)
-          ys[order[s] * D + d] = dot(wd, act.data() + s * I, I) * weights[order[s]];
-      }
-    }
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < T; ++t) {
-      float* o = out + t * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = ys[t * k * D + d];
-      for (int64_t j = 1; j < k; ++j)
-        for (int64_t d = 0; d < D; ++d) o[d] += ys[(t * k + j) * D + d];
-    }
-  }
+  bi_moe(x, ids, weights, F32Rows{w13, D}, F32Rows{w2, I}, out, T, k, E, I, D, beta,
+         linear_beta);
+}
+
+// The same with MXFP4 experts (kernels/ref/mxfp4.py): w13 / w2 packed uint8 [E, 2I, D/2] /
+// [E, D, I/2], s13 / s2 their E8M0 scales [E, 2I, D/32] / [E, D, I/32]. Each weight row is
+// decoded exactly to fp32 (code x 2^(s - 127), as dequantize_mxfp4), so every value equals
+// bi_moe_f32's on the dequantized weights.
+void bi_moe_mxfp4(const float* x, const int64_t* ids, const float* weights, const uint8_t* w13,
+                  const uint8_t* s13, const uint8_t* w2, const uint8_t* s2, float* out,
+                  int64_t T, int64_t k, int64_t E, int64_t I, int64_t D, float beta,
+                  float linear_beta) {
+  bi_moe(x, ids, weights, Mxfp4Rows{w13, s13, D}, Mxfp4Rows{w2, s2, I}, out, T, k, E, I, D,
+         beta, linear_beta);
 }
 
 }  // extern "C"
