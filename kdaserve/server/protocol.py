@@ -3,7 +3,7 @@
 The policy is strict: a field we do not know is a 400 naming it, never silently dropped. The
 few fields OpenAI documents as advisory (`user`, `metadata`, `store`, `service_tier`,
 `prompt_cache_key`, `safety_identifier`; SGLang's `log_metrics`, `stream_interval`) are
-accepted and ignored, and listed in the README. Types are strict: a number sent as a string
+accepted and ignored, and listed in docs/server.md. Types are strict: a number sent as a string
 ("10"), a boolean as a string ("yes") or as a number, and a number with a fraction where an
 integer belongs are 400s (1.0 is 1, as JSON Schema's `integer` says), as are non-finite numbers
 (Infinity, NaN); token ids are integers (`false` is not token 0); every count has bounds, so
