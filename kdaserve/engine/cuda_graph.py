@@ -40,10 +40,9 @@ from kdaserve.config import EngineConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
 from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS
+from kdaserve.kernels.registry import GRAPH_SAFE
 from kdaserve.kernels.triton import tile
-from kdaserve.kernels.triton.kda import FUSED_MAX_STATE, kda_decode_triton
-from kdaserve.kernels.triton.mla import mla_attention_triton
-from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton
+from kdaserve.kernels.triton.kda import FUSED_MAX_STATE
 from kdaserve.layers.kda import FUSED_MAX_TOKENS, KDAttention
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.step_record import KDASteps, StepRecord
@@ -51,15 +50,16 @@ from kdaserve.step_record import KDASteps, StepRecord
 logger = logging.getLogger("kdaserve")
 
 
+GRAPHED_OPS = ("kda_decode", "mla_attention", "moe_experts", "moe_route")
+
+
 def graph_safe(kernels: Kernels) -> bool:
-    """Whether a decode forward's kernels can sit in a graph: the triton backend's read
-    nothing back to the host; the references (a CUDA machine without fla-core, or
-    kernel_backend="ref") read sequence lengths and expert ids back, and capture would fail.
-    The torch ops the other kernels are (projections, norms, SwiGLU) read nothing back."""
-    return (kernels.kda_decode is kda_decode_triton
-            and kernels.mla_attention is mla_attention_triton
-            and kernels.moe_experts is moe_experts_triton
-            and kernels.moe_route is moe_route_triton)
+    """Whether a decode forward's kernels can sit in a graph: their backends say they read
+    nothing back to the host (the triton backend's do; the references, on a CUDA machine
+    without fla-core or with kernel_backend="ref", read sequence lengths and expert ids back,
+    and capture would fail). The torch ops the other kernels are (projections, norms,
+    SwiGLU) read nothing back."""
+    return kernels.have(GRAPH_SAFE, GRAPHED_OPS)
 
 
 def capture_sizes(max_bs: int) -> list[int]:

@@ -115,6 +115,9 @@ from kdaserve.kernels.triton.kda import kda_chunk_triton, kda_decode_triton  # n
 from kdaserve.kernels.triton.mla import mla_attention_triton  # noqa: E402
 from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton  # noqa: E402
 
+_ONE_CALL = frozenset({registry.ONE_CALL_DECODE})
+_GRAPH = frozenset({registry.GRAPH_SAFE})
+
 
 def _native(device: torch.device) -> tuple[bool, str]:
     # Compiling happens here, once, when the first model is built on a CPU.
@@ -126,40 +129,45 @@ registry.register("kda_recurrent", "cpu", kda_recurrent_cpu, priority=10, suppor
 registry.register("kda_decode", "cpu", kda_decode_cpu, priority=10, supports=_cpu_only,
                   features=_K3_GATE)
 registry.register("kda_decode", "native", kda_decode_native, priority=20, supports=_native,
-                  features=_K3_GATE)
+                  features=_K3_GATE, capabilities=_ONE_CALL)
 registry.register("kda_chunk", "native", kda_chunk_native, priority=20, supports=_native,
                   features=_K3_GATE)
 registry.register("kda_chunk", "native_wy", kda_chunk_native_wy, priority=15, supports=_native,
                   features=_K3_GATE)
 registry.register("mla_attention", "native", mla_attention_native, priority=20,
-                  supports=_native)
+                  supports=_native, capabilities=_ONE_CALL)
 registry.register("moe_experts", "cpu", moe_experts_cpu, priority=10, supports=_cpu_only,
                   features=frozenset({"mxfp4"}))  # dequantizes the experts a batch touches
 registry.register("moe_experts", "native", moe_experts_native, priority=20, supports=_native,
-                  features=frozenset({"situ", "mxfp4"}))
-registry.register("moe_route", "native", moe_route_native, priority=20, supports=_native)
-registry.register("silu_mul", "native", silu_mul_native, priority=20, supports=_native)
+                  features=frozenset({"situ", "mxfp4"}), capabilities=_ONE_CALL)
+registry.register("moe_route", "native", moe_route_native, priority=20, supports=_native,
+                  capabilities=_ONE_CALL)
+registry.register("silu_mul", "native", silu_mul_native, priority=20, supports=_native,
+                  capabilities=_ONE_CALL)
 registry.register("situ_mul", "native", situ_mul_native, priority=20, supports=_native)
 registry.register("attn_res_norm", "native", attn_res_norm_native, priority=20,
                   supports=_native)
 registry.register("linear", "cpu", linear_cpu, priority=10, supports=_cpu_only)
-registry.register("linear", "native", linear_native, priority=20, supports=_native)
+registry.register("linear", "native", linear_native, priority=20, supports=_native,
+                  capabilities=_ONE_CALL)
 registry.register("short_conv", "cpu", short_conv_cpu, priority=10, supports=_cpu_only)
 registry.register("short_conv", "native", short_conv_native, priority=20, supports=_native)
 registry.register("mla_attention", "cpu", mla_attention_cpu, priority=10, supports=_cpu_only)
 registry.register("kda_chunk", "triton", kda_chunk_triton, priority=30, supports=_triton,
                   features=_K3_GATE)
 registry.register("kda_decode", "triton", kda_decode_triton, priority=30, supports=_triton,
-                  features=_K3_GATE)
+                  features=_K3_GATE, capabilities=_GRAPH)
 registry.register("moe_experts", "triton", moe_experts_triton, priority=30, supports=_triton,
-                  features=frozenset({"situ"}))
+                  features=frozenset({"situ"}),
+                  capabilities=_GRAPH | {registry.FUSED_SHARED_EXPERT})
 registry.register("situ_mul", "triton", situ_mul_triton, priority=30, supports=_triton)
 registry.register("attn_res_norm", "triton", attn_res_norm_triton, priority=30,
                   supports=_triton)
-registry.register("moe_route", "triton", moe_route_triton, priority=30, supports=_triton)
+registry.register("moe_route", "triton", moe_route_triton, priority=30, supports=_triton,
+                  capabilities=_GRAPH)
 registry.register("short_conv", "triton", short_conv_triton, priority=30, supports=_triton)
 registry.register("mla_attention", "triton", mla_attention_triton, priority=30,
-                  supports=_triton)
+                  supports=_triton, capabilities=_GRAPH)
 
 
 def _batch_invariant(device: torch.device) -> tuple[bool, str]:
@@ -180,7 +188,8 @@ for _op, _fn in (("linear", bi.linear_bi), ("kda_chunk", bi.kda_chunk_bi),
                       features=_BATCH_INVARIANT_FEATURES.get(_op, frozenset()))
 
 
-registry.register("rms_norm", "native", rms_norm_native, priority=20, supports=_native)
+registry.register("rms_norm", "native", rms_norm_native, priority=20, supports=_native,
+                  capabilities=_ONE_CALL)
 registry.register("gated_rmsnorm", "native", gated_rmsnorm_native, priority=20,
                   supports=_native)
 
@@ -206,6 +215,12 @@ class Kernels(NamedTuple):
     # faster there than one more expert's tiles.
     fuse_shared_expert: bool = False
     features: frozenset[str] = frozenset()  # what the model asked for (FEATURE_OPS)
+    # (op, capability) of every op's chosen backend (registry.Backend.capabilities)
+    capabilities: frozenset[tuple[str, str]] = frozenset()
+
+    def have(self, capability: str, ops: tuple[str, ...]) -> bool:
+        """Whether the backends chosen for all of `ops` declare `capability`."""
+        return all((op, capability) in self.capabilities for op in ops)
 
 
 def resolve_kernels(device: torch.device, backend: str | None = None,
@@ -221,13 +236,13 @@ def resolve_kernels(device: torch.device, backend: str | None = None,
     def needs(op: str) -> frozenset[str]:
         return frozenset(f for f in features if op in FEATURE_OPS[f])
 
-    if deterministic:
-        return Kernels(*(registry.resolve(op, device, BATCH_INVARIANT, strict=True,
-                                          features=needs(op)) for op in OPS),
-                       features=features)
-    kernels = Kernels(*(registry.resolve(op, device, backend, features=needs(op))
-                        for op in OPS), features=features)
-    return kernels._replace(fuse_shared_expert=kernels.moe_experts is moe_experts_triton)
+    chosen = [registry.resolve_backend(op, device, BATCH_INVARIANT if deterministic
+                                       else backend, strict=deterministic, features=needs(op))
+              for op in OPS]
+    capabilities = frozenset((b.op, c) for b in chosen for c in b.capabilities)
+    return Kernels(*(b.fn for b in chosen), features=features, capabilities=capabilities,
+                   fuse_shared_expert=("moe_experts", registry.FUSED_SHARED_EXPERT)
+                   in capabilities)
 
 
 __all__ = ["Kernels", "resolve_kernels", "use_backend", "OPS", "BATCH_INVARIANT", "argmax_rows"]

@@ -28,6 +28,15 @@ class Backend:
     priority: int
     supports: Supports
     features: frozenset[str] = frozenset()
+    # what the engine may rely on beyond the op's contract, said by the backend itself:
+    # GRAPH_SAFE (reads nothing back to the host: capturable in a CUDA graph),
+    # FUSED_SHARED_EXPERT (moe_experts takes the shared expert as one more expert),
+    # ONE_CALL_DECODE (the native decode forward, decode_step.cpp, makes this op's calls)
+    capabilities: frozenset[str] = frozenset()
+
+
+GRAPH_SAFE, FUSED_SHARED_EXPERT, ONE_CALL_DECODE = "graph_safe", "fused_shared_expert", \
+    "one_call_decode"
 
 
 _BACKENDS: dict[str, list[Backend]] = {}
@@ -39,8 +48,10 @@ def always(device: torch.device) -> tuple[bool, str]:
 
 
 def register(op: str, name: str, fn: Callable, priority: int = 0,
-             supports: Supports = always, features: frozenset[str] = frozenset()) -> None:
-    _BACKENDS.setdefault(op, []).append(Backend(op, name, fn, priority, supports, features))
+             supports: Supports = always, features: frozenset[str] = frozenset(),
+             capabilities: frozenset[str] = frozenset()) -> None:
+    _BACKENDS.setdefault(op, []).append(Backend(op, name, fn, priority, supports, features,
+                                                capabilities))
 
 
 def backends(op: str) -> list[Backend]:
@@ -49,7 +60,13 @@ def backends(op: str) -> list[Backend]:
 
 def resolve(op: str, device: torch.device, backend: str | None = None,
             strict: bool = False, features: frozenset[str] = frozenset()) -> Callable:
-    """The callable for `op` on `device`. `backend` (or the override) must be supported;
+    """The callable for `op` on `device` (`resolve_backend`'s)."""
+    return resolve_backend(op, device, backend, strict, features).fn
+
+
+def resolve_backend(op: str, device: torch.device, backend: str | None = None,
+                    strict: bool = False, features: frozenset[str] = frozenset()) -> Backend:
+    """The backend record for `op` on `device`. `backend` (or the override) must be supported;
     `strict`: an op without that backend raises instead of taking the best available.
     `features`: only backends that have all of them (a forced backend without them is
     passed over, or an error when `strict`)."""
@@ -64,7 +81,7 @@ def resolve(op: str, device: torch.device, backend: str | None = None,
                 ok, reason = b.supports(device)
                 if not ok:
                     raise ValueError(f"kernel backend {forced!r} for {op} unsupported: {reason}")
-                return b.fn
+                return b
         if strict:
             need = f" with {sorted(features)}" if features else ""
             raise ValueError(f"op {op!r} has no {forced!r} kernel{need}")
@@ -72,7 +89,7 @@ def resolve(op: str, device: torch.device, backend: str | None = None,
         # not fail just because some op only has the reference implementation.
     for b in candidates:
         if b.supports(device)[0]:
-            return b.fn
+            return b
     raise ValueError(f"no kernel backend for op {op!r} supports device {device}")
 
 

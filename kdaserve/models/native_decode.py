@@ -18,6 +18,7 @@ import torch
 
 from kdaserve.kernels.native import ops as native
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
+from kdaserve.kernels.registry import ONE_CALL_DECODE
 from kdaserve.layers.kda import KDAttention
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import LATENT_NORM_EPS
@@ -34,6 +35,9 @@ _LAYER = struct.Struct("<92q4d")
 _MODEL = struct.Struct("<5qd")
 _WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 _NONE = (0, 0, 0, 0, 0)  # an absent projection
+# the ops decode_step.cpp calls: their backends must say they are the calls it makes
+DECODE_OPS = ("linear", "kda_decode", "mla_attention", "moe_route", "moe_experts", "rms_norm",
+              "silu_mul")
 
 
 class Unsupported(Exception):
@@ -76,13 +80,7 @@ class NativeDecode:
 
     @classmethod
     def for_model(cls, model: KimiLinearForCausalLM) -> NativeDecode | None:
-        k = model.kernels
-        ops = (k.linear, k.kda_decode, k.mla_attention, k.moe_route, k.moe_experts,
-               k.rms_norm, k.silu_mul)
-        wanted = (native.linear_native, native.kda_decode_native, native.mla_attention_native,
-                  native.moe_route_native, native.moe_experts_native, native.rms_norm_native,
-                  native.silu_mul_native)
-        if any(a is not b for a, b in zip(ops, wanted, strict=True)) or not available()[0] \
+        if not model.kernels.have(ONE_CALL_DECODE, DECODE_OPS) or not available()[0] \
                 or model.tp.size > 1 or model.ep.size > 1 or model.config.has_k3_layers:
             return None
         for layer in model.layers:

@@ -151,16 +151,22 @@ def test_prompt_logprob_rows_run_eagerly(tiny_ckpt: Path) -> None:
 
 
 def test_graphs_only_with_kernels_that_read_nothing_back(tiny_ckpt: Path) -> None:
-    from kdaserve.engine.cuda_graph import graph_safe
-    from kdaserve.kernels.triton.kda import kda_decode_triton
-    from kdaserve.kernels.triton.mla import mla_attention_triton
-    from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton
+    """Graphs need every graphed op's backend to say it reads nothing back: the triton
+    backend's do (as registered), the references and the CPU's do not."""
+    from kdaserve.engine.cuda_graph import GRAPHED_OPS, graph_safe
+    from kdaserve.kernels import registry
 
     kernels = LLM(tiny_ckpt, kernel_backend="ref").engine.kernels
-    assert not graph_safe(kernels)
-    assert graph_safe(kernels._replace(
-        kda_decode=kda_decode_triton, mla_attention=mla_attention_triton,
-        moe_experts=moe_experts_triton, moe_route=moe_route_triton))
+    assert not graph_safe(kernels) and not graph_safe(LLM(tiny_ckpt).engine.kernels)
+    triton = {op: next(b for b in registry.backends(op) if b.name == "triton")
+              for op in GRAPHED_OPS}
+    assert all(registry.GRAPH_SAFE in b.capabilities for b in triton.values())
+    assert graph_safe(kernels._replace(**{op: b.fn for op, b in triton.items()},
+                                       capabilities=frozenset(
+                                           (op, c) for op, b in triton.items()
+                                           for c in b.capabilities)))
+    assert not any(registry.GRAPH_SAFE in b.capabilities for op in GRAPHED_OPS
+                   for b in registry.backends(op) if b.name != "triton")
 
 
 def test_speculation_and_prefix_cache_beside_graphs(tiny_ckpt: Path) -> None:
