@@ -13,6 +13,7 @@ all of this, and where a rule is beyond what a schema can say, it names the refu
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Annotated, Any, Literal, get_args
@@ -67,6 +68,14 @@ def _takes_int(annotation: Any) -> bool:
     return int in seen and float not in seen
 
 
+@functools.cache
+def _int_keys(cls: type[BaseModel]) -> frozenset[str]:
+    """The keys (aliases where set) of `cls`'s integer fields: read once per model class, not
+    walked again for every request."""
+    return frozenset(f.alias or n for n, f in cls.model_fields.items()
+                     if _takes_int(f.annotation))
+
+
 def _nullable_optionals(schema: dict[str, Any], cls: type[BaseModel]) -> None:
     """The document says what `_null_is_unset` does: an optional field also takes null.
     A required one does not (its null is a missing field, a 400)."""
@@ -114,8 +123,8 @@ class Strict(BaseModel):
         takes the field's default (and a null we do not implement is no request for it).
         Integral floats in integer fields are their integers."""
         if isinstance(data, dict):
-            fields = {f.alias or n: f for n, f in cls.model_fields.items()}
-            return {k: _integral(v) if k in fields and _takes_int(fields[k].annotation) else v
+            ints = _int_keys(cls)
+            return {k: _integral(v) if k in ints else v
                     for k, v in data.items() if v is not None}
         return data
 
