@@ -90,11 +90,20 @@ void mla_decode_f32(const float* q_lat, const float* q_pe, const float* kv,
                     const int64_t* cu_seqlens, float* out, int64_t S, int64_t H, int64_t R,
                     int64_t Dr, int64_t BS, int64_t M, float scale) {
   const int64_t D = R + Dr;
-  // head groups per sequence: enough tasks for every thread (one sequence alone splits its
-  // heads, as before), else all heads together so the latents are read once per sequence
+  // Heads per task (hc): the fewest rounds of tasks per thread, each costing its heads plus
+  // one pass over the sequence's latents (counted as one head): 16 sequences of 6 heads on 2
+  // threads take all heads together (latents read once a sequence), one sequence 2 x 3 heads
+  // (it was 3 x 2: one thread ran two tasks and read the latents twice).
   const int64_t threads = omp_get_max_threads();
-  const int64_t groups = std::min<int64_t>(H, std::max<int64_t>(1, (2 * threads + S - 1) / S));
-  const int64_t hc = (H + groups - 1) / groups;
+  int64_t hc = H, best = INT64_MAX;
+  for (int64_t c = H; c >= 1; --c) {
+    const int64_t tasks = S * ((H + c - 1) / c), rounds = (tasks + threads - 1) / threads;
+    if (rounds * (c + 1) < best) {
+      best = rounds * (c + 1);
+      hc = c;
+    }
+  }
+  const int64_t groups = (H + hc - 1) / hc;
 #pragma omp parallel for schedule(dynamic)
   for (int64_t task = 0; task < S * groups; ++task) {
     const int64_t s = task / groups, h0 = (task % groups) * hc, h1 = std::min(H, h0 + hc);
@@ -168,9 +177,13 @@ void mla_forward_f32(const float* q, int64_t q_stride, const float* w_kvb, const
     const int64_t h = task % H;
     const float* wv = w_kvb + h * per_head + Dn * R;
     // kTileN rows of W_UV at a time: independent sums (one row at a time was a dependent
-    // chain of FMAs per output, ~15% of a 64-sequence decode's attention)
+    // chain of FMAs per output, ~15% of a 64-sequence decode's attention). One token a head,
+    // with W_UV coming from memory, reads it row after row instead: kTileN interleaved row
+    // streams took 13-15 us a head's 128 KB, one stream 6-8 (2-core AMD EPYC, Zen 4; the
+    // `bench` MLA at one token, cold: the phase 50 -> 23 us).
     int64_t v = 0;
-    for (; v + kTileN <= Dv; v += kTileN)
+    const int64_t tiled = T * H >= 4 * omp_get_max_threads() ? Dv : 0;
+    for (; v + kTileN <= tiled; v += kTileN)
       dot_tile<kTileN, 1, false>(wv + v * R, o_lat.data() + task * R, out + task * Dv + v, Dv, R);
     for (; v < Dv; ++v)
       dot_tile<1, 1, false>(wv + v * R, o_lat.data() + task * R, out + task * Dv + v, Dv, R);
