@@ -133,8 +133,9 @@ def test_gated_rmsnorm_native_matches_reference_and_decode(V: int) -> None:
 
 
 @pytest.mark.parametrize("fn", [kda_decode_native, kda_decode_cpu], ids=["native", "cpu"])
-@pytest.mark.parametrize("B,H,K", [(1, 1, 16), (9, 3, 16), (33, 2, 64), (4, 2, 128)])
+@pytest.mark.parametrize("B,H,K", [(1, 1, 16), (9, 3, 16), (3, 2, 24), (33, 2, 64), (4, 2, 128)])
 def test_kda_decode_matches_reference(fn, B: int, H: int, K: int) -> None:
+    """K 24: the register blocks and the scalar columns after them (delta_step)."""
     N = B + 5
     ours, ref = decode_inputs(B, H, K, N, seed=B), decode_inputs(B, H, K, N, seed=B)
     untouched = [i for i in range(N) if i not in ours["state_slots"].tolist()]
