@@ -4,8 +4,8 @@ Ops (shapes in kernels/ref): `linear` (every projection), `kda_chunk` (prefill),
 `kda_recurrent` (token by token: the oracle of the chunk form), `kda_decode` (a whole KDA
 decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `moe_experts`,
 `rms_norm`, `gated_rmsnorm` (KDA's output norm), `silu_mul` (the dense SwiGLU), and K3's
-`situ_mul` (SiTU-GLU) and `attn_res_norm` (the Attention Residuals mix and the RMSNorm after
-it). A model that needs more of an
+`situ_mul` (SiTU-GLU), `sigmoid_mul` (MLA's output gate) and `attn_res_norm` (the Attention
+Residuals mix and the RMSNorm after it). A model that needs more of an
 op than its base contract asks for a feature (`FEATURE_OPS`: K3's KDA gate, SiTU inside the
 experts, MXFP4 experts) and gets only backends that declare it.
 Every op has a `ref` backend (plain torch, the oracle); `cpu` is batched torch for decode
@@ -33,7 +33,7 @@ from kdaserve.kernels.ref.kda import (
     short_conv_ref,
 )
 from kdaserve.kernels.ref.mla import mla_attention_ref
-from kdaserve.kernels.ref.mlp import silu_mul_ref, situ_mul_ref
+from kdaserve.kernels.ref.mlp import sigmoid_mul_ref, silu_mul_ref, situ_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
 from kdaserve.kernels.ref.quant import dequantize
@@ -52,7 +52,7 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor,
 
 OPS = ("linear", "kda_chunk", "kda_recurrent", "kda_decode", "short_conv", "mla_attention",
        "moe_route", "moe_experts", "rms_norm", "gated_rmsnorm", "silu_mul", "situ_mul",
-       "attn_res_norm")
+       "sigmoid_mul", "attn_res_norm")
 BATCH_INVARIANT = "batch_invariant"
 # feature -> the ops whose backends must have it: `kda_lower_bound` (K3's gate, the
 # `lower_bound` keyword of the KDA ops), `situ` (SiTU-GLU experts, `moe_experts`' `situ`)
@@ -81,6 +81,7 @@ registry.register("rms_norm", "ref", rms_norm_ref)
 registry.register("gated_rmsnorm", "ref", gated_rmsnorm)
 registry.register("silu_mul", "ref", silu_mul_ref)
 registry.register("situ_mul", "ref", situ_mul_ref)
+registry.register("sigmoid_mul", "ref", sigmoid_mul_ref)  # on CUDA too: two torch ops
 registry.register("attn_res_norm", "ref", attn_res_norm_ref)
 
 from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the references
@@ -93,7 +94,11 @@ from kdaserve.kernels.cpu.gemm import linear_cpu  # noqa: E402
 from kdaserve.kernels.cpu.moe import moe_experts_cpu  # noqa: E402
 from kdaserve.kernels.native import batch_invariant as bi  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
-from kdaserve.kernels.native.k3 import attn_res_norm_native, situ_mul_native  # noqa: E402
+from kdaserve.kernels.native.k3 import (  # noqa: E402
+    attn_res_norm_native,
+    sigmoid_mul_native,
+    situ_mul_native,
+)
 from kdaserve.kernels.native.ops import (  # noqa: E402
     argmax_rows,
     gated_rmsnorm_native,
@@ -144,9 +149,12 @@ registry.register("moe_route", "native", moe_route_native, priority=20, supports
                   capabilities=_ONE_CALL)
 registry.register("silu_mul", "native", silu_mul_native, priority=20, supports=_native,
                   capabilities=_ONE_CALL)
-registry.register("situ_mul", "native", situ_mul_native, priority=20, supports=_native)
+registry.register("situ_mul", "native", situ_mul_native, priority=20, supports=_native,
+                  capabilities=_ONE_CALL)
+registry.register("sigmoid_mul", "native", sigmoid_mul_native, priority=20, supports=_native,
+                  capabilities=_ONE_CALL)
 registry.register("attn_res_norm", "native", attn_res_norm_native, priority=20,
-                  supports=_native)
+                  supports=_native, capabilities=_ONE_CALL)
 registry.register("linear", "cpu", linear_cpu, priority=10, supports=_cpu_only)
 registry.register("linear", "native", linear_native, priority=20, supports=_native,
                   capabilities=_ONE_CALL)
@@ -183,7 +191,7 @@ for _op, _fn in (("linear", bi.linear_bi), ("kda_chunk", bi.kda_chunk_bi),
                  ("moe_route", bi.moe_route_bi), ("moe_experts", bi.moe_experts_bi),
                  ("rms_norm", bi.rms_norm_bi), ("gated_rmsnorm", bi.gated_rmsnorm_bi),
                  ("silu_mul", bi.silu_mul_bi), ("situ_mul", bi.situ_mul_bi),
-                 ("attn_res_norm", bi.attn_res_norm_bi)):
+                 ("sigmoid_mul", bi.sigmoid_mul_bi), ("attn_res_norm", bi.attn_res_norm_bi)):
     registry.register(_op, BATCH_INVARIANT, _fn, priority=-1, supports=_batch_invariant,
                       features=_BATCH_INVARIANT_FEATURES.get(_op, frozenset()))
 
@@ -207,6 +215,7 @@ class Kernels(NamedTuple):
     gated_rmsnorm: Callable
     silu_mul: Callable
     situ_mul: Callable
+    sigmoid_mul: Callable
     attn_res_norm: Callable
     # Whether MoE layers run their shared expert inside `moe_experts`, as one more expert
     # every token takes with weight 1 (stacked after the routed ones): on a GPU that saves its

@@ -72,5 +72,5 @@ class MLAttention(nn.Module):
                                        w_uk, w_uv, self.scale, max_seqlen=batch.max_seqlen)
         o = o.reshape(T, H * self.dv)
         if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x))
+            o = self.kernels.sigmoid_mul(o, self.g_proj(x))
         return self.o_proj(o)

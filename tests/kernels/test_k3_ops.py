@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from kdaserve.kernels import FEATURE_OPS, registry
 from kdaserve.kernels.ref.attn_res import attn_res_mix_ref
 from kdaserve.kernels.ref.kda import kda_gate_ref, l2norm_ref
-from kdaserve.kernels.ref.mlp import situ_mul_ref
+from kdaserve.kernels.ref.mlp import sigmoid_mul_ref, situ_mul_ref
 
 from .conftest import make_inputs
 
@@ -176,6 +176,20 @@ def test_situ_mul_backends_are_the_reference(backend: str, linear_beta: float | 
                                situ_mul_ref(gate_up, 4.0, linear_beta), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", [b.name for b in registry.backends("sigmoid_mul")
+                                     if b.supports(torch.device("cpu"))[0]])
+@pytest.mark.parametrize("shape", [(1, 768), (3, 37), (2, 40000)])  # tails; a threaded size
+def test_sigmoid_mul_backends_are_the_reference(backend: str, shape: tuple[int, int]) -> None:
+    """MLA's output gate: x * sigmoid(gate), gates past where sigmoid saturates."""
+    fn = registry.resolve("sigmoid_mul", torch.device("cpu"), backend)
+    g = torch.Generator().manual_seed(shape[1])
+    x, gate = torch.randn(*shape, generator=g) * 3, torch.randn(*shape, generator=g) * 40
+    got = fn(x, gate)
+    torch.testing.assert_close(got, sigmoid_mul_ref(x, gate), atol=1e-6, rtol=1e-6)
+    if backend != "ref":  # torch's own sigmoid takes a scalar path for a row's tail
+        assert torch.equal(fn(x[:1], gate[:1]), got[:1])  # a row alone: the same values
+
+
 SITU_EXPERTS = [b.name for b in registry.backends("moe_experts")
                 if "situ" in b.features and b.supports(torch.device("cpu"))[0]]
 
@@ -244,6 +258,7 @@ def test_k3_resolves_native_kernels_here() -> None:
     from kdaserve.kernels.native import k3, ops
 
     k = resolve_kernels(torch.device("cpu"), features=frozenset({"kda_lower_bound", "situ"}))
-    assert (k.kda_chunk, k.kda_decode, k.moe_experts, k.situ_mul, k.attn_res_norm) == (
+    assert (k.kda_chunk, k.kda_decode, k.moe_experts, k.situ_mul, k.sigmoid_mul,
+            k.attn_res_norm) == (
         ops.kda_chunk_native, ops.kda_decode_native, ops.moe_experts_native,
-        k3.situ_mul_native, k3.attn_res_norm_native)
+        k3.situ_mul_native, k3.sigmoid_mul_native, k3.attn_res_norm_native)

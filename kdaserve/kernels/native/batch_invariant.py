@@ -118,6 +118,11 @@ def sigmoid_bi(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def sigmoid_mul_bi(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`sigmoid_mul_ref`'s contract: each element alone, so any batch gives the same values."""
+    return x * sigmoid_bi(gate)
+
+
 def short_conv_bi(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
                   state_slots: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     _check(x, weight, conv_state)

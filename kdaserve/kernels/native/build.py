@@ -70,6 +70,7 @@ LIBRARIES = {
         "moe_route_f32": [_P] * 4 + [_I] * 7 + [_F],
         "silu_mul_f32": [_P] * 2 + [_I] * 2,
         "situ_mul_f32": [_P] * 2 + [_I] * 2 + [_F, _F],
+        "sigmoid_mul_f32": [_P] * 3 + [_I],
         "attn_res_norm_f32": [_P, _I, _P, _P, _F, _P, _F, _P, _I, _I],
         "copy_blocks": [_P] + [_I] * 3 + [_P] * 2 + [_I],
         "read_f32": ([_P, _I], _F),

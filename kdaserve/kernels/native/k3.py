@@ -1,5 +1,6 @@
 """The native CPU kernels of Kimi K3's additions, behind their ops' contracts: SiTU-GLU
-(`situ_mul`), the Attention Residuals mix fused with the RMSNorm after it (`attn_res_norm`),
+(`situ_mul`), MLA's output gate (`sigmoid_mul`), the Attention Residuals mix fused with the
+RMSNorm after it (`attn_res_norm`),
 and MXFP4 experts (`moe_experts` with uint8 weights, which `ops.moe_experts_native` hands
 here). Each falls back to its plain-torch reference for what its C++ does not take."""
 
@@ -11,7 +12,7 @@ from kdaserve.kernels.native.build import library
 from kdaserve.kernels.native.tensors import f32 as _f32
 from kdaserve.kernels.native.tensors import ptr as _p
 from kdaserve.kernels.ref.attn_res import attn_res_norm_ref
-from kdaserve.kernels.ref.mlp import situ_mul_ref
+from kdaserve.kernels.ref.mlp import sigmoid_mul_ref, situ_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref
 
 
@@ -26,6 +27,17 @@ def situ_mul_native(gate_up: torch.Tensor, beta: float,
     y = x.new_empty(*x.shape[:-1], inter)
     library().situ_mul_f32(x.data_ptr(), y.data_ptr(), x.numel() // (2 * inter) if inter else 0,
                            inter, beta, linear_beta or 0.0)
+    return y
+
+
+def sigmoid_mul_native(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`sigmoid_mul_ref`'s contract (x * sigmoid(gate)) in one C++ pass: the one-call decode
+    step (csrc/decode_step.cpp) gates K3's MLA output with the same function."""
+    if not _f32(x, gate) or x.shape != gate.shape:
+        return sigmoid_mul_ref(x, gate)
+    x, gate = x.contiguous(), gate.contiguous()
+    y = torch.empty_like(x)
+    library().sigmoid_mul_f32(_p(x), _p(gate), _p(y), x.numel())
     return y
 
 

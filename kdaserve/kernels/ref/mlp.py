@@ -1,4 +1,5 @@
-"""Plain-torch references of the gated activations: SwiGLU (Kimi Linear) and SiTU-GLU (K3)."""
+"""Plain-torch references of the gated activations: SwiGLU (Kimi Linear), SiTU-GLU (K3) and
+the sigmoid gate of K3's MLA output."""
 
 from __future__ import annotations
 
@@ -21,3 +22,8 @@ def situ_mul_ref(gate_up: torch.Tensor, beta: float, linear_beta: float | None) 
     if linear_beta is not None:
         up = linear_beta * torch.tanh(up / linear_beta)
     return (a * up).to(gate_up.dtype)
+
+
+def sigmoid_mul_ref(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate), elementwise (K3's MLA output gate on the heads' outputs)."""
+    return x * torch.sigmoid(gate)

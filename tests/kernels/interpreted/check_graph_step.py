@@ -37,7 +37,7 @@ from kdaserve.kernels.ref.kda import (
     short_conv_ref,
 )
 from kdaserve.kernels.ref.mla import mla_attention_ref
-from kdaserve.kernels.ref.mlp import silu_mul_ref, situ_mul_ref
+from kdaserve.kernels.ref.mlp import sigmoid_mul_ref, silu_mul_ref, situ_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
 from kdaserve.kernels.triton.k3 import attn_res_norm_triton, situ_mul_triton
@@ -93,7 +93,7 @@ def build(path: Path, triton: bool) -> tuple:
                       moe_route_triton if triton else moe_route_ref,
                       moe_experts_triton if triton else moe_experts_ref, rms_norm_ref,
                       gated_rmsnorm, silu_mul_ref, situ_mul_triton if triton else situ_mul_ref,
-                      attn_res_norm_triton if triton else attn_res_norm_ref,
+                      sigmoid_mul_ref, attn_res_norm_triton if triton else attn_res_norm_ref,
                       fuse_shared_expert=triton, features=config.kernel_features)
     model = build_model(config, kernels, torch.float32, torch.device("cpu"), path)
     return model, BlockPool(config, 32, 4, torch.float32), StatePool(config, 6, torch.float32)

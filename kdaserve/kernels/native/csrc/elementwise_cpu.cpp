@@ -27,6 +27,22 @@ void silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I) {
     silu_mul_row(gu + r * 2 * I, gu + r * 2 * I + I, y + r * I, I);
 }
 
+// y [n] = x * sigmoid(g): K3's MLA output gate (every lane the same arithmetic, the tail's
+// included: vmath.h's functions are templates over a lane and a vector)
+void sigmoid_mul_f32(const float* x, const float* g, float* y, int64_t n) {
+  constexpr int64_t kChunk = 4096;  // whole vectors, so each chunk's tail is the array's
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t e = std::min(n, c + kChunk);
+    int64_t i = c;
+    for (; i + kLanes <= e; i += kLanes) {
+      const vtile v = load_tile(x + i) * vsigmoid(load_tile(g + i));
+      __builtin_memcpy(y + i, &v, sizeof(v));
+    }
+    for (; i < e; ++i) y[i] = x[i] * vsigmoid(g[i]);
+  }
+}
+
 // gu [rows, 2I] (gate | up) -> y [rows, I] = SiTU(gate, up) (vmath.h: Glu), K3's dense MLP
 void situ_mul_f32(const float* gu, float* y, int64_t rows, int64_t I, float beta,
                   float linear_beta) {
