@@ -19,10 +19,11 @@ import torch
 from kdaserve.kernels.native import ops as native
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
 from kdaserve.kernels.registry import ONE_CALL_DECODE
+from kdaserve.layers.attn_res import AttnResSite
 from kdaserve.layers.kda import KDAttention
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import LATENT_NORM_EPS
-from kdaserve.layers.moe import MoE
+from kdaserve.layers.moe import MoE, situ_of
 
 if TYPE_CHECKING:
     from kdaserve.cache.block_pool import BlockPool
@@ -30,14 +31,17 @@ if TYPE_CHECKING:
     from kdaserve.forward_batch import ForwardBatch
     from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 
-# decode_step.cpp's `Layer`: 92 int64 fields, then 4 doubles; `Model`: 5 int64, 1 double
-_LAYER = struct.Struct("<92q4d")
-_MODEL = struct.Struct("<5qd")
+# decode_step.cpp's `Layer`: 92 int64 fields, 4 doubles, then K3's 20 int64 and 4 doubles;
+# `Model`: 5 int64, 1 double, then K3's 3 int64 and 1 double
+_LAYER = struct.Struct("<92q4d20q4d")
+_MODEL = struct.Struct("<5qd3qd")
 _WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_EXPERT_CODES = {**_WEIGHT_CODES, torch.uint8: 3}  # uint8: MXFP4 (kernels/ref/mxfp4.py)
 _NONE = (0, 0, 0, 0, 0)  # an absent projection
 # the ops decode_step.cpp calls: their backends must say they are the calls it makes
 DECODE_OPS = ("linear", "kda_decode", "mla_attention", "moe_route", "moe_experts", "rms_norm",
-              "silu_mul")
+              "silu_mul", "situ_mul", "sigmoid_mul", "attn_res_norm")
+_MAX_SOURCES = 64  # the AttnRes kernel's bank rows + 1 (csrc/elementwise_cpu.cpp)
 
 
 class Unsupported(Exception):
@@ -46,6 +50,12 @@ class Unsupported(Exception):
 
 def _f32(t: torch.Tensor) -> int:
     if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+        raise Unsupported
+    return t.data_ptr()
+
+
+def _contiguous(t: torch.Tensor | None) -> int:
+    if t is None or not t.is_cpu or not t.is_contiguous():
         raise Unsupported
     return t.data_ptr()
 
@@ -74,14 +84,18 @@ class NativeDecode:
         # anything could again) and the int8 scales set after loading.
         self._params = [(mod._parameters, name) for mod in model.modules()
                         for name in mod._parameters]
-        self._scales = [(vars(mod), name) for mod in model.modules() for name in
+        # (attributes, or buffers where MXFP4 registers its scales)
+        self._scales = [(mod, name) for mod in model.modules() for name in
                         (("scale",) if isinstance(mod, Linear) else ("w13_scale", "w2_scale")
                          if isinstance(mod, MoE) else ())]
 
     @classmethod
     def for_model(cls, model: KimiLinearForCausalLM) -> NativeDecode | None:
+        c = model.config
         if not model.kernels.have(ONE_CALL_DECODE, DECODE_OPS) or not available()[0] \
-                or model.tp.size > 1 or model.ep.size > 1 or model.config.has_k3_layers:
+                or model.tp.size > 1 or model.ep.size > 1 or (
+                    c.attn_res_block_size and -(-c.num_hidden_layers // c.attn_res_block_size)
+                    + 1 > _MAX_SOURCES):
             return None
         for layer in model.layers:
             attn = layer.self_attn
@@ -129,8 +143,8 @@ class NativeDecode:
         change: each allocates anew, so a data pointer changes)."""
         key = (states.recurrent.data_ptr(), states.conv.data_ptr(), blocks.kv.data_ptr(),
                *[params[name].data_ptr() for params, name in self._params],
-               *[0 if attrs[name] is None else attrs[name].data_ptr()
-                 for attrs, name in self._scales])
+               *[0 if (t := getattr(mod, name)) is None else t.data_ptr()
+                 for mod, name in self._scales])
         if key != self._key or self._plan is None:
             self._plan = self._build(states, blocks)
             self._key = key
@@ -141,22 +155,27 @@ class NativeDecode:
         caps: list[int] = []
         layers = []
         expert_dtype = torch.float32  # the routed experts' weights (a dense model has none)
+        situ = situ_of(c)
+        act = (situ[0], situ[1] or 0.0) if situ else (0.0, 0.0)  # as the kernels are called
         for i, layer in enumerate(m.layers):
             j = m.cache_index[i]
             attn, mlp = layer.self_attn, layer.mlp
             f: list[int] = [int(layer.is_kda), int(layer.is_moe),
                             _f32(layer.input_layernorm.weight),
                             _f32(layer.post_attention_layernorm.weight)]
-            kda_eps = mla_scale = latent_eps = 0.0
+            kda_eps = mla_scale = latent_eps = lower_bound = 0.0
             q_lora: list[int] = [*_NONE, *_NONE, 0]
+            mla_gate = _NONE
             if isinstance(attn, KDAttention):
                 f += [*_linear(attn.in_proj, caps), *_linear(attn.f_b_proj, caps),
-                      *_linear(attn.g_b_proj, caps), *_linear(attn.o_proj, caps)]
+                      *(_NONE if attn.g_b_proj is None else _linear(attn.g_b_proj, caps)),
+                      *_linear(attn.o_proj, caps)]
                 f += [_f32(attn.conv_weight), _f32(attn.A_log), _f32(attn.dt_bias),
                       _f32(attn.o_norm_weight), _f32(states.recurrent[j]), _f32(states.conv[j]),
                       attn.num_heads, attn.head_dim, attn.conv_weight.shape[1]]
                 f += [*_NONE] * 3 + [0] * 9
                 kda_eps = attn.eps
+                lower_bound = c.kda_gate_lower_bound or 0.0
             else:
                 f += [*_NONE] * 4 + [0] * 9
                 if attn.use_q_lora:
@@ -168,34 +187,69 @@ class NativeDecode:
                 f += [_f32(attn.kv_a_layernorm.weight), _f32(attn.kv_b_proj.weight), _f32(kv),
                       attn.num_heads, attn.dn, attn.dr, attn.dv, attn.rank, kv.shape[1]]
                 mla_scale, latent_eps = attn.scale, LATENT_NORM_EPS
+                if attn.g_proj is not None:
+                    mla_gate = _linear(attn.g_proj, caps)
+            latent: list[int] = [*_NONE, *_NONE, 0]
+            lat_eps = 0.0
             if isinstance(mlp, MoE):
-                if mlp.shared_slot is not None:  # the C++ routes over the routed experts only
-                    raise Unsupported
-                shared = mlp.shared_experts
-                f += [*_linear(shared.gate_up_proj, caps), *_linear(shared.down_proj, caps)] \
-                    if shared is not None else [*_NONE] * 2
-                w13, w2 = mlp.w13, mlp.w2
-                expert_dtype = w13.dtype
-                code = _WEIGHT_CODES.get(w13.dtype)
-                if code is None or w2.dtype != w13.dtype or not w13.is_contiguous() \
-                        or not w2.is_contiguous() or (code == 2) != (mlp.w13_scale is not None):
-                    raise Unsupported
-                s13 = 0 if mlp.w13_scale is None else _f32(mlp.w13_scale)
-                s2 = 0 if mlp.w2_scale is None else _f32(mlp.w2_scale)
-                bias = mlp.e_score_correction_bias
-                if c.router_activation not in ("sigmoid", "softmax"):
-                    raise Unsupported
-                f += [_f32(mlp.gate_weight), 0 if bias is None else _f32(bias), w13.data_ptr(),
-                      w2.data_ptr(), code, s13, s2, c.num_experts, w2.shape[-1],
-                      c.num_experts_per_token, c.num_expert_group, c.topk_group,
-                      int(c.moe_renormalize), int(c.router_activation == "sigmoid")]
-                caps.append(native.linear_native_max_rows(mlp.gate_weight))
+                f += self._moe(mlp, caps)
+                expert_dtype = mlp.w13.dtype
+                if mlp.down_proj is not None:
+                    assert mlp.up_proj is not None
+                    norm = mlp.latent_norm
+                    latent = [*_linear(mlp.down_proj, caps), *_linear(mlp.up_proj, caps),
+                              0 if norm is None else _f32(norm.weight)]
+                    lat_eps = 0.0 if norm is None else norm.eps
             else:
                 f += [*_linear(mlp.gate_up_proj, caps), *_linear(mlp.down_proj, caps)]
                 f += [0] * 14
             routed = c.routed_scaling_factor if isinstance(mlp, MoE) else 0.0
-            layers.append(_LAYER.pack(*f, *q_lora, kda_eps, mla_scale, latent_eps, routed))
+            sites = [0] * 4
+            if layer.attn_res is not None and layer.mlp_res is not None:
+                sites = [*self._site(layer.attn_res), *self._site(layer.mlp_res)]
+            layers.append(_LAYER.pack(*f, *q_lora, kda_eps, mla_scale, latent_eps, routed,
+                                      *mla_gate, *latent, *sites, lower_bound, *act, lat_eps))
+        block, out_site = 0, [0, 0]
+        if m.output_attn_res is not None:
+            block = c.attn_res_block_size or 0
+            out_site = self._site(m.output_attn_res)
         head = _MODEL.pack(len(m.layers), c.hidden_size, _f32(m.embed_tokens.weight),
                            _f32(m.norm.weight), native.moe_blocked_from(expert_dtype),
-                           c.rms_norm_eps)
+                           c.rms_norm_eps, block, *out_site, c.rms_norm_eps)
         return head, b"".join(layers), min(caps)
+
+    @staticmethod
+    def _moe(mlp: MoE, caps: list[int]) -> list[int]:
+        """A MoE layer's shared expert, router and routed experts, as `Layer` lays them out."""
+        c = mlp.config
+        if mlp.shared_slot is not None:  # the C++ routes over the routed experts only
+            raise Unsupported
+        shared = mlp.shared_experts
+        f = [*_linear(shared.gate_up_proj, caps), *_linear(shared.down_proj, caps)] \
+            if shared is not None else [*_NONE] * 2
+        w13, w2 = mlp.w13, mlp.w2
+        code = _EXPERT_CODES.get(w13.dtype)
+        if code is None or w2.dtype != w13.dtype or not w13.is_contiguous() \
+                or not w2.is_contiguous() or (code >= 2) != (mlp.w13_scale is not None):
+            raise Unsupported
+        if code == 3:  # MXFP4: E8M0 scales, two codes a byte along the intermediate rows
+            s13, s2 = _contiguous(mlp.w13_scale), _contiguous(mlp.w2_scale)
+            inter = w2.shape[-1] * 2
+        else:
+            s13 = 0 if mlp.w13_scale is None else _f32(mlp.w13_scale)
+            s2 = 0 if mlp.w2_scale is None else _f32(mlp.w2_scale)
+            inter = w2.shape[-1]
+        bias = mlp.e_score_correction_bias
+        if c.router_activation not in ("sigmoid", "softmax"):
+            raise Unsupported
+        caps.append(native.linear_native_max_rows(mlp.gate_weight))
+        return f + [_f32(mlp.gate_weight), 0 if bias is None else _f32(bias), w13.data_ptr(),
+                    w2.data_ptr(), code, s13, s2, c.num_experts, inter,
+                    c.num_experts_per_token, c.num_expert_group, c.topk_group,
+                    int(c.moe_renormalize), int(c.router_activation == "sigmoid")]
+
+    def _site(self, site: AttnResSite) -> list[int]:
+        """An AttnRes site's norm and projection weights (the C++ multiplies them each step)."""
+        if site.eps != self.model.config.rms_norm_eps:
+            raise Unsupported  # the plan carries one epsilon for every site
+        return [_f32(site.norm_weight), _f32(site.proj_weight)]

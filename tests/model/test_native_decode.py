@@ -78,6 +78,22 @@ def test_native_decode_equals_per_op_forward(tiny_ckpt: Path, small_ckpt: Path,
         assert checked.calls >= 3  # batch 1 is always native
 
 
+@pytest.mark.parametrize("options", [{}, {"dtype": "bfloat16"}, {"quantization": "int8"}],
+                         ids=["fp32", "bf16-weights", "int8-weights"])
+def test_native_decode_runs_k3(k3_ckpt: Path, k3_mxfp4_ckpt: Path, options: dict) -> None:
+    """K3 (Attention Residuals across block boundaries, the lower-bounded KDA gate with its
+    full-rank output gate, gated q-LoRA MLA, LatentMoE and SiTU-GLU; k3-small's experts as
+    MXFP4) equals its per-op forward bit for bit, batch 1 and 3."""
+    for ckpt in (k3_ckpt, k3_mxfp4_ckpt):
+        llm = LLM(ckpt, **options)
+        checked = Checked(llm)
+        llm.model.native_decode = checked
+        for B in (1, 3):
+            decode(llm, B, seed=B)
+        assert checked.calls + checked.skipped == 2 * 3
+        assert checked.calls >= 3
+
+
 def test_native_decode_steps_aside(tiny_ckpt: Path) -> None:
     """Other backends get no native forward; prefill chunks, verify records, taps, routing
     capture and snapshots run the per-op forward."""
@@ -118,7 +134,7 @@ def test_native_decode_follows_replaced_weights(tiny_ckpt: Path) -> None:
     # the plan points at the tensors as they are now
     model = llm.model
     native = checked.native
-    head = struct.unpack("<5qd", native._current_plan(llm.engine.states, llm.engine.blocks)[0])
+    head = struct.unpack("<5qd3qd", native._current_plan(llm.engine.states, llm.engine.blocks)[0])
     assert head[2:4] == (model.embed_tokens.weight.data_ptr(), model.norm.weight.data_ptr())
 
 

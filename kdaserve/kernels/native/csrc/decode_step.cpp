@@ -1,6 +1,7 @@
 // A whole decode forward (one token per sequence, embedding to final norm) in one call, for
 // models small enough that Python between the kernels is a large part of a step (the
-// hidden-256 MoE at batch 16: ~2.5 of ~12 ms; at batch 1 ~1.7 of 5). It runs the same kernels
+// hidden-256 MoE at batch 16: ~2.5 of ~12 ms; at batch 1 ~1.7 of 5), Kimi Linear and K3 (its
+// Attention Residuals, gates, LatentMoE and SiTU-GLU). It runs the same kernels
 // as the per-op path, in the same order and on the same inputs (the entry points below are
 // the ones kernels/native/ops.py binds), so its result equals that path's bit for bit;
 // kdaserve/models/native_decode.py builds the plan and decides when it applies. Built into
@@ -39,10 +40,20 @@ void moe_experts_int8w(const float* x, const int64_t* ids, const float* weights,
                        const int8_t* w13, const int8_t* w2, const float* s13, const float* s2,
                        float* out, int64_t T, int64_t k, int64_t E, int64_t I, int64_t D,
                        int64_t blocked_from, float beta, float linear_beta);
+void moe_experts_mxfp4(const float* x, const int64_t* ids, const float* weights,
+                       const uint8_t* w13, const uint8_t* s13, const uint8_t* w2,
+                       const uint8_t* s2, float* out, int64_t T, int64_t k, int64_t E,
+                       int64_t I, int64_t D, float beta, float linear_beta);
 void moe_route_f32(const float* logits, const float* bias, float* weights, int64_t* ids,
                    int64_t T, int64_t E, int64_t top_k, int64_t groups, int64_t topk_group,
                    int64_t renormalize, int64_t sigmoid, float scaling);
 void silu_mul_f32(const float* gu, float* y, int64_t rows, int64_t I);
+void situ_mul_f32(const float* gu, float* y, int64_t rows, int64_t I, float beta,
+                  float linear_beta);
+void sigmoid_mul_f32(const float* x, const float* g, float* y, int64_t n);
+void attn_res_norm_f32(const float* bank, int64_t NB, const float* partial, const float* w_eff,
+                       float eps, const float* norm_w, float norm_eps, float* out, int64_t T,
+                       int64_t D);
 void rms_norm_f32(const float* x, int64_t x_stride, const float* w, float* y, int64_t rows,
                   int64_t D, float eps);
 }
@@ -70,17 +81,29 @@ struct Layer {
   // dense MLP, or the MoE's shared expert (gate_up.w == 0: none)
   Linear gate_up, down;
   // routed experts: router [E, D] fp32, bias [E] (nullable), w13 [E, 2I, D], w2 [E, D, I]
+  // (expert_dtype 3: MXFP4, s13 / s2 its E8M0 scales; expert_inter is then unpacked)
   int64_t router, router_bias, w13, w2, expert_dtype, s13, s2, experts, expert_inter, top_k,
       groups, topk_group, renormalize, sigmoid;
   Linear q_a, q_b;  // MLA with a q LoRA (q_a.w != 0): q = q_b(norm(q_a(x)))
   int64_t q_a_norm;
   double kda_eps, mla_scale, latent_eps, routed_scaling;
+  // K3, all zero for Kimi Linear: MLA's output gate g_proj; LatentMoE's projections around
+  // the experts (lat_down.w == 0: experts at the hidden width) and the latent sum's RMSNorm
+  // weight (nullable); the AttnRes sites before the mixer and the MLP (norm weight, projection
+  // weight, fp32 [D]); the KDA gate's lower bound (0: Kimi Linear's gate) and the gated
+  // activation of every MLP and expert (act_beta 0: SwiGLU, else SiTU-GLU)
+  Linear mla_gate, lat_down, lat_up;
+  int64_t lat_norm, attn_site[2], mlp_site[2];
+  double kda_lower_bound, act_beta, act_linear_beta, lat_eps;
 };
 
 struct Model {
   int64_t num_layers, hidden, embed, final_norm;
   int64_t moe_blocked_from;  // as the per-op forward passes it (ops.moe_blocked_from)
   double eps;
+  int64_t attn_res_block;  // K3's AttnRes block size (0: plain residuals)
+  int64_t out_site[2];     // the AttnRes site before the final norm
+  double site_eps;         // the sites' own RMS epsilon
 };
 
 template <typename T>
@@ -129,14 +152,20 @@ void kda_layer(const Layer& L, const float* x, float* out, int64_t B, const int6
   columns(in, width, 0, 3 * P, qkv, B);
   columns(in, width, 3 * P, K, low, B);
   linear(L.f_b, low, f, B);
-  columns(in, width, 3 * P + K, K, low, B);
-  linear(L.g_b, low, z, B);
-  columns(in, width, 3 * P + 2 * K, H, beta, B);
+  const int64_t gate = L.g_b.w ? K : P;  // g_a, or K3's full-rank gate (z itself)
+  if (L.g_b.w) {
+    columns(in, width, 3 * P + K, K, low, B);
+    linear(L.g_b, low, z, B);
+  } else {
+    columns(in, width, 3 * P + K, P, z, B);
+  }
+  columns(in, width, 3 * P + K + gate, H, beta, B);
   float* o = in;  // free again
   kda_decode_f32(qkv, f, beta, z, ptr<float>(L.conv_w), ptr<float>(L.A_log),
                  ptr<float>(L.dt_bias), ptr<float>(L.o_norm), reinterpret_cast<float*>(L.state),
                  reinterpret_cast<float*>(L.conv_state), slots, nullptr, o, B, H, K, K,
-                 L.conv_size, static_cast<float>(L.kda_eps), 0.0f);  // Kimi Linear's gate
+                 L.conv_size, static_cast<float>(L.kda_eps),
+                 static_cast<float>(L.kda_lower_bound));
   linear(L.kda_o, o, out, B);
 }
 
@@ -168,15 +197,26 @@ void mla_layer(const Layer& L, const float* x, float* out, int64_t B, const int6
   mla_forward_f32(q, H * (L.dn + Dr), ptr<float>(L.kv_b), cache, table, lens, cu, o, B, B, H,
                   L.dn, Dr, L.dv, R, L.block_size, table_width,
                   static_cast<float>(L.mla_scale));
+  if (L.mla_gate.w) {  // K3: o * sigmoid(g_proj(x)); q_a's buffers are free again
+    float* g = Scratch::get(s.d, B * L.mla_gate.n);
+    float* gated = Scratch::get(s.e, B * L.mla_gate.n);
+    linear(L.mla_gate, x, g, B);
+    sigmoid_mul_f32(o, g, gated, B * L.mla_gate.n);
+    o = gated;
+  }
   linear(L.mla_o, o, out, B);
 }
 
-void mlp(const Linear& gate_up, const Linear& down, const float* x, float* out, int64_t B,
-         Scratch& s) {
+void mlp(const Layer& L, const Linear& gate_up, const Linear& down, const float* x, float* out,
+         int64_t B, Scratch& s) {
   float* gu = Scratch::get(s.a, B * gate_up.n);
   linear(gate_up, x, gu, B);
   float* act = Scratch::get(s.b, B * gate_up.n / 2);
-  silu_mul_f32(gu, act, B, gate_up.n / 2);
+  if (L.act_beta == 0.0)
+    silu_mul_f32(gu, act, B, gate_up.n / 2);
+  else
+    situ_mul_f32(gu, act, B, gate_up.n / 2, static_cast<float>(L.act_beta),
+                 static_cast<float>(L.act_linear_beta));
   linear(down, act, out, B);
 }
 
@@ -191,21 +231,107 @@ void moe_layer(const Layer& L, const float* x, float* out, int64_t B, int64_t D,
   moe_route_f32(logits.data(), L.router_bias ? ptr<float>(L.router_bias) : nullptr,
                 weights.data(), ids.data(), B, E, k, L.groups, L.topk_group, L.renormalize,
                 L.sigmoid, static_cast<float>(L.routed_scaling));
+  // LatentMoE (K3): the experts see and sum the input projected to the latent width
+  const float* ex = x;
+  float* ey = out;
+  int64_t Dx = D;
+  if (L.lat_down.w) {
+    Dx = L.lat_down.n;
+    float* xl = Scratch::get(s.c, B * Dx);
+    linear(L.lat_down, x, xl, B);
+    ex = xl;
+    ey = Scratch::get(s.d, B * Dx);
+  }
+  const float beta = static_cast<float>(L.act_beta), lbeta = static_cast<float>(L.act_linear_beta);
   if (L.expert_dtype == 1)
-    moe_experts_bf16w(x, ids.data(), weights.data(), ptr<uint16_t>(L.w13), ptr<uint16_t>(L.w2),
-                      out, B, k, E, L.expert_inter, D, blocked_from, 0.0f, 0.0f);
+    moe_experts_bf16w(ex, ids.data(), weights.data(), ptr<uint16_t>(L.w13), ptr<uint16_t>(L.w2),
+                      ey, B, k, E, L.expert_inter, Dx, blocked_from, beta, lbeta);
   else if (L.expert_dtype == 2)
-    moe_experts_int8w(x, ids.data(), weights.data(), ptr<int8_t>(L.w13), ptr<int8_t>(L.w2),
-                      ptr<float>(L.s13), ptr<float>(L.s2), out, B, k, E, L.expert_inter, D,
-                      blocked_from, 0.0f, 0.0f);
+    moe_experts_int8w(ex, ids.data(), weights.data(), ptr<int8_t>(L.w13), ptr<int8_t>(L.w2),
+                      ptr<float>(L.s13), ptr<float>(L.s2), ey, B, k, E, L.expert_inter, Dx,
+                      blocked_from, beta, lbeta);
+  else if (L.expert_dtype == 3)
+    moe_experts_mxfp4(ex, ids.data(), weights.data(), ptr<uint8_t>(L.w13), ptr<uint8_t>(L.s13),
+                      ptr<uint8_t>(L.w2), ptr<uint8_t>(L.s2), ey, B, k, E, L.expert_inter, Dx,
+                      beta, lbeta);
   else
-    moe_experts_f32(x, ids.data(), weights.data(), ptr<float>(L.w13), ptr<float>(L.w2), out, B,
-                    k, E, L.expert_inter, D, blocked_from, 0.0f, 0.0f);  // SwiGLU
+    moe_experts_f32(ex, ids.data(), weights.data(), ptr<float>(L.w13), ptr<float>(L.w2), ey, B,
+                    k, E, L.expert_inter, Dx, blocked_from, beta, lbeta);
+  if (L.lat_down.w) {  // the latent sum, normed, back to the hidden width
+    const float* yl = ey;
+    if (L.lat_norm) {
+      float* yn = Scratch::get(s.e, B * Dx);
+      rms_norm_f32(ey, Dx, ptr<float>(L.lat_norm), yn, B, Dx, static_cast<float>(L.lat_eps));
+      yl = yn;
+    }
+    linear(L.lat_up, yl, out, B);
+  }
   if (L.gate_up.w) {
     shared.resize(B * D);
-    mlp(L.gate_up, L.down, x, shared.data(), B, s);
+    mlp(L, L.gate_up, L.down, x, shared.data(), B, s);
     add(out, shared.data(), B * D);
   }
+}
+
+// The mixer (KDA or MLA) of layer L on its normed input x, into y.
+void mixer(const Layer& L, const float* x, float* y, int64_t B, const int64_t* slots,
+           const int64_t* table, int64_t table_width, const int64_t* lens, const int64_t* cu,
+           const int64_t* slot_mapping, Scratch& s) {
+  if (L.is_kda)
+    kda_layer(L, x, y, B, slots, s);
+  else
+    mla_layer(L, x, y, B, table, table_width, lens, cu, slot_mapping, s);
+}
+
+// A site's effective query [D]: its norm weight times its projection, computed every step as
+// AttnResSite.forward does (a weight updated in place needs no new plan).
+void site_query(const int64_t site[2], float* w, int64_t D) {
+  const float *n = ptr<float>(site[0]), *p = ptr<float>(site[1]);
+  for (int64_t d = 0; d < D; ++d) w[d] = n[d] * p[d];
+}
+
+// K3's layer loop (models/kimi_linear.py `_attn_res_layers`): each site mixes the bank (the
+// embeddings, then each finished block's sum) with the current block's partial sum, fused with
+// the RMSNorm after it; a block's first layer banks the partial sum it was handed. partial
+// [B, D]: the embeddings in, overwritten; out [B, D]: the final site's normed mix.
+void attn_res_layers(const Model* model, const Layer* layers, float* partial, int64_t B,
+                     const int64_t* slots, const int64_t* table, int64_t table_width,
+                     const int64_t* lens, const int64_t* cu, const int64_t* slot_mapping,
+                     float* out) {
+  const int64_t D = model->hidden, block = model->attn_res_block;
+  const float eps = static_cast<float>(model->eps), site_eps = static_cast<float>(model->site_eps);
+  std::vector<float> bank(((model->num_layers + block - 1) / block) * B * D), x(B * D),
+      y(B * D), w(D);
+  int64_t banked = 0;
+  bool open = true;  // whether `partial` holds this block's sum so far
+  Scratch s;
+  for (int64_t i = 0; i < model->num_layers; ++i) {
+    const Layer& L = layers[i];
+    site_query(L.attn_site, w.data(), D);
+    attn_res_norm_f32(bank.data(), banked, partial, w.data(), site_eps,
+                      ptr<float>(L.input_norm), eps, x.data(), B, D);
+    if (i % block == 0) {
+      std::memcpy(bank.data() + banked++ * B * D, partial, B * D * sizeof(float));
+      open = false;
+    }
+    mixer(L, x.data(), y.data(), B, slots, table, table_width, lens, cu, slot_mapping, s);
+    if (open)
+      add(partial, y.data(), B * D);
+    else
+      std::memcpy(partial, y.data(), B * D * sizeof(float));
+    open = true;
+    site_query(L.mlp_site, w.data(), D);
+    attn_res_norm_f32(bank.data(), banked, partial, w.data(), site_eps,
+                      ptr<float>(L.post_norm), eps, x.data(), B, D);
+    if (L.is_moe)
+      moe_layer(L, x.data(), y.data(), B, D, model->moe_blocked_from, s);
+    else
+      mlp(L, L.gate_up, L.down, x.data(), y.data(), B, s);
+    add(partial, y.data(), B * D);
+  }
+  site_query(model->out_site, w.data(), D);
+  attn_res_norm_f32(bank.data(), banked, partial, w.data(), site_eps,
+                    ptr<float>(model->final_norm), eps, out, B, D);
 }
 
 }  // namespace
@@ -223,23 +349,23 @@ void decode_forward_f32(const Model* model, const Layer* layers, const int64_t* 
   const float* embed = ptr<float>(model->embed);
   for (int64_t b = 0; b < B; ++b)
     std::memcpy(h.data() + b * D, embed + ids[b] * D, D * sizeof(float));
+  if (model->attn_res_block > 0)
+    return attn_res_layers(model, layers, h.data(), B, slots, block_table, table_width,
+                           context_lens, cu, slot_mapping, out);
   Scratch s;
   for (int64_t i = 0; i < model->num_layers; ++i) {
     const Layer& L = layers[i];
     rms_norm_f32(h.data(), D, ptr<float>(L.input_norm), x.data(), B, D,
                  static_cast<float>(model->eps));
-    if (L.is_kda)
-      kda_layer(L, x.data(), y.data(), B, slots, s);
-    else
-      mla_layer(L, x.data(), y.data(), B, block_table, table_width, context_lens, cu,
-                slot_mapping, s);
+    mixer(L, x.data(), y.data(), B, slots, block_table, table_width, context_lens, cu,
+          slot_mapping, s);
     add(h.data(), y.data(), B * D);
     rms_norm_f32(h.data(), D, ptr<float>(L.post_norm), x.data(), B, D,
                  static_cast<float>(model->eps));
     if (L.is_moe)
       moe_layer(L, x.data(), y.data(), B, D, model->moe_blocked_from, s);
     else
-      mlp(L.gate_up, L.down, x.data(), y.data(), B, s);
+      mlp(L, L.gate_up, L.down, x.data(), y.data(), B, s);
     add(h.data(), y.data(), B * D);
   }
   rms_norm_f32(h.data(), D, ptr<float>(model->final_norm), out, B, D,
