@@ -201,6 +201,46 @@ for T in (1, 16, 64, 256):
     print(f"moe T={T}: triton {times['triton'] * 1e6:.0f} us ({peak(tbps)} of "
           f"{touched / 1e6:.0f} MB), ref loop {times['ref'] * 1e6:.0f} us")
 
+# The same kernel on MXFP4 experts (W4A16, K3's format) at K3's expert shapes (latent 3584,
+# expert width 3072, top-16 of 896; 32 experts held here): against the reference on the
+# dequantized weights, and the bandwidth of the packed bytes (codes and scales) it must read.
+from kdaserve.kernels.ref.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
+
+try:
+    E, D, inter, k = 32, 3584, 3072, 16
+    situ = (4.0, 25.0)
+    w13 = torch.randn(E, 2 * inter, D, device="cuda") / D ** 0.5
+    w2 = torch.randn(E, D, inter, device="cuda") / inter ** 0.5
+    (q13, s13), (q2, s2) = quantize_mxfp4(w13.cpu()), quantize_mxfp4(w2.cpu())
+    q13, s13, q2, s2 = (t.cuda() for t in (q13, s13, q2, s2))
+    d13, d2 = (dequantize_mxfp4(q, s).cuda().bfloat16() for q, s in ((q13.cpu(), s13.cpu()),
+                                                                     (q2.cpu(), s2.cpu())))
+    del w13, w2
+    for T in (1, 16, 64):
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+        weights = torch.rand(T, k, device="cuda")
+        got = moe_experts_triton(x, weights, ids, q13, q2, s13, s2, situ=situ)
+        want = moe_experts_triton(x, weights, ids, d13, d2, situ=situ)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            moe_experts_triton(x, weights, ids, q13, q2, s13, s2, situ=situ)
+        torch.cuda.synchronize()
+        took = (time.perf_counter() - t0) / 10
+        t0 = time.perf_counter()
+        for _ in range(10):
+            moe_experts_triton(x, weights, ids, d13, d2, situ=situ)
+        torch.cuda.synchronize()
+        dense = (time.perf_counter() - t0) / 10
+        touched = ids.unique().numel() * 3 * inter * D * (0.5 + 1 / 32)
+        print(f"moe mxfp4 T={T}: {took * 1e6:.0f} us ({peak(touched / took / 1e12)} of "
+              f"{touched / 1e6:.0f} MB packed), bf16 experts {dense * 1e6:.0f} us, max err "
+              f"{err:.1e} of the bf16 kernel's largest output", flush=True)
+except Exception as e:  # noqa: BLE001 - the other rows still print
+    print(f"moe mxfp4: FAILED {type(e).__name__}: {e}")
+
 # The paged MLA kernel (kdaserve/kernels/triton/mla.py) alone, decodes on Kimi's latent shapes
 # (32 heads, kv_lora 512, rope 64, pages of 16), bf16: time per call, and the bandwidth of the
 # latents it must read, against the reference's per-sequence loop.

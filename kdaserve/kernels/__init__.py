@@ -166,7 +166,7 @@ registry.register("kda_chunk", "triton", kda_chunk_triton, priority=30, supports
 registry.register("kda_decode", "triton", kda_decode_triton, priority=30, supports=_triton,
                   features=_K3_GATE, capabilities=_GRAPH)
 registry.register("moe_experts", "triton", moe_experts_triton, priority=30, supports=_triton,
-                  features=frozenset({"situ"}),
+                  features=frozenset({"situ", "mxfp4"}),
                   capabilities=_GRAPH | {registry.FUSED_SHARED_EXPERT})
 registry.register("situ_mul", "triton", situ_mul_triton, priority=30, supports=_triton)
 registry.register("attn_res_norm", "triton", attn_res_norm_triton, priority=30,

@@ -10,7 +10,10 @@ one expert. Then:
 No atomics: the sum over a token's experts is one ordered reduction, so the output does not
 depend on the blocks' scheduling. The padded row count has a fixed bound (T * k + E * (BLOCK_M
 - 1)), unused blocks carry expert -1 and exit: the launch shape depends on T alone, as a CUDA
-graph needs. Weight-only int8 (per-row scales) is widened in the kernel after the load.
+graph needs. Weight-only int8 (per-row scales) is widened in the kernel after the load;
+MXFP4 experts (uint8 codes and E8M0 scales, kernels/ref/mxfp4.py) are decoded in the K loop,
+each tile from its 4-bit codes and group scales, and multiplied in the activations' dtype
+(W4A16: the packed weights are what a step reads).
 
 Triton is imported on the first call (`_kernels`), never at import: on CPU the suite runs
 these kernels under the interpreter (TRITON_INTERPRET=1) in a process of its own.
@@ -94,7 +97,9 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                        scale2: torch.Tensor | None = None,
                        situ: tuple[float, float | None] | None = None) -> torch.Tensor:
     """`moe_experts_ref`'s contract: x [T, D]; weights, ids [T, k]; w13 [E, 2I, D] (gate rows
-    then up rows); w2 [E, D, I]; int8 weights with per-row scales [E, 2I] / [E, D]. fp32
+    then up rows); w2 [E, D, I]; int8 weights with per-row scales [E, 2I] / [E, D]; MXFP4
+    (uint8) w13 [E, 2I, D / 2] and w2 [E, D, I / 2] with E8M0 scales [E, 2I, D / 32] and
+    [E, D, I / 32]. fp32
     inputs multiply in IEEE fp32 (no TF32), bf16 ones in bf16; both accumulate in fp32.
     `situ`: K3's SiTU-GLU in the gate_up kernel, each pair's weighted row kept in fp32 and
     summed over the token's experts in fp32."""
@@ -102,6 +107,7 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     T, D = x.shape
     E, two_i, _ = w13.shape
     inter, top_k = two_i // 2, ids.shape[1]
+    mxfp4 = w13.dtype == torch.uint8
     if T == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
@@ -111,20 +117,23 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     out = torch.zeros(T * top_k, D, dtype=torch.float32 if situ else x.dtype, device=x.device)
     beta, linear_beta = situ if situ else (1.0, None)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    if (scale13 is None) != (scale2 is None):
-        raise ValueError("int8 experts need both scale13 and scale2")
-    has_scale = scale13 is not None
-    if has_scale:
+    if (scale13 is None) != (scale2 is None) or (mxfp4 and scale13 is None):
+        raise ValueError("int8 and MXFP4 experts need both scale13 and scale2")
+    has_scale = scale13 is not None and not mxfp4  # int8's rows scaled after the product
+    if mxfp4:
+        scale13, scale2 = scale13.contiguous(), scale2.contiguous()
+    elif has_scale:
         scale13, scale2 = scale13.float().contiguous(), scale2.float().contiguous()
     tile_d, tile_i = tile(D, most=64), tile(inter, most=64)
     kernels.gate_up_kernel[(block_expert.numel(), -(-inter // tile_i))](
-        x, w13, scale13 if has_scale else x, pairs, block_expert, h, T * top_k, top_k, D, inter,
-        beta, linear_beta or 1.0, HAS_SCALE=has_scale, SITU=situ is not None,
+        x, w13, scale13 if scale13 is not None else x, pairs, block_expert, h, T * top_k, top_k,
+        D, inter, beta, linear_beta or 1.0, HAS_SCALE=has_scale, SITU=situ is not None,
         CAP_UP=linear_beta is not None, BLOCK_M=BLOCK_M, BLOCK_N=tile_i, BLOCK_K=tile_d,
-        PRECISION=precision,
+        PRECISION=precision, MXFP4=mxfp4,
         num_warps=8)  # two weight tiles' addresses: with 4 warps they spilled (check_sm90.py)
     kernels.down_kernel[(block_expert.numel(), -(-D // tile_d))](
-        h, w2, scale2 if has_scale else x, pairs, block_expert,
+        h, w2, scale2 if scale2 is not None else x, pairs, block_expert,
         weights.to(torch.float32).contiguous(), out, T * top_k, D, inter,
-        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=tile_d, BLOCK_K=tile_i, PRECISION=precision)
+        HAS_SCALE=has_scale, BLOCK_M=BLOCK_M, BLOCK_N=tile_d, BLOCK_K=tile_i, PRECISION=precision,
+        MXFP4=mxfp4)
     return out.view(T, top_k, D).sum(1).to(x.dtype)

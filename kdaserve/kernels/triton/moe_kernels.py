@@ -20,11 +20,35 @@ def block_rows(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def mxfp4_tile(codes_ptr, scales_ptr, rows, ks, row_len, mask):
+    """fp32 [BLOCK_K, BLOCK_N] of an MXFP4 weight [N, row_len] held as codes uint8 [N, row_len
+    / 2] (the low nibble the even element) and E8M0 scales uint8 [N, row_len / 32]: element
+    (k, n) is weight[rows[n], ks[k]]. Each value is its E2M1 magnitude times 2^(s - 127), both
+    exact in fp32 (kernels/ref/mxfp4.py's dequantize_mxfp4, decoded in registers)."""
+    byte = tl.load(codes_ptr + rows[None, :] * (row_len // 2) + ks[:, None] // 2, mask=mask,
+                   other=0).to(tl.int32)
+    code = (byte >> ((ks[:, None] % 2) * 4)) & 0xF
+    e = (code >> 1) & 3  # E2M1: 2 exponent bits, 1 mantissa bit; e == 0 is subnormal
+    f = (code & 1).to(tl.float32)  # magnitudes 0, 0.5 | 1, 1.5 | 2, 3 | 4, 6
+    mag = tl.where(e == 0, 0.5 * f, tl.where(e == 1, 1.0 + 0.5 * f,
+                                             tl.where(e == 2, 2.0 + f, 4.0 + 2.0 * f)))
+    mag = tl.where((code & 8) != 0, -mag, mag)
+    s = tl.load(scales_ptr + rows[None, :] * (row_len // 32) + ks[:, None] // 32, mask=mask,
+                other=127).to(tl.int32)
+    # 2^(s - 127) as its bits: a normal float's exponent field, s = 0 the subnormal 2^-127,
+    # s = 255 infinity (as compressed-tensors decodes it)
+    scale = tl.where(s == 0, 0x400000, s << 23).to(tl.float32, bitcast=True)
+    return mag * scale
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, h_ptr,
                    num_pairs, top_k, D, inter, beta, linear_beta,
                    HAS_SCALE: tl.constexpr, SITU: tl.constexpr, CAP_UP: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, MXFP4: tl.constexpr):
+    """MXFP4: w_ptr the codes [E, 2I, D / 2], s_ptr the scales [E, 2I, D / 32], decoded in
+    the K loop (W4A16); else w_ptr the weights, s_ptr int8's row scales (HAS_SCALE)."""
     e, rows, pair, valid = block_rows(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if e < 0:
         return
@@ -32,7 +56,7 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, h_ptr,
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
-    w_e = w_ptr + e * (2 * inter) * D
+    w_e = w_ptr + e * (2 * inter) * (D // 2 if MXFP4 else D)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -40,9 +64,14 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, h_ptr,
         a = tl.load(x_ptr + tok[:, None] * D + (k0 + ks)[None, :],
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
         wmask = k_ok[:, None] & col_ok[None, :]
-        w1 = tl.load(w_e + cols[None, :] * D + (k0 + ks)[:, None], mask=wmask, other=0.0)
-        w3 = tl.load(w_e + (inter + cols)[None, :] * D + (k0 + ks)[:, None], mask=wmask,
-                     other=0.0)
+        if MXFP4:
+            s_e = s_ptr + e * (2 * inter) * (D // 32)
+            w1 = mxfp4_tile(w_e, s_e, cols, k0 + ks, D, wmask)
+            w3 = mxfp4_tile(w_e, s_e, inter + cols, k0 + ks, D, wmask)
+        else:
+            w1 = tl.load(w_e + cols[None, :] * D + (k0 + ks)[:, None], mask=wmask, other=0.0)
+            w3 = tl.load(w_e + (inter + cols)[None, :] * D + (k0 + ks)[:, None], mask=wmask,
+                         other=0.0)
         gate = tl.dot(a, w1.to(a.dtype), gate, input_precision=PRECISION)
         up = tl.dot(a, w3.to(a.dtype), up, input_precision=PRECISION)
     if HAS_SCALE:
@@ -62,21 +91,26 @@ def gate_up_kernel(x_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, h_ptr,
 def down_kernel(h_ptr, w_ptr, s_ptr, pairs_ptr, block_expert_ptr, weights_ptr, out_ptr,
                 num_pairs, D, inter,
                 HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, MXFP4: tl.constexpr):
+    """MXFP4 as in gate_up_kernel: codes [E, D, I / 2], scales [E, D, I / 32]."""
     e, rows, pair, valid = block_rows(pairs_ptr, block_expert_ptr, num_pairs, BLOCK_M)
     if e < 0:
         return
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < D
     ks = tl.arange(0, BLOCK_K)
-    w_e = w_ptr + e * D * inter
+    w_e = w_ptr + e * D * (inter // 2 if MXFP4 else inter)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         k_ok = (k0 + ks) < inter
         a = tl.load(h_ptr + rows[:, None] * inter + (k0 + ks)[None, :],
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_e + cols[None, :] * inter + (k0 + ks)[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        wmask = k_ok[:, None] & col_ok[None, :]
+        if MXFP4:
+            w = mxfp4_tile(w_e, s_ptr + e * D * (inter // 32), cols, k0 + ks, inter, wmask)
+        else:
+            w = tl.load(w_e + cols[None, :] * inter + (k0 + ks)[:, None], mask=wmask,
+                        other=0.0)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
     if HAS_SCALE:
         acc = acc * tl.load(s_ptr + e * D + cols, mask=col_ok, other=0.0)[None, :]

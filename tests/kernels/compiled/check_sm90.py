@@ -66,15 +66,27 @@ def kda_decode(lower_bound: bool) -> tuple[int, int]:
          "BLOCK_W": 4, "BLOCK_TAPS": 4}, num_warps=8)
 
 
-def moe_gate_up(situ: bool) -> tuple[int, int]:
+def moe_gate_up(situ: bool, mxfp4: bool = False) -> tuple[int, int]:
+    w = "*u8" if mxfp4 else BF16  # MXFP4: codes and E8M0 scales
     return resources(
         moe_kernels.gate_up_kernel,
-        {"x_ptr": BF16, "w_ptr": BF16, "s_ptr": BF16, "pairs_ptr": "*i64",
+        {"x_ptr": BF16, "w_ptr": w, "s_ptr": w, "pairs_ptr": "*i64",
          "block_expert_ptr": "*i64", "h_ptr": BF16},
         {"num_pairs": "i32", "top_k": "i32", "D": "i32", "inter": "i32", "beta": "fp32",
          "linear_beta": "fp32"},
         {"HAS_SCALE": False, "SITU": situ, "CAP_UP": situ, "BLOCK_M": 16, "BLOCK_N": 64,
-         "BLOCK_K": 64, "PRECISION": "tf32"}, num_warps=8)
+         "BLOCK_K": 64, "PRECISION": "tf32", "MXFP4": mxfp4}, num_warps=8)
+
+
+def moe_down(mxfp4: bool) -> tuple[int, int]:
+    w = "*u8" if mxfp4 else BF16
+    return resources(
+        moe_kernels.down_kernel,
+        {"h_ptr": BF16, "w_ptr": w, "s_ptr": w, "pairs_ptr": "*i64",
+         "block_expert_ptr": "*i64", "weights_ptr": "*fp32", "out_ptr": BF16},
+        {"num_pairs": "i32", "D": "i32", "inter": "i32"},
+        {"HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
+         "PRECISION": "tf32", "MXFP4": mxfp4})
 
 
 CASES = {
@@ -92,6 +104,7 @@ CASES = {
         {"D": "i32"}, {"W": W, "BLOCK_W": 4, "BLOCK_D": 128}),
     "moe_gate_up": lambda: moe_gate_up(False),
     "moe_gate_up_situ": lambda: moe_gate_up(True),
+    "moe_gate_up_situ_mxfp4": lambda: moe_gate_up(True, mxfp4=True),  # K3's experts (W4A16)
     "situ_mul": lambda: resources(
         k3_kernels.situ_mul_kernel, {"gu_ptr": BF16, "y_ptr": BF16},
         {"inter": "i32", "beta": "fp32", "linear_beta": "fp32"},
@@ -102,13 +115,8 @@ CASES = {
          "out_ptr": BF16},
         {"NB": "i32", "T": "i32", "D": "i32", "eps": "fp32", "norm_eps": "fp32"},
         {"BLOCK_D": 1024, "BLOCK_S": 16}),
-    "moe_down": lambda: resources(
-        moe_kernels.down_kernel,
-        {"h_ptr": BF16, "w_ptr": BF16, "s_ptr": BF16, "pairs_ptr": "*i64",
-         "block_expert_ptr": "*i64", "weights_ptr": "*fp32", "out_ptr": BF16},
-        {"num_pairs": "i32", "D": "i32", "inter": "i32"},
-        {"HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64,
-         "PRECISION": "tf32"}),
+    "moe_down": lambda: moe_down(False),
+    "moe_down_mxfp4": lambda: moe_down(True),
     "moe_route": lambda: resources(
         moe_kernels.route_kernel,
         {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64"},
