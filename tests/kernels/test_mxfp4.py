@@ -89,11 +89,12 @@ def test_quantize_round_trip_error() -> None:
 
 
 @pytest.mark.parametrize("situ", [None, (4.0, 25.0)], ids=["swiglu", "situ"])
-@pytest.mark.parametrize("tokens", [1, 3, 5, 40])
+@pytest.mark.parametrize("tokens", [1, 3, 5, 40, 200])
 def test_native_experts_are_the_reference(tokens: int, situ: tuple | None) -> None:
     """The native MXFP4 experts (csrc/mxfp4_cpu.cpp) against dequantize-then-matmul: streamed
-    (an expert with up to 4 tokens) and widened (more), widths of 3 groups (D 96, I 160: row
-    blocks with tails), SwiGLU and SiTU."""
+    (an expert with up to 15 tokens, four at a time) and as token blocks on the broadcast
+    tiles (16 or more: 40 tokens mixes both, 200 splits experts into several blocks), widths
+    of 3 groups (D 96, I 160: row blocks and panels with tails), SwiGLU and SiTU."""
     from kdaserve.kernels.native.build import available
     from kdaserve.kernels.native.ops import moe_experts_native
     from kdaserve.kernels.ref.moe import moe_experts_ref

@@ -374,37 +374,23 @@ void bcast_panel(const float* w, const float* xt, int64_t Mp, int64_t xw, float*
   }
 }
 
-// y^T [rows, Mp] = the `rows` weight rows at w (stride K) against x^T [K, Mp] (zero-padded,
-// in blocks of xw columns; padding columns of y^T come out zero). bf16 / int8 weights: each
-// panel of weight rows is widened into `wide` (kBN x K floats, it stays in L1) and the fp32
-// tiles run on it; widening each broadcast element on its own (a scalar load, shift or
-// convert and broadcast per FMA group) ran bf16 at ~50 GFLOP/s where fp32 reached 75-160.
-template <typename W>
-void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp, int64_t xw,
-                float* yt, float* wide) {
+// y^T [rows, Mp] = a weight's `rows` rows against x^T [K, Mp] (zero-padded, in blocks of xw
+// columns; padding columns of y^T come out zero), panel by panel: `panel(p, tn)` gives rows
+// [p, p + tn) as fp32 [tn, K] (the weight itself, or its rows widened into a buffer that stays
+// in L1); `direct`: the panels are the weight in memory, so the next one can be prefetched.
+template <typename Panel>
+void bcast_panels(Panel panel, int64_t rows, int64_t K, const float* xt, int64_t Mp,
+                  int64_t xw, float* yt, bool direct) {
   for (int64_t p = 0; p < rows; p += kBN) {
     const int64_t tn = std::min<int64_t>(kBN, rows - p);
-    const float* wp;
-    if constexpr (std::is_same_v<W, float>) {
-      wp = w + p * K;
-    } else {
-      const W* src = w + p * K;
-      int64_t j = 0;
-      for (; j + kLanes <= tn * K; j += kLanes) {
-        const vtile v = load_tile(src + j);
-        __builtin_memcpy(wide + j, &v, sizeof(v));
-      }
-      for (; j < tn * K; ++j) wide[j] = widen(src[j]);
-      wp = wide;
-    }
-    constexpr bool fp32 = std::is_same_v<W, float>;
+    const float* wp = panel(p, tn);
     // A last panel of fewer rows keeps them together: a one-row tile has kBV accumulators,
     // too few chains of dependent FMAs to fill the FMA units, and on AVX2 (6-row panels) 2I
     // or D rows are seldom whole panels (a row at a time took ~10% of the experts' time: 64
     // experts top-8 at hidden 768, 7 layers cold, 64 / 2,048 tokens 6.8 / 102 -> 6.1 / 98 ms
     // a layer, the first with moe_cpu.cpp's task balance, measured together)
     switch (tn) {
-      case kBN: bcast_panel<kBN>(wp, xt, Mp, xw, yt, K, p, fp32); break;
+      case kBN: bcast_panel<kBN>(wp, xt, Mp, xw, yt, K, p, direct); break;
       case 1: bcast_panel<1>(wp, xt, Mp, xw, yt, K, p, false); break;
       case 2: bcast_panel<2>(wp, xt, Mp, xw, yt, K, p, false); break;
       case 3: bcast_panel<3>(wp, xt, Mp, xw, yt, K, p, false); break;
@@ -419,6 +405,31 @@ void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp
           bcast_panel<1>(wp + i * K, xt, Mp, xw, yt, K, p + i, false);
     }
   }
+}
+
+// bcast_panels over the rows at w (stride K). bf16 / int8 weights: each panel is widened into
+// `wide` (kBN x K floats) and the fp32 tiles run on it; widening each broadcast element on its
+// own (a scalar load, shift or convert and broadcast per FMA group) ran bf16 at ~50 GFLOP/s
+// where fp32 reached 75-160.
+template <typename W>
+void bcast_rows(const W* w, int64_t rows, int64_t K, const float* xt, int64_t Mp, int64_t xw,
+                float* yt, float* wide) {
+  constexpr bool fp32 = std::is_same_v<W, float>;
+  const auto panel = [&](int64_t p, int64_t tn) -> const float* {
+    if constexpr (fp32) {
+      return w + p * K;
+    } else {
+      const W* src = w + p * K;
+      int64_t j = 0;
+      for (; j + kLanes <= tn * K; j += kLanes) {
+        const vtile v = load_tile(src + j);
+        __builtin_memcpy(wide + j, &v, sizeof(v));
+      }
+      for (; j < tn * K; ++j) wide[j] = widen(src[j]);
+      return wide;
+    }
+  };
+  bcast_panels(panel, rows, K, xt, Mp, xw, yt, fp32);
 }
 
 constexpr int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }

@@ -10,12 +10,18 @@
 // (even and odd elements, split once per call), and the group's sum is scaled once: two FMAs
 // and one multiply-add per 32 weights and token, no widened copy of the weights. An expert's
 // tokens go kStreamRows at a time over each block of 32 weight rows (in L2 after the first).
+// An expert with kBlockedFrom tokens or more runs as token blocks on the broadcast tiles
+// instead (expert_blocks.h, as bf16 experts do), each panel of 8 weight rows decoded to fp32
+// once per block.
 
 #include <algorithm>
+#include <array>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -26,8 +32,14 @@ namespace {
 #include "tiles.h"
 #include "vmath.h"
 #include "expert_order.h"
+#include "gemm_blocks.h"
+#include "expert_blocks.h"
 
 constexpr int64_t kGroup = 32;
+// From this many tokens an expert runs as token blocks: a prefill's experts (64 / 128 tokens
+// of K3's shapes, 32-64 an expert) took 702 / 1,385 ms streamed four tokens at a time, against
+// bf16 experts' 528 / 895 on the tiles (2-core Zen 4)
+constexpr int64_t kBlockedFrom = 16;
 constexpr int64_t kStreamRows = 4;  // tokens against each weight row at once (registers)
 constexpr int64_t kRowBlock = 32;   // weight rows per task
 constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -126,7 +138,7 @@ inline void dot_row(const uint8_t* __restrict w, const uint8_t* __restrict s,
 }
 
 // rows [r0, r1) of a weight [N, K] (packed w, scales s) against M split x rows
-inline void stream_rows(const uint8_t* w, const uint8_t* s, const float* xs, int64_t M,
+inline void stream_rows_mxfp4(const uint8_t* w, const uint8_t* s, const float* xs, int64_t M,
                         int64_t K, float* y, int64_t ldy, int64_t r0, int64_t r1) {
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* wr = w + r * (K / 2);
@@ -148,8 +160,71 @@ inline void stream_rows(const uint8_t* w, const uint8_t* s, const float* xs, int
 inline void expert_rows(const uint8_t* w, const uint8_t* s, const float* xs, int64_t M,
                         int64_t K, float* y, int64_t ldy, int64_t r0, int64_t r1) {
   for (int64_t m0 = 0; m0 < M; m0 += kStreamRows)
-    stream_rows(w, s, xs + m0 * K, std::min(kStreamRows, M - m0), K, y + m0 * ldy, ldy, r0,
-                r1);
+    stream_rows_mxfp4(w, s, xs + m0 * K, std::min(kStreamRows, M - m0), K, y + m0 * ldy, ldy,
+                      r0, r1);
+}
+
+// Rows [p, p + tn) of an MXFP4 weight [N, K] (codes w, scales s) decoded into wide [tn, K],
+// in order: each group's 16 bytes give its even elements (low nibbles) and odd ones (high),
+// interleaved back. Every value is its E2M1 magnitude times the group's scale, exact in fp32.
+inline void decode_rows(const uint8_t* w, const uint8_t* s, int64_t p, int64_t tn, int64_t K,
+                        float* wide) {
+  for (int64_t i = 0; i < tn; ++i) {
+    const uint8_t* wr = w + (p + i) * (K / 2);
+    const uint8_t* sr = s + (p + i) * (K / kGroup);
+    float* out = wide + i * K;
+    for (int64_t g = 0; g < K / kGroup; ++g) {
+      const float scale = kScale.v[sr[g]];
+#if defined(__AVX512F__)
+      const __m512 table = _mm512_loadu_ps(kE2M1), sc = _mm512_set1_ps(scale);
+      const __m512i v = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16)));
+      const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table);
+      const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+      const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+      const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+      _mm512_storeu_ps(out + g * kGroup,
+                       _mm512_mul_ps(_mm512_permutex2var_ps(even, first, odd), sc));
+      _mm512_storeu_ps(out + g * kGroup + 16,
+                       _mm512_mul_ps(_mm512_permutex2var_ps(even, second, odd), sc));
+#else
+      for (int64_t j = 0; j < kGroup / 2; ++j) {
+        const uint8_t b = wr[g * 16 + j];
+        out[g * kGroup + 2 * j] = kE2M1[b & 15] * scale;
+        out[g * kGroup + 2 * j + 1] = kE2M1[b >> 4] * scale;
+      }
+#endif
+    }
+  }
+}
+
+// Tokens [s0, s1) of expert e (sorted order; order[s] / k is the token) into ys rows s0..s1,
+// weighted: expert_block's path for float weights (moe_cpu.cpp), with each panel of weight
+// rows decoded from MXFP4 into the scratch's `wide` panel before its tiles run.
+void mxfp4_block(const float* x, const int64_t* order, const float* weights, const uint8_t* w13,
+                 const uint8_t* s13, const uint8_t* w2, const uint8_t* s2, float* ys, int64_t e,
+                 int64_t s0, int64_t s1, int64_t k, int64_t I, int64_t D, BlockScratch& b,
+                 const Glu& act) {
+  const int64_t M = s1 - s0, Mp = round_up(M, kLanes);
+  float *xt = b.xt.get(), *ht = b.ht.get(), *at = b.at.get(), *yt = b.yt.get();
+  float* wide = b.wide.get();
+  int32_t row[kBlockRows];  // the block's tokens' x rows, as offsets from x
+  for (int64_t m = 0; m < M; ++m) row[m] = static_cast<int32_t>((order[s0 + m] / k) * D);
+  gather_t(x, row, M, Mp, D, xt);
+  const uint8_t *c13 = w13 + e * 2 * I * (D / 2), *g13 = s13 + e * 2 * I * (D / kGroup);
+  const uint8_t *c2 = w2 + e * D * (I / 2), *g2 = s2 + e * D * (I / kGroup);
+  bcast_panels([&](int64_t p, int64_t tn) {
+    decode_rows(c13, g13, p, tn, D, wide);
+    return static_cast<const float*>(wide);
+  }, 2 * I, D, xt, Mp, Mp, ht, false);
+  glu_row(act, ht, ht + I * Mp, at, I * Mp);  // zero padding stays zero: act(0) * 0
+  bcast_panels([&](int64_t p, int64_t tn) {
+    decode_rows(c2, g2, p, tn, I, wide);
+    return static_cast<const float*>(wide);
+  }, D, I, at, Mp, Mp, yt, false);
+  float wt[kBlockRows];
+  for (int64_t m = 0; m < M; ++m) wt[m] = weights[order[s0 + m]];
+  scatter_t(yt, M, Mp, D, nullptr, wt, ys + s0 * D);
 }
 
 }  // namespace
@@ -167,21 +242,46 @@ void moe_experts_mxfp4(const float* x, const int64_t* ids, const float* weights,
   const int64_t n = T * k;
   const ExpertOrder sorted(ids, n, E);
   const std::vector<int64_t>&offset = sorted.offset, &order = sorted.order;
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (offset[e + 1] > offset[e]) active.push_back(e);
-  const int64_t A = static_cast<int64_t>(active.size());
-  // rows in sorted order (an expert's tokens are consecutive)
+  std::vector<int64_t> active, pairs;  // streamed experts, and their pairs (sorted rows)
+  std::vector<std::array<int64_t, 3>> blocks;  // (expert, s0, s1) token blocks
+  const int64_t blocked_from = T * D > INT32_MAX ? INT64_MAX : kBlockedFrom;  // gather_t's rows
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t cnt = offset[e + 1] - offset[e];
+    if (cnt == 0) continue;
+    if (cnt < blocked_from) {
+      active.push_back(e);
+      for (int64_t p = offset[e]; p < offset[e + 1]; ++p) pairs.push_back(p);
+      continue;
+    }
+    const int64_t parts = (cnt + kBlockRows - 1) / kBlockRows;  // equal blocks
+    for (int64_t q = 0; q < parts; ++q)
+      blocks.push_back({e, offset[e] + cnt * q / parts, offset[e] + cnt * (q + 1) / parts});
+  }
+  const int64_t A = static_cast<int64_t>(active.size()), B = static_cast<int64_t>(blocks.size());
+  const int64_t P = static_cast<int64_t>(pairs.size());
+  // rows in sorted order (an expert's tokens are consecutive); the split copies and h / act
+  // are the streamed experts' only
   std::unique_ptr<float[]> xsplit(new float[n * D]),
       h(new float[n * 2 * I]), act(new float[n * I]), asplit(new float[n * I]),
       ys(new float[n * D]);
-#pragma omp parallel for schedule(static) if (n * D >= (int64_t{1} << 16))
-  for (int64_t p = 0; p < n; ++p) split_even_odd(x + (order[p] / k) * D, xsplit.get() + p * D, D);
+#pragma omp parallel for schedule(static) if (P * D >= (int64_t{1} << 16))
+  for (int64_t j = 0; j < P; ++j) {
+    const int64_t p = pairs[j];
+    split_even_odd(x + (order[p] / k) * D, xsplit.get() + p * D, D);
+  }
   const Glu glu{beta, linear_beta};
   const int64_t iblocks = (I + kRowBlock - 1) / kRowBlock;
   const int64_t dblocks = (D + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel
   {
+    if (B > 0) {
+      BlockScratch scratch(I, D);
+      // blocks differ in size: taken as threads free up, before the streamed experts' tasks
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int64_t q = 0; q < B; ++q)
+        mxfp4_block(x, order.data(), weights, w13, s13, w2, s2, ys.get(), blocks[q][0],
+                    blocks[q][1], blocks[q][2], k, I, D, scratch, glu);
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < A * iblocks; ++task) {
       const int64_t e = active[task / iblocks], r0 = (task % iblocks) * kRowBlock;
@@ -199,7 +299,8 @@ void moe_experts_mxfp4(const float* x, const int64_t* ids, const float* weights,
     }
     // the down projection's inputs split once each (whole rows: after every gate task)
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < n; ++p) split_even_odd(act.get() + p * I, asplit.get() + p * I, I);
+    for (int64_t j = 0; j < P; ++j)
+      split_even_odd(act.get() + pairs[j] * I, asplit.get() + pairs[j] * I, I);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < A * dblocks; ++task) {
       const int64_t e = active[task / dblocks], d0 = (task % dblocks) * kRowBlock;
