@@ -13,6 +13,27 @@
 // tokens.
 constexpr int64_t kBlockRows = 2 * kBV * kLanes;
 
+// Which experts stream their few tokens (`small`: fewer than blocked_from) and which run as
+// token blocks (`blocks`: (expert, s0, s1) in sorted order), from ExpertOrder's offsets; an
+// expert's blocks are equal, so one of 100 tokens is not 96 + 4.
+struct ExpertPlan {
+  std::vector<int64_t> small;
+  std::vector<std::array<int64_t, 3>> blocks;
+  ExpertPlan(const std::vector<int64_t>& offset, int64_t E, int64_t blocked_from) {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t cnt = offset[e + 1] - offset[e];
+      if (cnt == 0) continue;
+      if (cnt < blocked_from) {
+        small.push_back(e);
+        continue;
+      }
+      const int64_t parts = (cnt + kBlockRows - 1) / kBlockRows;
+      for (int64_t p = 0; p < parts; ++p)
+        blocks.push_back({e, offset[e] + cnt * p / parts, offset[e] + cnt * (p + 1) / parts});
+    }
+  }
+};
+
 // Scratch of one thread for blocked experts, all transposed and zero-padded to whole vectors
 // of tokens (stride Mp): a block's x^T, its gate/up rows (h^T), activations (a^T, the down
 // projection's x^T) and outputs (y^T); and a panel of widened weights.

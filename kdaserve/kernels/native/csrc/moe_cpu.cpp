@@ -103,20 +103,9 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
   if (T * D > INT32_MAX) blocked_from = INT64_MAX;  // gather_t's int32 row offsets
   const ExpertOrder sorted(ids, n, E);
   const std::vector<int64_t>&offset = sorted.offset, &order = sorted.order;
-  std::vector<int64_t> small;                 // experts split over weight rows
-  std::vector<std::array<int64_t, 3>> blocks;  // (expert, s0, s1) token blocks
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t cnt = offset[e + 1] - offset[e];
-    if (cnt == 0) continue;
-    if (cnt < blocked_from) {
-      small.push_back(e);
-      continue;
-    }
-    // equal blocks, so an expert of 100 tokens is not 96 + 4
-    const int64_t parts = (cnt + kBlockRows - 1) / kBlockRows;
-    for (int64_t p = 0; p < parts; ++p)
-      blocks.push_back({e, offset[e] + cnt * p / parts, offset[e] + cnt * (p + 1) / parts});
-  }
+  const ExpertPlan plan(offset, E, blocked_from);
+  const std::vector<int64_t>& small = plan.small;  // experts split over weight rows
+  const std::vector<std::array<int64_t, 3>>& blocks = plan.blocks;
   const int64_t A = static_cast<int64_t>(small.size());
   const int64_t B = static_cast<int64_t>(blocks.size());
   // rows in sorted order (an expert's tokens are consecutive); xs, h and act are only read

@@ -242,21 +242,13 @@ void moe_experts_mxfp4(const float* x, const int64_t* ids, const float* weights,
   const int64_t n = T * k;
   const ExpertOrder sorted(ids, n, E);
   const std::vector<int64_t>&offset = sorted.offset, &order = sorted.order;
-  std::vector<int64_t> active, pairs;  // streamed experts, and their pairs (sorted rows)
-  std::vector<std::array<int64_t, 3>> blocks;  // (expert, s0, s1) token blocks
   const int64_t blocked_from = T * D > INT32_MAX ? INT64_MAX : kBlockedFrom;  // gather_t's rows
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t cnt = offset[e + 1] - offset[e];
-    if (cnt == 0) continue;
-    if (cnt < blocked_from) {
-      active.push_back(e);
-      for (int64_t p = offset[e]; p < offset[e + 1]; ++p) pairs.push_back(p);
-      continue;
-    }
-    const int64_t parts = (cnt + kBlockRows - 1) / kBlockRows;  // equal blocks
-    for (int64_t q = 0; q < parts; ++q)
-      blocks.push_back({e, offset[e] + cnt * q / parts, offset[e] + cnt * (q + 1) / parts});
-  }
+  const ExpertPlan plan(offset, E, blocked_from);
+  const std::vector<int64_t>& active = plan.small;  // streamed experts
+  const std::vector<std::array<int64_t, 3>>& blocks = plan.blocks;
+  std::vector<int64_t> pairs;  // the streamed experts' pairs (sorted rows)
+  for (int64_t e : active)
+    for (int64_t p = offset[e]; p < offset[e + 1]; ++p) pairs.push_back(p);
   const int64_t A = static_cast<int64_t>(active.size()), B = static_cast<int64_t>(blocks.size());
   const int64_t P = static_cast<int64_t>(pairs.size());
   // rows in sorted order (an expert's tokens are consecutive); the split copies and h / act
