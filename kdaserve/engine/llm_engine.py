@@ -39,14 +39,14 @@ from kdaserve.engine.rl import EngineAsleep
 from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.tensor_parallel import Followers, join_expert_parallel, with_init_addr
-from kdaserve.kernels import argmax_rows, resolve_kernels
+from kdaserve.kernels import resolve_kernels
 from kdaserve.kernels.host_memory import keep_freed_memory
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
 from kdaserve.request import Request, RequestOutput, SamplingParams
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.build import build_speculator
-from kdaserve.speculative.verify import trim_drafts
+from kdaserve.speculative.verify import Verified, trim_drafts
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
@@ -348,55 +348,19 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
             self.scheduler.insert_snapshots(batch)
             self.counters["num_steps"] += 1
             touched: dict[str, None] = {}
-            # logits rows: one per sampled request, 1 + k for a request verifying k drafts
-            row, plain, plain_rows = 0, [], []
-            replay: list[tuple[Request, int]] = []  # (req, accepted steps to replay)
-            restores: list[tuple[Request, int]] = []  # (req, its saved states' slot)
-            accepted: list[tuple[Request, int, int]] = []  # (req, drafts kept, its hidden row)
-            argmax: list[int] | None = None  # every row's, taken once for greedy verifies
-            for req in to_sample:
-                if id(req) not in saved:
-                    plain.append(req)
-                    plain_rows.append(row)
-                    accepted.append((req, 0, row))
-                    row += 1
-                    continue
-                assert spec is not None
-                k = len(req.draft_ids)
-                scratch, start = saved[id(req)]
-                rows = logits[row:row + 1 + k]
-                unmasked = None
-                if req.matcher is None and req.params.is_greedy:
-                    if argmax is None:
-                        argmax = argmax_rows(logits).tolist()
-                    unmasked = argmax[row:row + 1 + k]
-                if req.matcher is not None:  # each position masked by the state after its drafts
-                    assert self._grammar is not None
-                    bitmask = self._grammar.allocate_bitmask(1 + k)
-                    try:
-                        req.matcher.fill_drafts(bitmask, req.draft_ids)
-                        rows = rows.clone()
-                        apply_bitmask(rows, bitmask)
-                    except ValueError:  # a grammar bug: `_append` then ends this request alone
-                        logger.exception("request %s: grammar failed on its drafts", req.rid)
-                tokens, rollback = spec.accept(req, rows, start, unmasked)
-                accepted.append((req, len(tokens) - 1, row + len(tokens) - 1))
-                row += 1 + k
-                for t in tokens:
-                    self.append_token(req, t, None, None)
-                    if req.is_finished:
-                        break
+            if spec is not None and saved:
+                assert record is not None
+                verified = spec.verify(
+                    to_sample, logits, saved, lambda req, t: self.append_token(req, t, None, None),
+                    self._mask_drafts, lambda steps: self.runner.replay(record, steps))
+            else:
+                verified = Verified.nothing_drafted(to_sample)
+            for req in verified.took_tokens:
                 touched[self._group_id(req)] = None
-                if rollback and not req.is_finished:
-                    restores.append((req, scratch))
-                    replay.append((req, req.num_computed_tokens - start))
-            if replay:
-                assert record is not None and spec is not None
-                spec.restore(restores)
-                self.runner.replay(record, replay)  # the accepted KDA steps only
         finally:
             if spec is not None:
                 spec.release(saved)
+        plain, plain_rows = verified.plain, verified.plain_rows
         if plain:
             constrained = [i for i, r in enumerate(plain) if needs_mask(r)]
             # copied where rows are picked or masked in place (an inference-mode tensor)
@@ -422,7 +386,7 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
                              result.top_logprobs[i] if result.top_logprobs else None)
                 touched[gid] = None
         if spec is not None:  # drafter state follows what each request kept
-            for req, j, r in accepted:
+            for req, j, r in verified.accepted:
                 if not req.is_finished:
                     spec.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)
             if decode_only:
@@ -435,6 +399,20 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
             self.scheduler.itl_budget.observe(batch.num_tokens - prompt_tokens, prompt_tokens,
                                               time.perf_counter() - step_started)
         return outputs + self._updates(touched)
+
+    def _mask_drafts(self, req: Request, rows: torch.Tensor) -> torch.Tensor:
+        """A constrained request's verify rows, each masked by its grammar's state after the
+        drafts before it (a grammar bug is logged and the rows left as they are: `_append`
+        then ends this request alone)."""
+        assert self._grammar is not None and req.matcher is not None
+        bitmask = self._grammar.allocate_bitmask(rows.shape[0])
+        try:
+            req.matcher.fill_drafts(bitmask, req.draft_ids)
+            rows = rows.clone()
+            apply_bitmask(rows, bitmask)
+        except ValueError:
+            logger.exception("request %s: grammar failed on its drafts", req.rid)
+        return rows
 
     def _lockstep(self, batch: ScheduledBatch) -> bool:
         """DP attention: whether this rank runs its batch now. Every rank takes part in

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
+from kdaserve.kernels import argmax_rows
 from kdaserve.request import Request
 from kdaserve.sampling_filters import apply_filters
 from kdaserve.scheduled_batch import ScheduledBatch
@@ -92,6 +95,22 @@ def reject_sample(probs: torch.Tensor, drafts: list[int],
             continue
         return i, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
     return len(drafts), int(torch.multinomial(probs[len(drafts)], 1, generator=generator))
+
+
+@dataclass
+class Verified:
+    """What a step's logits left after its verifies: the requests sampled as plain decodes and
+    their logits rows, each sampled request's kept drafts and the row of its last kept token
+    (what its drafter conditions on next), and the requests that took tokens here."""
+    plain: list[Request] = field(default_factory=list)
+    plain_rows: list[int] = field(default_factory=list)
+    accepted: list[tuple[Request, int, int]] = field(default_factory=list)
+    took_tokens: list[Request] = field(default_factory=list)
+
+    @classmethod
+    def nothing_drafted(cls, to_sample: list[Request]) -> Verified:
+        return cls(list(to_sample), list(range(len(to_sample))),
+                   [(r, 0, i) for i, r in enumerate(to_sample)])
 
 
 class Speculator:
@@ -318,6 +337,54 @@ class Speculator:
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < j
         return drafts[:j] + [bonus], j < len(drafts)
+
+    def verify(self, to_sample: list[Request], logits: torch.Tensor,
+               saved: dict[int, tuple[int, int]], take: Callable[[Request, int], None],
+               mask: Callable[[Request, torch.Tensor], torch.Tensor],
+               replay: Callable[[list[tuple[Request, int]]], None]) -> Verified:
+        """Accepts each drafted request's tokens from its 1 + k logits rows (rows in
+        `to_sample` order; a request not in `saved` drafted nothing and has one row), hands
+        them to `take` until the request finishes, and rolls the KDA states of those that
+        rejected drafts back to the accepted steps: restored from their scratch slots, then
+        `replay`ed (the verify forward's recorded steps). `mask`: a grammar-constrained
+        request's rows, each position masked by the grammar's state after its drafts."""
+        out = Verified()
+        row = 0
+        argmax: list[int] | None = None  # every row's, taken once for greedy verifies
+        restores: list[tuple[Request, int]] = []  # (req, its saved states' slot)
+        steps: list[tuple[Request, int]] = []  # (req, accepted steps to replay)
+        for req in to_sample:
+            if id(req) not in saved:
+                out.plain.append(req)
+                out.plain_rows.append(row)
+                out.accepted.append((req, 0, row))
+                row += 1
+                continue
+            k = len(req.draft_ids)
+            scratch, start = saved[id(req)]
+            rows = logits[row:row + 1 + k]
+            unmasked = None
+            if req.matcher is None and req.params.is_greedy:
+                if argmax is None:
+                    argmax = argmax_rows(logits).tolist()
+                unmasked = argmax[row:row + 1 + k]
+            if req.matcher is not None:
+                rows = mask(req, rows)
+            tokens, rollback = self.accept(req, rows, start, unmasked)
+            out.accepted.append((req, len(tokens) - 1, row + len(tokens) - 1))
+            row += 1 + k
+            for t in tokens:
+                take(req, t)
+                if req.is_finished:
+                    break
+            out.took_tokens.append(req)
+            if rollback and not req.is_finished:
+                restores.append((req, scratch))
+                steps.append((req, req.num_computed_tokens - start))
+        if steps:
+            self.restore(restores)
+            replay(steps)  # the accepted KDA steps only
+        return out
 
     def restore(self, restores: list[tuple[Request, int]]) -> None:
         """Back to the KDA states before the verify forward, ready to replay the accepted
