@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kdaserve.config import ModelConfig
-from kdaserve.kernels.native.ops import copy_slots
+from kdaserve.kernels import registry
 
 
 class StatePool:
@@ -34,6 +34,7 @@ class StatePool:
         # when a list: every change made outside a forward, ("zero", slot) / ("copy", src,
         # dst), for tensor-parallel followers to apply to their own heads' pool
         self.log: list[tuple[int | str, ...]] | None = None
+        self._copy_slots = registry.resolve("copy_slots", self.recurrent.device)
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
@@ -70,12 +71,13 @@ class StatePool:
 
     def copy_many(self, pairs: list[tuple[int, int]]) -> None:
         """`copy(src, dst)` for every pair, no slot both a source and a destination: one
-        native call per pool tensor (a verify saves and restores a slot per request: two
-        strided torch copies each, ~1 ms a step at batch 16)."""
-        if self.log is not None or not (copy_slots(self.recurrent, pairs)
-                                        and copy_slots(self.conv, pairs)):
+        `copy_slots` call per pool tensor (the kernel op the pool resolved at build)."""
+        if self.log is not None:  # each copy logged for the other ranks
             for src, dst in pairs:
                 self.copy(src, dst)
+            return
+        self._copy_slots(self.recurrent, pairs)
+        self._copy_slots(self.conv, pairs)
 
     def apply(self, log: list[tuple[int | str, ...]]) -> None:
         """Replays another pool's logged changes on this one (same slots, own heads)."""

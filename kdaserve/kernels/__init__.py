@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from kdaserve.kernels import registry
 from kdaserve.kernels.ref.attn_res import attn_res_norm_ref
+from kdaserve.kernels.ref.cache import copy_slots_ref
 from kdaserve.kernels.ref.kda import (
     gated_rmsnorm,
     kda_chunk_ref,
@@ -83,6 +84,8 @@ registry.register("silu_mul", "ref", silu_mul_ref)
 registry.register("situ_mul", "ref", situ_mul_ref)
 registry.register("sigmoid_mul", "ref", sigmoid_mul_ref)  # on CUDA too: two torch ops
 registry.register("attn_res_norm", "ref", attn_res_norm_ref)
+# not a model op (no Kernels field): the state pool's batched slot copy, resolved by the pool
+registry.register("copy_slots", "ref", copy_slots_ref)
 
 from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the references
     kda_decode_cpu,
@@ -101,6 +104,7 @@ from kdaserve.kernels.native.k3 import (  # noqa: E402
 )
 from kdaserve.kernels.native.ops import (  # noqa: E402
     argmax_rows,
+    copy_slots_native,
     gated_rmsnorm_native,
     kda_chunk_native,
     kda_chunk_native_wy,
@@ -155,6 +159,7 @@ registry.register("sigmoid_mul", "native", sigmoid_mul_native, priority=20, supp
                   capabilities=_ONE_CALL)
 registry.register("attn_res_norm", "native", attn_res_norm_native, priority=20,
                   supports=_native, capabilities=_ONE_CALL)
+registry.register("copy_slots", "native", copy_slots_native, priority=20, supports=_native)
 registry.register("linear", "cpu", linear_cpu, priority=10, supports=_cpu_only)
 registry.register("linear", "native", linear_native, priority=20, supports=_native,
                   capabilities=_ONE_CALL)
