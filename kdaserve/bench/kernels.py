@@ -120,12 +120,12 @@ def host_overhead(model: str, batch: int = 1) -> dict[str, float | None]:
     from kdaserve import LLM, SamplingParams
 
     llm = LLM(model)
-    native = llm.engine.model.native_decode
+    native = llm.engine.runner.native_decode
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     for i in range(batch):
         llm.engine.add_request([10 + (i + j) % 50 for j in range(10)], params)
     model_s: list[float] = []
-    inner = llm.engine.model.forward_hidden
+    inner = llm.engine.runner.forward_hidden
 
     def timed(*a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
@@ -133,21 +133,21 @@ def host_overhead(model: str, batch: int = 1) -> dict[str, float | None]:
         model_s.append(time.perf_counter() - t0)
         return out
 
-    llm.engine.model.forward_hidden = timed  # type: ignore[method-assign]
+    llm.engine.runner.forward_hidden = timed  # type: ignore[method-assign]
     steps: dict[bool, list[float]] = {True: [], False: []}  # one-call forward or not
     forwards: dict[bool, list[float]] = {True: [], False: []}
     k = 0
     while llm.engine.has_unfinished():
         one_call = native is not None and k % 2 == 0
-        llm.engine.model.native_decode = native if one_call else None
+        llm.engine.runner.native_decode = native if one_call else None
         t0 = time.perf_counter()
         llm.engine.step()
         if k >= 2:  # past the prefill and the first decode
             steps[one_call].append(time.perf_counter() - t0)
             forwards[one_call].append(model_s[-1])
         k += 1
-    del llm.engine.model.forward_hidden
-    llm.engine.model.native_decode = native
+    del llm.engine.runner.forward_hidden
+    llm.engine.runner.native_decode = native
 
     def median_ms(xs: list[float]) -> float:
         return sorted(xs)[len(xs) // 2] * 1e3

@@ -12,6 +12,7 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.engine.cuda_graph import CudaGraphRunner
+from kdaserve.engine.native_decode import NativeDecode
 from kdaserve.engine.overlap import resolve_inputs
 from kdaserve.engine.tensor_parallel import Followers
 from kdaserve.forward_batch import ForwardBatch
@@ -69,6 +70,8 @@ class ModelRunner:
         self.model, self.blocks, self.states, self.device = model, blocks, states, device
         self.followers = followers  # tensor-parallel ranks running every forward with us
         self.graphs: CudaGraphRunner | None = None  # decode and verify steps replayed (CUDA)
+        # plain decode batches in one native call where every op is the native kernel anyway
+        self.native_decode = NativeDecode.for_model(model)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request],
                                                       list[Rows]]:
@@ -147,7 +150,7 @@ class ModelRunner:
             return StepOutput(logits, to_sample, None if kept is None else kept.clone(), [])
         if self.followers is not None:
             self.followers.forward(fb, self.states)
-        hidden = self.model.forward_hidden(fb, self.states, self.blocks)
+        hidden = self.forward_hidden(fb)
         prompt: list[tuple[Request, torch.Tensor]] = []
         if any(x.size > x.sampled or x.req.params.return_hidden_states for x in layout):
             # per sequence a block of rows: prompt-logprob rows and hidden states to keep
@@ -174,6 +177,15 @@ class ModelRunner:
         return StepOutput(logits, to_sample, fb.tapped if return_hidden else hidden, prompt)
 
     @torch.inference_mode()
+    def forward_hidden(self, fb: ForwardBatch) -> torch.Tensor:
+        """The model's final-normed hidden states of the logits rows: a plain decode batch in
+        one native call where it applies (bit-equal to the per-op forward), else per op."""
+        if self.native_decode is not None and self.native_decode.takes(fb):
+            out = self.native_decode(fb, self.states, self.blocks)
+            if out is not None:
+                return out
+        return self.model.forward_hidden(fb, self.states, self.blocks)
+
     def replay(self, record: StepRecord, replays: list[tuple[Request, int]]) -> None:
         """Advances each request's KDA states by its first n recorded steps (req, n), one
         kda_chunk per KDA layer for all of them."""

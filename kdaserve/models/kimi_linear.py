@@ -29,7 +29,6 @@ from kdaserve.layers.parallel import (
     ExpertParallel,
     TensorParallel,
 )
-from kdaserve.models.native_decode import NativeDecode
 from kdaserve.step_record import KDASteps, StepRecord
 
 
@@ -88,8 +87,6 @@ class KimiLinearForCausalLM(nn.Module):
         self.cache_index = {}
         for kind_layers in (config.kda_layers, config.mla_layers):
             self.cache_index.update({layer: j for j, layer in enumerate(kind_layers)})
-        # decode batches in one native call where every op is the native kernel anyway
-        self.native_decode = NativeDecode.for_model(self)
 
     def checkpoint_tensors(self) -> dict[str, Destination | None]:
         """Checkpoint tensor name (Moonshot's hub names) -> destination parameter view (a
@@ -146,10 +143,6 @@ class KimiLinearForCausalLM(nn.Module):
         """As `forward`, but returns the final-normed hidden states [L, D] of the logits rows
         (what the LM head sees; block drafters condition on them). With `batch.taps`, the
         rows after those layers also go to `batch.tapped`."""
-        if self.native_decode is not None and self.native_decode.takes(batch):
-            out = self.native_decode(batch, states, blocks)
-            if out is not None:
-                return out
         h = self.embed_tokens(batch.input_ids)
         tapped: list[torch.Tensor] = []
         if self.output_attn_res is not None:

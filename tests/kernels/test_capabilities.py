@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from kdaserve.engine.cuda_graph import GRAPHED_OPS
+from kdaserve.engine.native_decode import DECODE_OPS
 from kdaserve.kernels import resolve_kernels
 from kdaserve.kernels.native.build import available
 from kdaserve.kernels.registry import FUSED_SHARED_EXPERT, GRAPH_SAFE, ONE_CALL_DECODE
-from kdaserve.models.native_decode import DECODE_OPS
 
 CPU = torch.device("cpu")
 

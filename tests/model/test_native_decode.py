@@ -1,4 +1,4 @@
-"""The one-call native decode forward (models/native_decode.py, csrc/decode_step.cpp) equals
+"""The one-call native decode forward (engine/native_decode.py, csrc/decode_step.cpp) equals
 the per-op forward bit for bit (hidden states, KDA states, conv windows, latent cache), is the
 path decode steps take where it applies, and steps aside where it does not."""
 
@@ -14,9 +14,9 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.engine import rl
+from kdaserve.engine.native_decode import NativeDecode
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import use_backend
-from kdaserve.models.native_decode import NativeDecode
 from kdaserve.step_record import StepRecord
 
 
@@ -25,7 +25,8 @@ class Checked:
     first, then the native one on the real pools, and asserts they agree exactly."""
 
     def __init__(self, llm: LLM) -> None:
-        self.model, self.native = llm.model, llm.model.native_decode
+        self.model, self.runner = llm.model, llm.engine.runner
+        self.native = self.runner.native_decode
         assert self.native is not None
         self.calls = self.skipped = 0
 
@@ -36,11 +37,7 @@ class Checked:
         s2, b2 = copy.copy(states), copy.copy(blocks)
         s2.recurrent, s2.conv, b2.kv = states.recurrent.clone(), states.conv.clone(), \
             blocks.kv.clone()
-        self.model.native_decode = None
-        try:
-            want = self.model.forward_hidden(batch, s2, b2)
-        finally:
-            self.model.native_decode = self
+        want = self.model.forward_hidden(batch, s2, b2)  # the per-op forward
         got = self.native(batch, states, blocks)
         if got is None:  # only above the native kernels' row caps (4 rows on AVX-512 hosts)
             assert batch.input_ids.shape[0] > self.native.most_rows()
@@ -71,7 +68,7 @@ def test_native_decode_equals_per_op_forward(tiny_ckpt: Path, small_ckpt: Path,
     for ckpt in (tiny_ckpt, small_ckpt):
         llm = LLM(ckpt, **options)
         checked = Checked(llm)
-        llm.model.native_decode = checked
+        llm.engine.runner.native_decode = checked
         for B in (1, 3, 16):
             decode(llm, B, seed=B)
         assert checked.calls + checked.skipped == 3 * 3  # (steps - 1) decodes per batch size
@@ -87,7 +84,7 @@ def test_native_decode_runs_k3(k3_ckpt: Path, k3_mxfp4_ckpt: Path, options: dict
     for ckpt in (k3_ckpt, k3_mxfp4_ckpt):
         llm = LLM(ckpt, **options)
         checked = Checked(llm)
-        llm.model.native_decode = checked
+        llm.engine.runner.native_decode = checked
         for B in (1, 3):
             decode(llm, B, seed=B)
         assert checked.calls + checked.skipped == 2 * 3
@@ -98,9 +95,9 @@ def test_native_decode_steps_aside(tiny_ckpt: Path) -> None:
     """Other backends get no native forward; prefill chunks, verify records, taps, routing
     capture and snapshots run the per-op forward."""
     with use_backend("cpu"):
-        assert LLM(tiny_ckpt).model.native_decode is None
+        assert LLM(tiny_ckpt).engine.runner.native_decode is None
     llm = LLM(tiny_ckpt)
-    native = llm.model.native_decode
+    native = llm.engine.runner.native_decode
     assert isinstance(native, NativeDecode)
     asked: list[bool] = []
     real = native.takes
@@ -128,7 +125,7 @@ def test_native_decode_follows_replaced_weights(tiny_ckpt: Path) -> None:
     rl.release_memory_occupation(llm.engine, ["weights", "kv_cache"])
     rl.resume_memory_occupation(llm.engine, ["weights", "kv_cache"])
     checked = Checked(llm)
-    llm.model.native_decode = checked
+    llm.engine.runner.native_decode = checked
     assert decode(llm, 3) == want
     assert checked.calls == 3
     # the plan points at the tensors as they are now
@@ -148,7 +145,7 @@ def test_native_decode_keeps_to_the_row_caps(tiny_ckpt: Path,
     monkeypatch.setattr(ops, "linear_native_max_rows", lambda weight: 4)
     llm = LLM(tiny_ckpt)
     checked = Checked(llm)
-    llm.model.native_decode = checked
+    llm.engine.runner.native_decode = checked
     decode(llm, 4)
     decode(llm, 5)
     assert (checked.calls, checked.skipped) == (3, 3)
@@ -171,7 +168,7 @@ def test_native_decode_runs_experts_as_the_per_op_forward(tiny_ckpt: Path, dtype
     monkeypatch.setattr(ops, "moe_blocked_from", lambda dt=torch.float32: asked.append(dt) or 2)
     llm = LLM(tiny_ckpt, dtype=dtype)
     checked = Checked(llm)
-    llm.model.native_decode = checked
+    llm.engine.runner.native_decode = checked
     decode(llm, 16, seed=3)
     assert checked.calls == 3
     assert set(asked) == {getattr(torch, dtype)}

@@ -14,9 +14,9 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.engine import llm_engine, rl
+from kdaserve.engine.native_decode import Unsupported
 from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.moe import MoE
-from kdaserve.models.native_decode import Unsupported
 
 from .conftest import serialize
 
@@ -60,7 +60,7 @@ def test_fused_shared_expert_equals_the_dense_mlp(tiny_ckpt: Path, backend: str 
     if backend is None:  # the native one-call decode exists and refuses the fused layout
         e = fused.engine
         with pytest.raises(Unsupported):
-            fused.model.native_decode._current_plan(e.states, e.blocks)
+            fused.engine.runner.native_decode._current_plan(e.states, e.blocks)
     ids = list(range(3, 200))
     torch.testing.assert_close(fused.prefill_logits(ids), plain.prefill_logits(ids),
                                atol=1e-4, rtol=1e-4)

@@ -4,7 +4,7 @@
 // Attention Residuals, gates, LatentMoE and SiTU-GLU). It runs the same kernels
 // as the per-op path, in the same order and on the same inputs (the entry points below are
 // the ones kernels/native/ops.py binds), so its result equals that path's bit for bit;
-// kdaserve/models/native_decode.py builds the plan and decides when it applies. Built into
+// kdaserve/engine/native_decode.py builds the plan and decides when it applies. Built into
 // the kda_cpu library (build.py).
 
 #include <algorithm>
@@ -66,7 +66,7 @@ struct Linear {
 };
 
 // One decoder layer; pointers as integers. The layout is mirrored field for field by
-// kdaserve/models/native_decode.py's `struct` format, which packs it once and again whenever a
+// kdaserve/engine/native_decode.py's `struct` format, which packs it once and again whenever a
 // tensor it points to was replaced (a resume, quantization).
 struct Layer {
   int64_t is_kda, is_moe;
