@@ -15,12 +15,15 @@ import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kdaserve.engine import weights
 from kdaserve.layers.parallel import full_shape
+
+if TYPE_CHECKING:  # the engine imports this module (EngineAsleep)
+    from kdaserve.engine.llm_engine import LLMEngine
 
 TAGS = ("weights", "kv_cache")
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -35,14 +38,14 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _require_single(e: Any, what: str) -> None:
+def _require_single(e: LLMEngine, what: str) -> None:
     # a refit of tensor-parallel slices, or a release of a disaggregated server's registered
     # pools, is not built: refused rather than half done
     if e.config.tp_size > 1 or e.config.disaggregation_mode is not None:
         raise ValueError(f"{what}: not supported with tensor parallelism or disaggregation yet")
 
 
-def _require_unquantized(e: Any, what: str) -> None:
+def _require_unquantized(e: LLMEngine, what: str) -> None:
     # the int8 weights are derived from the loaded floats; a refit would have to quantize the
     # trainer's tensors too, which is not built: refused rather than half done
     _require_single(e, what)
@@ -51,7 +54,7 @@ def _require_unquantized(e: Any, what: str) -> None:
                          "weight updates and weight release need an unquantized engine")
 
 
-def _require_idle(e: Any, what: str) -> None:
+def _require_idle(e: LLMEngine, what: str) -> None:
     if e.scheduler.running:
         raise ValueError(f"{what} needs no running requests ({len(e.scheduler.running)} run): "
                          "finish, abort (abort_all_requests) or retract them first")
@@ -60,7 +63,7 @@ def _require_idle(e: Any, what: str) -> None:
                          "resume it first")
 
 
-def _updated(e: Any, version: str | None, flush_cache: bool) -> dict[str, Any]:
+def _updated(e: LLMEngine, version: str | None, flush_cache: bool) -> dict[str, Any]:
     if version is not None:
         e.weight_version = version
     if flush_cache and e.cache is not None:
@@ -68,7 +71,7 @@ def _updated(e: Any, version: str | None, flush_cache: bool) -> dict[str, Any]:
     return {"success": True, "message": "weights updated", "weight_version": e.weight_version}
 
 
-def update_weights_from_disk(e: Any, model_path: str, weight_version: str | None = None,
+def update_weights_from_disk(e: LLMEngine, model_path: str, weight_version: str | None = None,
                              flush_cache: bool = True) -> dict[str, Any]:
     _require_unquantized(e, "update_weights_from_disk")
     _require_idle(e, "update_weights_from_disk")
@@ -77,7 +80,7 @@ def update_weights_from_disk(e: Any, model_path: str, weight_version: str | None
     return _updated(e, weight_version, flush_cache)
 
 
-def update_weights_from_tensor(e: Any, blobs: list[bytes], weight_version: str | None = None,
+def update_weights_from_tensor(e: LLMEngine, blobs: list[bytes], weight_version: str | None = None,
                                flush_cache: bool = True) -> dict[str, Any]:
     _require_unquantized(e, "update_weights_from_tensor")
     _require_idle(e, "update_weights_from_tensor")
@@ -93,7 +96,7 @@ def update_weights_from_tensor(e: Any, blobs: list[bytes], weight_version: str |
 RENDEZVOUS_TIMEOUT_S = 60.0  # a trainer that never joins costs this, on a side thread
 
 
-def init_weights_update_group(e: Any, master_address: str, master_port: int, rank_offset: int,
+def init_weights_update_group(e: LLMEngine, master_address: str, master_port: int, rank_offset: int,
                               world_size: int, group_name: str = "weight_update_group",
                               backend: str = "gloo") -> Future:
     """Joins the trainer's group as `rank_offset`. The rendezvous waits for the trainer, so
@@ -144,7 +147,7 @@ def _settle(future: Future, fn: Any) -> None:
         future.set_exception(err)
 
 
-def _group(e: Any, group_name: str, wait: bool = False) -> Any:
+def _group(e: LLMEngine, group_name: str, wait: bool = False) -> Any:
     """The joined group. While it is still joining: with `wait`, the join is awaited (a
     trainer may send the update before the init's reply reaches it: its broadcast must meet a
     receiver), else refused."""
@@ -161,7 +164,7 @@ def _group(e: Any, group_name: str, wait: bool = False) -> Any:
     return group
 
 
-def update_weights_from_distributed(e: Any, names: list[str], dtypes: list[str],
+def update_weights_from_distributed(e: LLMEngine, names: list[str], dtypes: list[str],
                                     shapes: list[list[int]],
                                     group_name: str = "weight_update_group",
                                     weight_version: str | None = None,
@@ -188,7 +191,7 @@ def update_weights_from_distributed(e: Any, names: list[str], dtypes: list[str],
     return _updated(e, weight_version, flush_cache)
 
 
-def destroy_weights_update_group(e: Any, group_name: str = "weight_update_group",
+def destroy_weights_update_group(e: LLMEngine, group_name: str = "weight_update_group",
                                  ) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -219,7 +222,7 @@ def _tags(tags: list[str] | None) -> list[str]:
     return tags
 
 
-def release_memory_occupation(e: Any, tags: list[str] | None = None) -> dict[str, Any]:
+def release_memory_occupation(e: LLMEngine, tags: list[str] | None = None) -> dict[str, Any]:
     """Frees the memory for real: parameters and pool tensors become empty (their sizes are
     kept to restore them); requests meanwhile are refused (503)."""
     _require_single(e, "release_memory_occupation")
@@ -247,7 +250,7 @@ def release_memory_occupation(e: Any, tags: list[str] | None = None) -> dict[str
             "rss_mb_after": rss_mb()}
 
 
-def resume_memory_occupation(e: Any, tags: list[str] | None = None) -> dict[str, Any]:
+def resume_memory_occupation(e: LLMEngine, tags: list[str] | None = None) -> dict[str, Any]:
     """Restores what was released: the pools zeroed; the weights reloaded from the checkpoint
     they last came from on disk (weights pushed as tensors since must be pushed again: the
     version goes back to the disk one's)."""
@@ -277,7 +280,7 @@ def resume_memory_occupation(e: Any, tags: list[str] | None = None) -> dict[str,
             "rss_mb_after": rss_mb(), "weight_version": e.weight_version}
 
 
-def pause_generation(e: Any, mode: str = "abort") -> dict[str, Any]:
+def pause_generation(e: LLMEngine, mode: str = "abort") -> dict[str, Any]:
     """abort: every request ends now (finish_reason "abort"); retract: running requests go back
     to the queue, freeing their memory, and are recomputed after continue; in_place: they keep
     their caches and simply stop."""
@@ -293,6 +296,6 @@ def pause_generation(e: Any, mode: str = "abort") -> dict[str, Any]:
     return {"success": True, "message": f"generation paused ({mode})"}
 
 
-def continue_generation(e: Any) -> dict[str, Any]:
+def continue_generation(e: LLMEngine) -> dict[str, Any]:
     e.paused = False
     return {"success": True, "message": "generation continues"}

@@ -27,19 +27,20 @@ def test_decode_uses_caches_and_matches_full_forward(llm: LLM) -> None:
     the logits of a from-scratch forward over prompt + generated tokens."""
     prompt = prompts(1, seed=3)[0]
     seen: list[int] = []
-    forward = llm.model.forward_hidden
+    runner = llm.engine.runner  # every step's forward, per op or in one native call
+    forward = runner.forward_hidden
 
-    def counted(batch, *args):  # type: ignore[no-untyped-def]
+    def counted(batch):  # type: ignore[no-untyped-def]
         seen.append(batch.input_ids.numel())  # tokens this forward computes
-        return forward(batch, *args)
+        return forward(batch)
 
-    llm.model.forward_hidden = counted  # type: ignore[method-assign]
+    runner.forward_hidden = counted  # type: ignore[method-assign]
     try:
         out = llm.generate(prompt_token_ids=[prompt],
                            sampling_params=SamplingParams(temperature=0, max_tokens=20,
                                                           ignore_eos=True))[0]
     finally:
-        del llm.model.forward_hidden
+        del runner.forward_hidden
     assert seen == [len(prompt)] + [1] * 19
     full = llm.prefill_logits(prompt + out.token_ids)
     # logits at position p predict token p+1: the greedy choices must be the argmaxes
