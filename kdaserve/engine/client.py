@@ -1,7 +1,10 @@
-"""EngineClient: the asyncio side of the engine loop (per-request streams, calls by name).
+"""What a server asks of an engine (`RequestClient`), and `EngineClient`, the asyncio side of
+one engine loop (per-request streams, calls by name).
 
-Subclasses provide the transport (`_send`) and feed every message from the loop to
-`_on_message`; `AsyncLLM` runs the loop in a thread, the server in another process over ZeroMQ.
+EngineClient's subclasses provide the transport (`_send`) and feed every message from the loop
+to `_on_message`; `AsyncLLM` runs the loop in a thread, the server in another process over
+ZeroMQ. The server's data-parallel controller (`server/data_parallel.py`) is a RequestClient
+over several of them.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import contextlib
 import itertools
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +29,37 @@ class EngineError(Exception):
         self.status = status
 
 
-class EngineClient:
+class RequestClient(ABC):
+    """Requests in with their outputs streamed, aborts, and calls by name: one engine loop's
+    client, or the data-parallel replicas behind one controller."""
+
+    @abstractmethod
+    async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                          rid: str | None = None) -> tuple[str, AsyncIterator[RequestOutput]]:
+        """Submits a request now; returns its id and its output stream (see `generate`)."""
+
+    @abstractmethod
+    async def abort(self, rid: str) -> None: ...
+
+    @abstractmethod
+    async def call(self, method: str, *args: Any) -> Any: ...
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       rid: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs as tokens arrive; the last has finished=True. Raises
+        EngineError (status 400 for a bad request). Leaving early aborts the request."""
+        _, stream = await self.add_request(prompt, params, rid)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined] - runs its abort-on-exit now
+
+    async def get_metrics(self) -> dict[str, Any]:
+        return await self.call("get_metrics")
+
+
+class EngineClient(RequestClient):
     def __init__(self) -> None:
         self._streams: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
@@ -74,7 +108,6 @@ class EngineClient:
     # ---- API ----
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           rid: str | None = None) -> tuple[str, AsyncIterator[RequestOutput]]:
-        """Submits a request now; returns its id and its output stream (see `generate`)."""
         self.loop = asyncio.get_running_loop()
         rid = rid or uuid.uuid4().hex
         if rid in self._streams:
@@ -87,17 +120,6 @@ class EngineClient:
             self._streams.pop(rid, None)
             raise
         return rid, self._stream(rid, q)
-
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       rid: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs as tokens arrive; the last has finished=True. Raises
-        EngineError (status 400 for a bad request). Leaving early aborts the request."""
-        _, stream = await self.add_request(prompt, params, rid)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined] - runs its abort-on-exit now
 
     async def _stream(self, rid: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -128,6 +150,3 @@ class EngineClient:
         self._calls[token] = fut
         self._send(("call", token, method, args))
         return await fut
-
-    async def get_metrics(self) -> dict[str, int]:
-        return await self.call("get_metrics")

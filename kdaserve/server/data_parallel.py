@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kdaserve.config import EngineConfig
-from kdaserve.engine.client import EngineError
+from kdaserve.engine.client import EngineError, RequestClient
 from kdaserve.engine.tensor_parallel import free_local_addr
 from kdaserve.request import RequestOutput, SamplingParams
 from kdaserve.server.engine_proc import EngineProcess
@@ -33,7 +33,7 @@ PREFIX_TOKENS = 64  # leading tokens that choose the replica under the prefix po
 EVERY_REPLICA = ("flush_cache", "check_integrity", "pause_generation", "continue_generation")
 
 
-class DataParallel:
+class DataParallel(RequestClient):
     def __init__(self, config: EngineConfig, max_restarts: int,
                  on_fatal: Callable[[str], None] | None, policy: str = "shortest_queue") -> None:
         if policy not in POLICIES:
@@ -129,15 +129,6 @@ class DataParallel:
             self.owner.pop(rid, None)
             await stream.aclose()  # type: ignore[attr-defined]
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       rid: str | None = None) -> AsyncIterator[RequestOutput]:
-        _, stream = await self.add_request(prompt, params, rid)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-
     async def abort(self, rid: str) -> None:
         r = self.owner.pop(rid, None)
         if r is not None:
@@ -155,9 +146,6 @@ class DataParallel:
         if method == "flush_cache":
             return all(results)
         return results[0]
-
-    async def get_metrics(self) -> dict[str, Any]:
-        return await self.call("get_metrics")
 
 
 def with_free_addr(c: EngineConfig) -> EngineConfig:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from kdaserve.engine.client import EngineClient, EngineError
+from kdaserve.engine.client import EngineError, RequestClient
 from kdaserve.request import RequestOutput, SamplingParams
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.protocol import error_body
@@ -43,7 +43,7 @@ class QueueFullError(Exception):
 
 @dataclass
 class ServerState:
-    client: EngineClient
+    client: RequestClient  # one engine process, or the data-parallel replicas
     tokenizer: Tokenizer | None  # None with --skip-tokenizer-init: token ids in and out
     model_name: str
     model_path: str
