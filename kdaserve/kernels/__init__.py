@@ -97,6 +97,7 @@ from kdaserve.kernels.cpu.gemm import linear_cpu  # noqa: E402
 from kdaserve.kernels.cpu.moe import moe_experts_cpu  # noqa: E402
 from kdaserve.kernels.native import batch_invariant as bi  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
+from kdaserve.kernels.native.cache import copy_slots_native  # noqa: E402
 from kdaserve.kernels.native.k3 import (  # noqa: E402
     attn_res_norm_native,
     sigmoid_mul_native,
@@ -104,7 +105,6 @@ from kdaserve.kernels.native.k3 import (  # noqa: E402
 )
 from kdaserve.kernels.native.ops import (  # noqa: E402
     argmax_rows,
-    copy_slots_native,
     gated_rmsnorm_native,
     kda_chunk_native,
     kda_chunk_native_wy,

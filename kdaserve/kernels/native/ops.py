@@ -20,7 +20,6 @@ from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
 from kdaserve.kernels.native.k3 import moe_experts_mxfp4
 from kdaserve.kernels.native.tensors import f32 as _f32
 from kdaserve.kernels.native.tensors import ptr as _ptr
-from kdaserve.kernels.ref.cache import copy_slots_ref
 from kdaserve.kernels.ref.kda import Snapshots, gated_rmsnorm, kda_chunk_ref
 from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS, mla_split_chunks
 from kdaserve.kernels.ref.mlp import silu_mul_ref
@@ -360,22 +359,6 @@ def silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     library().silu_mul_f32(x.data_ptr(), y.data_ptr(), x.numel() // (2 * inter) if inter else 0,
                            inter)
     return y
-
-
-def copy_slots_native(pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-    """`copy_slots_ref`'s contract in one C++ call (a verify saves and restores a slot per
-    request: two strided torch copies each were ~1 ms a step at batch 16); torch's copies
-    where the layout does not allow it."""
-    if not pairs:
-        return
-    if not pool.is_cpu or not pool.is_contiguous() or not available()[0]:
-        copy_slots_ref(pool, pairs)
-        return
-    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-    size = pool.element_size()
-    library().copy_blocks(pool.data_ptr(), pool.shape[0], pool.stride(0) * size,
-                          pool.stride(1) * size, src.data_ptr(), dst.data_ptr(), len(pairs))
 
 
 # Up to this many rows the native GEMM streams the weights faster than sgemm, which packs the

@@ -100,3 +100,15 @@ inline void scatter_t(const float* yt, int64_t M, int64_t Mp, int64_t D, const f
     for (int64_t d = d0; d < D; ++d)
       ys[m * D + d] = yt[d * Mp + m] * wt[m] * (scale != nullptr ? scale[d] : 1.0f);
 }
+
+// Inside a team: the plan's token blocks, taken as threads free up (blocks differ in size and
+// in where their weights come from), each given this thread's scratch. No barrier after: the
+// caller's streamed-expert loops that follow end in one.
+template <typename Block>
+inline void run_blocks(const ExpertPlan& plan, int64_t I, int64_t D, Block block) {
+  if (plan.blocks.empty()) return;
+  BlockScratch scratch(I, D);
+  const int64_t B = static_cast<int64_t>(plan.blocks.size());
+#pragma omp for schedule(dynamic, 1) nowait
+  for (int64_t b = 0; b < B; ++b) block(plan.blocks[b], scratch);
+}

@@ -105,9 +105,7 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
   const std::vector<int64_t>&offset = sorted.offset, &order = sorted.order;
   const ExpertPlan plan(offset, E, blocked_from);
   const std::vector<int64_t>& small = plan.small;  // experts split over weight rows
-  const std::vector<std::array<int64_t, 3>>& blocks = plan.blocks;
   const int64_t A = static_cast<int64_t>(small.size());
-  const int64_t B = static_cast<int64_t>(blocks.size());
   // rows in sorted order (an expert's tokens are consecutive); xs, h and act are only read
   // for the small experts' rows. Left uninitialised: a prefill's 50 MB would be zeroed.
   std::unique_ptr<float[]> ys(new float[n * D]);
@@ -221,14 +219,10 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
     whole = whole && offset[small[a] + 1] - offset[small[a]] <= kStreamM;
 #pragma omp parallel
   {
-    if (B > 0) {
-      BlockScratch scratch(I, D);
-      // blocks differ in size and in where their weights come from: taken as threads free up
-#pragma omp for schedule(dynamic, 1) nowait
-      for (int64_t b = 0; b < B; ++b)
-        expert_block(x, order.data(), weights, w13, w2, s13, s2, ys.get(), blocks[b][0],
-                     blocks[b][1], blocks[b][2], k, I, D, scratch, glu);
-    }
+    run_blocks(plan, I, D, [&](const std::array<int64_t, 3>& b, BlockScratch& scratch) {
+      expert_block(x, order.data(), weights, w13, w2, s13, s2, ys.get(), b[0], b[1], b[2], k,
+                   I, D, scratch, glu);
+    });
     if (A > 0 && whole) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t a = 0; a < A; ++a) {

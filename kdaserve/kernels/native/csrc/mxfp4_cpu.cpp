@@ -245,11 +245,10 @@ void moe_experts_mxfp4(const float* x, const int64_t* ids, const float* weights,
   const int64_t blocked_from = T * D > INT32_MAX ? INT64_MAX : kBlockedFrom;  // gather_t's rows
   const ExpertPlan plan(offset, E, blocked_from);
   const std::vector<int64_t>& active = plan.small;  // streamed experts
-  const std::vector<std::array<int64_t, 3>>& blocks = plan.blocks;
   std::vector<int64_t> pairs;  // the streamed experts' pairs (sorted rows)
   for (int64_t e : active)
     for (int64_t p = offset[e]; p < offset[e + 1]; ++p) pairs.push_back(p);
-  const int64_t A = static_cast<int64_t>(active.size()), B = static_cast<int64_t>(blocks.size());
+  const int64_t A = static_cast<int64_t>(active.size());
   const int64_t P = static_cast<int64_t>(pairs.size());
   // rows in sorted order (an expert's tokens are consecutive); the split copies and h / act
   // are the streamed experts' only
@@ -266,14 +265,10 @@ void moe_experts_mxfp4(const float* x, const int64_t* ids, const float* weights,
   const int64_t dblocks = (D + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel
   {
-    if (B > 0) {
-      BlockScratch scratch(I, D);
-      // blocks differ in size: taken as threads free up, before the streamed experts' tasks
-#pragma omp for schedule(dynamic, 1) nowait
-      for (int64_t q = 0; q < B; ++q)
-        mxfp4_block(x, order.data(), weights, w13, s13, w2, s2, ys.get(), blocks[q][0],
-                    blocks[q][1], blocks[q][2], k, I, D, scratch, glu);
-    }
+    run_blocks(plan, I, D, [&](const std::array<int64_t, 3>& b, BlockScratch& scratch) {
+      mxfp4_block(x, order.data(), weights, w13, s13, w2, s2, ys.get(), b[0], b[1], b[2], k, I,
+                  D, scratch, glu);
+    });
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < A * iblocks; ++task) {
       const int64_t e = active[task / iblocks], r0 = (task % iblocks) * kRowBlock;
