@@ -83,16 +83,16 @@ class LLM:
                                  f"({self.engine.scheduler.max_request_tokens()} tokens)")
         rids = [self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)]
         finished: dict[str, RequestOutput] = {}
-        self.engine.stream_outputs = False  # only the final outputs are kept here
+        self.engine.out.stream = False  # only the final outputs are kept here
         try:
-            while self.engine.has_unfinished() or self.engine.failures:
+            while self.engine.has_unfinished() or self.engine.out.failures:
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.rid] = out
                 for rid, why in self.engine.take_failures():  # ends as "abort"; the rest go on
                     logger.error("request %s failed: %s", rid, why)
         finally:
-            self.engine.stream_outputs = True
+            self.engine.out.stream = True
         for out in self.engine.step():  # the aborts of the last failures
             finished[out.rid] = out
         return [finished[r] for r in rids]

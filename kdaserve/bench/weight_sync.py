@@ -47,7 +47,6 @@ def run(args: argparse.Namespace) -> None:
     import torch
 
     from kdaserve import LLM
-    from kdaserve.engine import rl
 
     llm = LLM(args.model)
     e = llm.engine
@@ -64,13 +63,13 @@ def run(args: argparse.Namespace) -> None:
             out.append(time.perf_counter() - t0)
         return min(out)
 
-    times["disk"] = best(lambda: rl.update_weights_from_disk(e, path))
+    times["disk"] = best(lambda: e.rl.update_weights_from_disk(path))
     torch.multiprocessing.set_sharing_strategy("file_system")
 
     def tensor() -> None:
         buf = io.BytesIO()
         ForkingPickler(buf).dump(named)  # the trainer's side: handles, not bytes
-        rl.update_weights_from_tensor(e, [buf.getvalue()])
+        e.rl.update_weights_from_tensor([buf.getvalue()])
 
     times["tensor"] = best(tensor)
     with socket.socket() as s:
@@ -78,16 +77,15 @@ def run(args: argparse.Namespace) -> None:
         port = s.getsockname()[1]
     trainer = mp.get_context("spawn").Process(target=_trainer, args=(path, port, args.repeats))
     trainer.start()
-    rl.init_weights_update_group(e, "127.0.0.1", port, 1, 2).result()
+    e.rl.init_weights_update_group("127.0.0.1", port, 1, 2).result()
     names = [k for k, _ in named]
     dtypes = [str(v.dtype) for _, v in named]
     shapes = [list(v.shape) for _, v in named]
-    times["distributed"] = best(lambda: rl.update_weights_from_distributed(
-        e, names, dtypes, shapes))
+    times["distributed"] = best(lambda: e.rl.update_weights_from_distributed(names, dtypes, shapes))
     import torch.distributed as dist
 
     dist.barrier()
-    rl.destroy_weights_update_group(e)
+    e.rl.destroy_weights_update_group()
     trainer.join(60)
     rows = [{"method": m, "seconds": t, "mb": mb, "mb_per_s": mb / t} for m, t in times.items()]
     print(f"model {args.model}: {mb:.0f} MB of weights ({len(named)} tensors), best of "

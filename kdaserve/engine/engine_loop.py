@@ -16,7 +16,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kdaserve.engine import rl
 from kdaserve.engine.llm_engine import LLMEngine
 from kdaserve.engine.rl import EngineAsleep
 
@@ -31,8 +30,8 @@ CALLS: dict[str, Callable[..., Any]] = {
     "get_metrics": lambda e: e.get_metrics(),
     "check_integrity": lambda e: e.check_integrity(),
     "flush_cache": lambda e: e.flush_cache(),
-    "weight_version": lambda e: e.weight_version,
-    **{name: getattr(rl, name) for name in (
+    "weight_version": lambda e: e.rl.weight_version,
+    **{name: (lambda e, *args, name=name: getattr(e.rl, name)(*args)) for name in (
         "update_weights_from_disk", "update_weights_from_tensor", "init_weights_update_group",
         "update_weights_from_distributed", "destroy_weights_update_group",
         "release_memory_occupation", "resume_memory_occupation", "pause_generation",
@@ -60,11 +59,11 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
                   f"{type(err).__name__}: {err}" if err else None))
         # wait for commands when there is nothing to run, or when the last step could schedule
         # nothing (requests waiting for memory): never spin
-        block = idle_step or not engine.has_unfinished() or engine.paused
+        block = idle_step or not engine.has_unfinished() or engine.rl.paused
         lockstep = engine.ep.size > 1  # DP attention: every rank steps whenever any does
         if lockstep:
             block = engine.lockstep_idle and not engine.has_unfinished()
-        if block and engine.pd is not None and engine.pd.busy() and not engine.paused:
+        if block and engine.pd is not None and engine.pd.busy() and not engine.rl.paused:
             engine.pd.wait(PD_WAIT_S)  # a transfer's next message, not the command poll
             block = False
         while (cmd := recv(block)) is not None:
@@ -72,7 +71,7 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             if cmd[0] == "stop":
                 return
             _handle(engine, cmd, send, deferred)
-        if (not engine.has_unfinished() or engine.paused) and not lockstep:
+        if (not engine.has_unfinished() or engine.rl.paused) and not lockstep:
             # e.g. requests aborted by a pause: tell them; and disaggregation peers are
             # answered (pings, reservations) whether or not we step
             pending = engine.drain_outputs() + engine.service_disaggregation()
@@ -81,10 +80,10 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             if pending:
                 send(("outputs", pending))
             continue
-        steps = engine.counters["num_steps"]
+        steps = engine.out.counters["num_steps"]
         try:
             outputs = engine.step()
-            idle_step = engine.counters["num_steps"] == steps and not outputs
+            idle_step = engine.out.counters["num_steps"] == steps and not outputs
         except Exception as e:  # a failed step fails the requests in flight, loudly
             if engine.followers is not None or lockstep:  # a rank is gone: collectives broken
                 # said in our words: the collective library's message depends on where the
@@ -93,7 +92,7 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
                              type(e).__name__, e)
                 raise
             logger.exception("engine step failed")
-            for rid in list(engine.groups):
+            for rid in list(engine.out.groups):
                 engine.abort(rid)
                 send(("error", rid, f"engine step failed: {e}", 500))
             engine.step()  # drain the abort outputs of the failed requests
@@ -127,7 +126,7 @@ def _handle(engine: LLMEngine, cmd: Command, send: Callable[[tuple[Any, ...]], N
             send(("error", rid, str(e), 400))
         except Exception as e:  # noqa: BLE001 - a bug, but this request's: the loop goes on
             logger.exception("request %s: add_request failed", rid)
-            if rid in engine.groups:
+            if rid in engine.out.groups:
                 engine.abort(rid)
             send(("error", rid, f"{type(e).__name__}: {e}", 500))
     elif kind == "abort":

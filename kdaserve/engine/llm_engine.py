@@ -10,16 +10,14 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.checkpoint import resolve_model_path
 from kdaserve.config import EngineConfig, ModelConfig, kernel_features
-from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.cuda_graph import graph_runner
-from kdaserve.engine.disaggregation import DecodeSide, PrefillSide, make_side
+from kdaserve.engine.disaggregation import DecodeSide, PrefillSide, SideHost, make_side
 from kdaserve.engine.grammar import (
     GrammarBackend,
     apply_bitmask,
@@ -29,14 +27,13 @@ from kdaserve.engine.grammar import (
 )
 from kdaserve.engine.introspection import Introspection
 from kdaserve.engine.lifecycle import LoadProgress, kernel_summary, phase, weights_summary
-from kdaserve.engine.logprobs import record_prompt_logprobs
-from kdaserve.engine.model_runner import ModelRunner
-from kdaserve.engine.outputs import RequestUpdates
-from kdaserve.engine.overlap import OverlapSteps, Pending, overlappable
+from kdaserve.engine.model_runner import ModelRunner, StepOutput
+from kdaserve.engine.outputs import OutputProcessor, group_id
+from kdaserve.engine.overlap import OverlapPipeline, overlappable
 from kdaserve.engine.pools import make_pools, num_snapshot_slots
 from kdaserve.engine.prefill_budget import PrefillBudget
-from kdaserve.engine.rl import EngineAsleep
-from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
+from kdaserve.engine.rl import EngineAsleep, RLControl
+from kdaserve.engine.sampler import Sampler
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.tensor_parallel import Followers, join_expert_parallel, with_init_addr
 from kdaserve.kernels import resolve_kernels
@@ -47,12 +44,13 @@ from kdaserve.request import Request, RequestOutput, SamplingParams
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.build import build_speculator
 from kdaserve.speculative.verify import Verified, trim_drafts
+from kdaserve.step_record import StepRecord
 from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
 
 
-class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates before the stubs
+class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         if config.dp_size > 1 and not config.enable_dp_attention:
             raise ValueError("dp_size > 1 runs one engine per replica behind `kdaserve serve`'s "
@@ -112,36 +110,25 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
                       f"none (eager forward on {self.device.type})") + \
                 (f"; {config.speculative_algorithm} drafter built" if self.spec else "")
         self._grammar: GrammarBackend | None = None  # built on the first constrained request
-        self.groups: dict[str, list[Request]] = {}
-        self.detok: dict[int, IncrementalDetokenizer] = {}
-        self.stop_ids = set(self.model_config.eos_token_ids)
+        stop_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
-            self.stop_ids |= set(self.tokenizer.eos_token_ids)
-        self.sampler = Sampler(frozenset(self.stop_ids))
-        # RL (engine/rl.py): the weights' version and where they last came from on disk,
-        # paused generation, released memory and the sizes to restore it
-        self.weight_version = "default"
-        self.weights_source: Path | None = Path(self.path)
-        self.update_groups: dict[str, Any] = {}
-        self.paused = False
-        self.released: set[str] = set()
-        self.param_shapes = [p.shape for p in self.model.parameters()]
-        self.kv_shape = self.blocks.kv.shape
-        self.state_shapes = (self.states.recurrent.shape, self.states.conv.shape)
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests": 0,
-                         "num_finished": 0, "num_aborted": 0, "num_steps": 0}
-        self._pending_outputs: list[RequestOutput] = []
-        self.stream_outputs = True  # False: step() returns finished outputs only
-        self.failures: list[tuple[str, str]] = []  # (request id, why) of requests that failed
-        self._scored: set[str] = set()  # groups whose prompt logprobs went out
-        self.pd = make_side(self)  # prefill/decode disaggregation, when a side
+            stop_ids |= set(self.tokenizer.eos_token_ids)
+        self.stop_ids = frozenset(stop_ids)
+        self.sampler = Sampler(self.stop_ids)
+        # the requests, their tokens and updates; the overlapped step's pipeline beside
+        self.out = OutputProcessor(self.scheduler, self.stop_ids, self.tokenizer,
+                                   self.model.compute_logits)
+        self.pipeline = OverlapPipeline(self.runner, self.sampler, self.out)
+        self.rl = RLControl(self)  # weight updates, sleep and wake, pause
+        self.report = Introspection(self)
+        self.pd = make_side(SideHost(  # prefill/decode disaggregation, when a side
+            config, self.model_config, self.model, self.blocks, self.states, self.cache,
+            self.scheduler, self.out))
         # overlap scheduling (engine/overlap.py) where the forward runs asynchronously: on a
         # CPU it is synchronous and the order gains nothing (tests set this to run it there)
         self.overlap = (self.device.type == "cuda" and not config.disable_overlap_schedule
                         and self.spec is None and self.pd is None and self.ep.size == 1
                         and self.followers is None and config.itl_target_ms is None)
-        self._inflight: Pending | None = None  # the overlapped step whose tokens are unread
-        self._serial: set[str] = set()  # groups that do not overlap (overlap.overlappable)
         torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
 
     def _build(self, config: EngineConfig) -> None:
@@ -214,12 +201,12 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None) -> str:
         params = params or SamplingParams()
-        if self.released:
-            released = ", ".join(sorted(self.released))
+        if self.rl.released:
+            released = ", ".join(sorted(self.rl.released))
             raise EngineAsleep(f"the engine's memory is released ({released}): "
                                "resume_memory_occupation first")
         rid = rid or uuid.uuid4().hex
-        if rid in self.groups:
+        if rid in self.out.groups:
             raise ValueError(f"request id {rid!r} is already in use")
         ids = self.encode(prompt)
         vocab = self.model_config.vocab_size
@@ -265,145 +252,147 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
                 child.matcher = backend.matcher(params.grammar)
         for child in children:
             (self.pd.add if self.pd is not None else self.scheduler.add)(child)
-            if self.tokenizer is not None:
-                self.detok[id(child)] = IncrementalDetokenizer(
-                    self.tokenizer, params.stop, params.skip_special_tokens,
-                    params.keep_special_ids)
-        self.groups[rid] = children
-        if not overlappable(children[0]):
-            self._serial.add(rid)
-        self.counters["num_requests"] += 1
+        self.out.add(rid, children, serial=not overlappable(children[0]))
         return rid
 
     def abort(self, rid: str) -> bool:
-        if rid not in self.groups:
+        if rid not in self.out.groups:
             return False
         self.flush()  # its tokens so far, read
-        children = self.groups.get(rid)
+        children = self.out.groups.get(rid)
         if children is None:  # the token in flight ended it: its final output is queued
             return True
         # the final output below holds what that read added: no update before it
-        self._pending_outputs = [o for o in self._pending_outputs if o.rid != rid]
+        self.out.pending = [o for o in self.out.pending if o.rid != rid]
         for child in children:
             if self.pd is not None:
                 self.pd.abort(child)
             if not child.is_finished:
                 self.scheduler.finish(child, "abort")
-        self.counters["num_aborted"] += 1
-        self._pending_outputs.append(self._group_output(rid))
-        self._forget(rid)
+        self.out.counters["num_aborted"] += 1
+        self.out.pending.append(self.out.group_output(rid))
+        self.out.forget(rid)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None or (
+        return self.scheduler.has_unfinished() or self.pipeline.inflight is not None or (
             self.pd is not None and self.pd.busy())
+
+    def flush(self) -> None:
+        """Reads the overlapped step in flight (its updates come with the next step)."""
+        self.pipeline.flush()
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns an update for every request that progressed or finished."""
         step_started = time.perf_counter()  # what each decoding stream waits, drafting included
-        outputs, self._pending_outputs = self._pending_outputs, []
-        if self.pd is not None:
-            outputs += self._poll_disaggregation()
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running)
-            trim_drafts(self.scheduler.running)
-        overlap = self.overlap and not self._serial
-        if not overlap:  # this step's requests need the last one's tokens on the host
-            self.flush()
-            outputs += self.drain_outputs()
+        overlap = self.overlap and not self.out.serial
+        outputs = self._before_schedule(overlap)
         started = time.perf_counter()  # drafting is timed apart (Speculator.draft_seconds)
-        batch = ScheduledBatch() if self.paused else self.scheduler.schedule()
+        batch = ScheduledBatch() if self.rl.paused else self.scheduler.schedule()
         if self.ep.size > 1 and not self._lockstep(batch):
             return outputs
         if batch.is_empty:
             self.flush()
-            return outputs + self.drain_outputs()
-        prompt_tokens = 0  # this step's tokens of requests still prefilling (the ITL fit's)
-        for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
-            prompt_tokens += n if req.is_prefilling else 0
-            if req.num_computed_tokens < len(req.prompt_ids):
-                self.counters["prompt_tokens"] += min(n, len(req.prompt_ids)
-                                                      - req.num_computed_tokens)
+            return outputs + self.out.drain()
+        prompt_tokens = self._count_prompt_tokens(batch)
         if overlap:
-            return outputs + self._step_overlapped(batch)
-        spec = self.spec
-        # a prefill chunk's step is another regime than the decode/verify steps timed here
-        decode_only = spec is not None and all(
-            n == 1 + len(r.draft_ids) for r, n in zip(batch.reqs, batch.num_new_tokens,
-                                                      strict=True))
-        saved = spec.save(batch) if spec is not None else {}
-        try:  # the scratch slots go back to the pool whatever happens
-            record = spec.record(batch, saved, self.device) if spec is not None and saved else None
-            hidden_rows = spec.drafter.taps if spec is not None and spec.drafter.wants_hidden \
-                else None
-            # Grammar masks are computed after the forward, not beside it on a thread: the closing
-            # estimate is Python, and GIL hand-offs (5 ms switch interval) against the model's
-            # Python-level op dispatch made tests/model/test_grammar.py 5x slower (160 s vs 32 s).
-            logits, to_sample, hidden, prompt = self.runner.run(batch, hidden_rows, record)
-            if isinstance(self.pd, PrefillSide):
-                self.pd.after_forward(batch)
-            for req, rows in prompt:
-                record_prompt_logprobs(req, rows, self.model.compute_logits)
-            self.scheduler.insert_snapshots(batch)
-            self.counters["num_steps"] += 1
-            touched: dict[str, None] = {}
-            if spec is not None and saved:
-                assert record is not None
-                verified = spec.verify(
-                    to_sample, logits, saved, lambda req, t: self.append_token(req, t, None, None),
-                    self._mask_drafts, lambda steps: self.runner.replay(record, steps))
-            else:
-                verified = Verified.nothing_drafted(to_sample)
-            for req in verified.took_tokens:
-                touched[self._group_id(req)] = None
-        finally:
-            if spec is not None:
-                spec.release(saved)
-        plain, plain_rows = verified.plain, verified.plain_rows
-        if plain:
-            constrained = [i for i, r in enumerate(plain) if needs_mask(r)]
-            # copied where rows are picked or masked in place (an inference-mode tensor)
-            plain_logits = logits if len(plain_rows) == logits.shape[0] and not constrained \
-                else logits[plain_rows]
-            if constrained:
-                constrain(plain_logits, [plain[i] for i in constrained], constrained)
-            result = self._sample(plain_logits, plain)
-            if constrained:
-                for i in check_sampled(plain, result.token_ids):
-                    if result.logprobs is not None and result.top_logprobs is not None:
-                        t = result.token_ids[i]
-                        lp = plain_logits[i].log_softmax(-1)[t].item()
-                        result.logprobs[i] = lp
-                        result.top_logprobs[i][t] = lp
-            failed = {rid for rid, _ in self.failures}
-            for i, req in enumerate(plain):
-                gid = self._group_id(req)
-                if gid in failed:
-                    continue
-                self.append_token(req, result.token_ids[i],
-                             result.logprobs[i] if result.logprobs else None,
-                             result.top_logprobs[i] if result.top_logprobs else None)
-                touched[gid] = None
-        if spec is not None:  # drafter state follows what each request kept
-            for req, j, r in verified.accepted:
-                if not req.is_finished:
-                    spec.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)
-            if decode_only:
-                spec.observe_step(sum(batch.num_new_tokens), time.perf_counter() - started,
-                                  bool(saved))
+            return outputs + self.pipeline.step(batch)
+        run, verified = self._forward_and_verify(batch)
+        touched = dict.fromkeys(group_id(r) for r in verified.took_tokens)
+        touched |= self._sample_plain(run.logits, verified)
+        if self.spec is not None:
+            self.spec.after_step(verified, run.hidden, sum(batch.num_new_tokens),
+                                 time.perf_counter() - started)
         if isinstance(self.pd, PrefillSide):
             self.pd.after_sample(batch)
         self.scheduler.take_snapshots(batch.reqs)
         if self.scheduler.itl_budget is not None:
             self.scheduler.itl_budget.observe(batch.num_tokens - prompt_tokens, prompt_tokens,
                                               time.perf_counter() - step_started)
-        return outputs + self._updates(touched)
+        return outputs + self.out.updates(touched)
+
+    def _before_schedule(self, overlap: bool) -> list[RequestOutput]:
+        """Updates that wait for this step (aborts, arrivals on a decode server); drafts; and,
+        unless this step overlaps the last, the last step's tokens read."""
+        outputs = self.out.drain()
+        if self.pd is not None:
+            outputs += self._poll_disaggregation()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
+            trim_drafts(self.scheduler.running)
+        if not overlap:  # this step's requests need the last one's tokens on the host
+            self.flush()
+            outputs += self.out.drain()
+        return outputs
+
+    def _count_prompt_tokens(self, batch: ScheduledBatch) -> int:
+        """Counts the batch's prompt tokens; returns its tokens of requests still prefilling
+        (what the ITL budget's fit calls prefill)."""
+        prefilling = 0
+        for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+            prefilling += n if req.is_prefilling else 0
+            if req.num_computed_tokens < len(req.prompt_ids):
+                self.out.counters["prompt_tokens"] += min(n, len(req.prompt_ids)
+                                                          - req.num_computed_tokens)
+        return prefilling
+
+    def _forward_and_verify(self, batch: ScheduledBatch) -> tuple[StepOutput, Verified]:
+        """The forward, and with speculation the drafts it verified (speculative/verify.py)."""
+        if self.spec is None:
+            run = self._forward(batch, None, None)
+            return run, Verified.nothing_drafted(run.to_sample)
+        return self.spec.step(
+            batch, self.device, lambda rows, record: self._forward(batch, rows, record),
+            lambda req, t: self.out.append_token(req, t, None, None), self._mask_drafts,
+            self.runner.replay)
+
+    def _forward(self, batch: ScheduledBatch, hidden_rows: tuple[int, ...] | None,
+                 record: StepRecord | None) -> StepOutput:
+        # Grammar masks are computed after the forward, not beside it on a thread: the closing
+        # estimate is Python, and GIL hand-offs (5 ms switch interval) against the model's
+        # Python-level op dispatch made tests/model/test_grammar.py 5x slower (160 s vs 32 s).
+        run = self.runner.run(batch, hidden_rows, record)
+        if isinstance(self.pd, PrefillSide):
+            self.pd.after_forward(batch)
+        self.out.after_forward(batch, run.prompt)
+        return run
+
+    def _sample_plain(self, logits: torch.Tensor, verified: Verified) -> dict[str, None]:
+        """Samples the requests that verified no drafts, each grammar-constrained one from its
+        masked row; returns the groups that took a token."""
+        plain, rows = verified.plain, verified.plain_rows
+        if not plain:
+            return {}
+        constrained = [i for i, r in enumerate(plain) if needs_mask(r)]
+        # copied where rows are picked or masked in place (an inference-mode tensor)
+        picked = logits if len(rows) == logits.shape[0] and not constrained else logits[rows]
+        if constrained:
+            constrain(picked, [plain[i] for i in constrained], constrained)
+        result = self.out.sample(self.sampler, picked, plain)
+        if constrained:
+            for i in check_sampled(plain, result.token_ids):
+                if result.logprobs is not None and result.top_logprobs is not None:
+                    t = result.token_ids[i]
+                    lp = picked[i].log_softmax(-1)[t].item()
+                    result.logprobs[i] = lp
+                    result.top_logprobs[i][t] = lp
+        failed = {rid for rid, _ in self.out.failures}
+        touched: dict[str, None] = {}
+        for i, req in enumerate(plain):
+            gid = group_id(req)
+            if gid in failed:
+                continue
+            self.out.append_token(req, result.token_ids[i],
+                                  result.logprobs[i] if result.logprobs else None,
+                                  result.top_logprobs[i] if result.top_logprobs else None)
+            touched[gid] = None
+        return touched
 
     def _mask_drafts(self, req: Request, rows: torch.Tensor) -> torch.Tensor:
         """A constrained request's verify rows, each masked by its grammar's state after the
-        drafts before it (a grammar bug is logged and the rows left as they are: `_append`
-        then ends this request alone)."""
+        drafts before it (a grammar bug is logged and the rows left as they are: the token's
+        hand-off then ends this request alone)."""
         assert self._grammar is not None and req.matcher is not None
         bitmask = self._grammar.allocate_bitmask(rows.shape[0])
         try:
@@ -436,26 +425,33 @@ class LLMEngine(Introspection, RequestUpdates, OverlapSteps):  # RequestUpdates 
             self.pd.poll()
             return []
         assert self.pd is not None
-        return self._updates({self._group_id(r): None for r in self.pd.poll()})
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        result, failed = sample_isolated(self.sampler, logits, reqs)
-        self.failures += [(self._group_id(r), why) for r, why in failed]
-        return result
+        return self.out.updates({group_id(r): None for r in self.pd.poll()})
 
     def drain_outputs(self) -> list[RequestOutput]:
         """Updates waiting for the next step (aborts), for a loop that is not stepping."""
-        outputs, self._pending_outputs = self._pending_outputs, []
-        return outputs
+        return self.out.drain()
 
     def take_failures(self) -> list[tuple[str, str]]:
         """Requests that failed on their own since the last call, aborted (their blocks and
         slots freed); the caller reports each as an error."""
-        failed, self.failures = self.failures, []
+        failed, self.out.failures = self.out.failures, []
         for rid, _ in failed:
-            if rid in self.groups:
+            if rid in self.out.groups:
                 self.abort(rid)  # its final output (finish_reason "abort") comes next step
         return failed
+
+    # ---- what it reports (engine/introspection.py) ----
+    def summary(self) -> str:
+        return self.report.summary()
+
+    def get_metrics(self) -> dict[str, int | float]:
+        return self.report.metrics()
+
+    def check_integrity(self) -> None:
+        self.report.check_integrity()
+
+    def flush_cache(self) -> bool:
+        return self.report.flush_cache()
 
     def close(self) -> None:
         """Stops the tensor-parallel followers (the engine is unusable afterwards)."""

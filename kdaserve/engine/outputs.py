@@ -1,33 +1,90 @@
-"""What a sampled token does to its request (stop checks, detokenization, logprobs) and the
-updates a step returns (`RequestOutput`s of the requests it touched): a mixin of
-`LLMEngine`, apart so its step reads alone."""
+"""The engine's requests as a caller sees them: each request id's group of sequences, what a
+sampled token does to its sequence (stop checks, detokenization, logprobs), the bookkeeping
+every step does around its forward, and the updates a step returns (`RequestOutput`s of the
+requests it touched). The serial step, the overlapped pipeline and a decode server's arriving
+requests all hand their tokens here."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
+from kdaserve.detokenizer import IncrementalDetokenizer
 from kdaserve.engine.grammar import note_reasoning
+from kdaserve.engine.logprobs import record_prompt_logprobs
+from kdaserve.engine.sampler import Sampler, SamplerOutput, sample_isolated
+from kdaserve.engine.scheduler import Scheduler
 from kdaserve.request import CompletionOutput, Request, RequestOutput
+from kdaserve.scheduled_batch import ScheduledBatch
+from kdaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("kdaserve")
 
+COUNTERS = ("prompt_tokens", "generation_tokens", "num_requests", "num_finished",
+            "num_aborted", "num_steps")
 
-class RequestUpdates:
-    # set by LLMEngine
-    groups: dict[str, list[Request]]
-    detok: dict[int, Any]
-    counters: dict[str, int]
-    scheduler: Any
-    stop_ids: Any
-    stream_outputs: bool
-    _scored: set[str]
-    _serial: set[str]
 
+def group_id(req: Request) -> str:
+    """The request id a sequence belongs to (n > 1 names its sequences rid-0, rid-1, ...)."""
+    return req.rid if req.params.n == 1 else req.rid.rsplit("-", 1)[0]
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, stop_ids: frozenset[int],
+                 tokenizer: Tokenizer | None,
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.scheduler, self.stop_ids, self.tokenizer = scheduler, stop_ids, tokenizer
+        self.compute_logits = compute_logits  # for prompt logprobs
+        self.groups: dict[str, list[Request]] = {}
+        self.detok: dict[int, IncrementalDetokenizer] = {}  # id(sequence) ->
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.pending: list[RequestOutput] = []  # updates for the next step (aborts, flushes)
+        self.failures: list[tuple[str, str]] = []  # (request id, why) of requests that failed
+        self.stream = True  # False: only finished requests' updates go out
+        self.scored: set[str] = set()  # groups whose prompt logprobs went out
+        self.serial: set[str] = set()  # groups that do not overlap
+
+    def add(self, rid: str, children: list[Request], serial: bool) -> None:
+        """serial: the group's steps need its tokens on the host (overlap.overlappable)."""
+        for child in children:
+            if self.tokenizer is not None:
+                p = child.params
+                self.detok[id(child)] = IncrementalDetokenizer(
+                    self.tokenizer, p.stop, p.skip_special_tokens, p.keep_special_ids)
+        self.groups[rid] = children
+        if serial:
+            self.serial.add(rid)
+        self.counters["num_requests"] += 1
+
+    def drain(self) -> list[RequestOutput]:
+        outputs, self.pending = self.pending, []
+        return outputs
+
+    def fail(self, rid: str, why: str) -> None:
+        """One request failed on its own: the engine aborts it and reports `why`."""
+        self.failures.append((rid, why))
+
+    # ---- around a step's forward ----
+    def after_forward(self, batch: ScheduledBatch,
+                      prompt: list[tuple[Request, torch.Tensor]]) -> None:
+        for req, rows in prompt:
+            record_prompt_logprobs(req, rows, self.compute_logits)
+        self.scheduler.insert_snapshots(batch)
+        self.counters["num_steps"] += 1
+
+    def sample(self, sampler: Sampler, logits: torch.Tensor,
+               reqs: list[Request]) -> SamplerOutput:
+        """The batch's tokens; a request whose sampling fails alone is recorded as failed
+        (its token must not be used)."""
+        result, failed = sample_isolated(sampler, logits, reqs)
+        self.failures += [(group_id(r), why) for r, why in failed]
+        return result
+
+    # ---- a token ----
     def append_token(self, req: Request, token: int, logprob: float | None,
-                top: dict[int, float] | None) -> None:
+                     top: dict[int, float] | None) -> None:
         req.output_ids.append(token)
         note_reasoning(req)
         grammar_done = False
@@ -59,10 +116,8 @@ class RequestUpdates:
         if req.is_finished and detok is not None:
             detok.flush()
 
-    def _group_id(self, req: Request) -> str:
-        return req.rid if req.params.n == 1 else req.rid.rsplit("-", 1)[0]
-
-    def _group_output(self, rid: str) -> RequestOutput:
+    # ---- updates ----
+    def group_output(self, rid: str) -> RequestOutput:
         children = self.groups[rid]
         outs = []
         for i, r in enumerate(children):
@@ -83,33 +138,33 @@ class RequestUpdates:
         finished = all(r.is_finished for r in children)
         # prompt logprobs go out once (the first update) and with the final one, not with
         # every token: they can be as long as the prompt
-        send = first.prompt_logprobs is not None and (finished or rid not in self._scored)
+        send = first.prompt_logprobs is not None and (finished or rid not in self.scored)
         if send:
-            self._scored.add(rid)
+            self.scored.add(rid)
         return RequestOutput(rid, first.prompt_ids, outs, finished=finished,
                              prompt_logprobs=list(first.prompt_logprobs or []) if send else None,
                              num_cached_tokens=first.num_cached_prompt)
 
-    def _forget(self, rid: str) -> None:
-        self._scored.discard(rid)
-        self._serial.discard(rid)
+    def forget(self, rid: str) -> None:
+        self.scored.discard(rid)
+        self.serial.discard(rid)
         for r in self.groups.pop(rid):
             self.detok.pop(id(r), None)
             r.matcher = None
 
-    def _updates(self, touched: dict[str, None]) -> list[RequestOutput]:
+    def updates(self, touched: dict[str, None]) -> list[RequestOutput]:
         outputs = []
         for rid in touched:
             group = self.groups[rid]
             first = group[0]
             if first.prompt_logits_row is not None and not first.is_finished:
                 continue  # a sibling decodes before child 0 has scored the prompt: wait
-            if not self.stream_outputs and not (first.is_finished if len(group) == 1 else
-                                                all(r.is_finished for r in group)):
+            if not self.stream and not (first.is_finished if len(group) == 1 else
+                                        all(r.is_finished for r in group)):
                 continue  # each update copies every token so far: a caller may not want them
-            out = self._group_output(rid)
+            out = self.group_output(rid)
             outputs.append(out)
             if out.finished:
                 self.counters["num_finished"] += 1
-                self._forget(rid)
+                self.forget(rid)
         return outputs

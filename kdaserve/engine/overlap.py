@@ -19,14 +19,19 @@ every step reads its tokens before the next is scheduled (`overlappable`).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from kdaserve.engine.logprobs import Picked, record_prompt_logprobs
+from kdaserve.engine.logprobs import Picked
+from kdaserve.engine.outputs import OutputProcessor, group_id
 from kdaserve.engine.sampler import Drawn, Sampler, SamplerOutput
+from kdaserve.engine.scheduler import Scheduler
 from kdaserve.request import Request, RequestOutput
 from kdaserve.scheduled_batch import ScheduledBatch
+
+if TYPE_CHECKING:  # the runner imports resolve_inputs from here
+    from kdaserve.engine.model_runner import ModelRunner
 
 logger = logging.getLogger("kdaserve")
 
@@ -101,63 +106,44 @@ class Pending:
         return sampler.read(self.host, self.reqs, self.host.tokens.tolist())
 
 
-class OverlapSteps:
-    """The engine's overlapped step (a mixin of `LLMEngine`, apart so its serial step reads
-    alone)."""
+class OverlapPipeline:
+    """The overlapped step: at most one step in flight whose tokens the host has not read."""
 
-    # set by LLMEngine
-    runner: Any
-    model: Any
-    scheduler: Any
-    sampler: Sampler
-    counters: dict[str, int]
-    failures: list[tuple[str, str]]
-    _pending_outputs: list[RequestOutput]
-    _inflight: Pending | None
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        raise NotImplementedError
-
-    def append_token(self, req: Request, token: int, logprob: float | None,
-                     top: dict[int, float] | None) -> None:
-        raise NotImplementedError
-
-    def _group_id(self, req: Request) -> str:
-        raise NotImplementedError
-
-    def _updates(self, touched: dict[str, None]) -> list[RequestOutput]:
-        raise NotImplementedError
+    def __init__(self, runner: ModelRunner, sampler: Sampler, out: OutputProcessor) -> None:
+        self.runner, self.sampler, self.out = runner, sampler, out
+        self.inflight: Pending | None = None
 
     def flush(self) -> None:
         """Reads the step in flight, for what needs every request's tokens on the host (a
         serial step, an abort, a pause); its updates come with the next step."""
-        pending, self._inflight = self._inflight, None
-        self._pending_outputs += self._resolve(pending)
+        pending, self.inflight = self.inflight, None
+        self.out.pending += self._resolve(pending)
 
-    def _step_overlapped(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Launches this step (its inputs may stand for the step in flight's tokens), then
         reads the step in flight: on a GPU the device runs this step meanwhile."""
-        previous = self._inflight
-        out = self.runner.run(batch, future=previous.future if previous is not None else None)
-        for req, rows in out.prompt:
-            record_prompt_logprobs(req, rows, self.model.compute_logits)
-        self.scheduler.insert_snapshots(batch)
-        self.counters["num_steps"] += 1
-        self._inflight = self._launch(out.logits, out.to_sample) if out.to_sample else None
+        previous = self.inflight
+        run = self.runner.run(batch, future=previous.future if previous is not None else None)
+        self.out.after_forward(batch, run.prompt)
+        self.inflight = self._launch(run.logits, run.to_sample) if run.to_sample else None
         try:
             outputs = self._resolve(previous)
         except BaseException:  # the step fails (its requests are aborted): no placeholder stays
-            for pending in (previous, self._inflight):
+            for pending in (previous, self.inflight):
                 if pending is not None:
                     pending.forget()
-            self._inflight = None
+            self.inflight = None
             raise
         self.scheduler.take_snapshots(batch.reqs)
         return outputs
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.out.scheduler
+
     def _launch(self, logits: torch.Tensor, reqs: list[Request]) -> Pending:
         """Draws the tokens on the device; on a failure, samples on the host request by
-        request (sample_isolated), and a request that fails alone gets no token."""
+        request (OutputProcessor.sample), and a request that fails alone gets no token."""
         # seeded requests' generators as they were: a draw that fails after drawing their
         # noise must not move them on (sample_isolated saves them too late for that)
         seeded = [(r.generator, r.generator.get_state()) for r in reqs if r.generator is not None]
@@ -167,9 +153,9 @@ class OverlapSteps:
             logger.exception("batched sampling failed; sampling each request alone")
         for generator, state in seeded:
             generator.set_state(state)
-        result = self._sample(logits, reqs)
-        failed = {rid for rid, _ in self.failures}
-        skip = frozenset(i for i, r in enumerate(reqs) if self._group_id(r) in failed)
+        result = self.out.sample(self.sampler, logits, reqs)
+        failed = {rid for rid, _ in self.out.failures}
+        skip = frozenset(i for i, r in enumerate(reqs) if group_id(r) in failed)
         tokens = torch.tensor(result.token_ids, dtype=torch.int64, device=logits.device)
         return Pending(reqs, Drawn(tokens, None), result, skip)
 
@@ -186,10 +172,10 @@ class OverlapSteps:
             out = req.output_ids
             newer = out[at + 1:]  # the next step's placeholder, when that step runs req
             del out[at:]
-            self.append_token(req, result.token_ids[row],
-                              result.logprobs[row] if result.logprobs else None,
-                              result.top_logprobs[row] if result.top_logprobs else None)
+            self.out.append_token(req, result.token_ids[row],
+                                  result.logprobs[row] if result.logprobs else None,
+                                  result.top_logprobs[row] if result.top_logprobs else None)
             if not req.is_finished:
                 out += newer
-            touched[self._group_id(req)] = None
-        return self._updates(touched)
+            touched[group_id(req)] = None
+        return self.out.updates(touched)

@@ -96,6 +96,12 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
+    def add_running(self, req: Request) -> None:
+        """A request whose prompt was computed elsewhere, its blocks and state slot filled by
+        a transfer (a decode server's arrival): it decodes from the next step."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
     def finish(self, req: Request, reason: str) -> None:
         """Marks a request finished and returns its blocks and state slot (its computed
         prefix and latest decode snapshot go to the prefix cache first)."""

@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -31,6 +32,17 @@ from kdaserve.speculative.adaptive import AdaptiveSpeculation
 from kdaserve.speculative.drafter import Drafter
 from kdaserve.speculative.schedule import StepCost, choose_lengths, plan_drafting
 from kdaserve.step_record import StepRecord
+
+
+class Forwarded(Protocol):
+    """What a step's forward returns that verification reads (the engine's StepOutput)."""
+    @property
+    def logits(self) -> torch.Tensor: ...
+    @property
+    def to_sample(self) -> list[Request]: ...
+
+
+F = TypeVar("F", bound=Forwarded)
 
 SURVIVAL_EMA = 0.2  # weight of the newest proposal in the typical survival by position
 DRAFT_EMA = 0.2  # weight of the newest drafting pass in its typical wall time
@@ -106,6 +118,10 @@ class Verified:
     plain_rows: list[int] = field(default_factory=list)
     accepted: list[tuple[Request, int, int]] = field(default_factory=list)
     took_tokens: list[Request] = field(default_factory=list)
+    # for the schedule's cost model: whether the step was decodes and verifies only (a
+    # prefill chunk's step is another regime), and whether it verified any draft
+    decode_only: bool = False
+    drafted: bool = False
 
     @classmethod
     def nothing_drafted(cls, to_sample: list[Request]) -> Verified:
@@ -385,6 +401,41 @@ class Speculator:
             self.restore(restores)
             replay(steps)  # the accepted KDA steps only
         return out
+
+    def step(self, batch: ScheduledBatch, device: torch.device,
+             forward: Callable[[tuple[int, ...] | None, StepRecord | None], F],
+             take: Callable[[Request, int], None],
+             mask: Callable[[Request, torch.Tensor], torch.Tensor],
+             replay: Callable[[StepRecord, list[tuple[Request, int]]], None],
+             ) -> tuple[F, Verified]:
+        """A step with drafts: the verifying requests' states saved, the forward (asked for
+        the drafter's hidden rows, recording the KDA steps for a rollback), the drafts
+        verified, the scratch slots freed whatever happens."""
+        decode_only = all(n == 1 + len(r.draft_ids)
+                          for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True))
+        saved = self.save(batch)
+        try:
+            record = self.record(batch, saved, device) if saved else None
+            out = forward(self.drafter.taps if self.drafter.wants_hidden else None, record)
+            if record is None:
+                verified = Verified.nothing_drafted(out.to_sample)
+            else:
+                verified = self.verify(out.to_sample, out.logits, saved, take, mask,
+                                       lambda steps: replay(record, steps))
+        finally:
+            self.release(saved)
+        verified.decode_only, verified.drafted = decode_only, bool(saved)
+        return out, verified
+
+    def after_step(self, verified: Verified, hidden: torch.Tensor | None, tokens: int,
+                   seconds: float) -> None:
+        """The step's tokens are sampled: each drafter follows what its request kept, and
+        the schedule's cost model sees the step's size and time."""
+        for req, j, r in verified.accepted:
+            if not req.is_finished:
+                self.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)
+        if verified.decode_only:
+            self.observe_step(tokens, seconds, verified.drafted)
 
     def restore(self, restores: list[tuple[Request, int]]) -> None:
         """Back to the KDA states before the verify forward, ready to replay the accepted

@@ -161,7 +161,7 @@ def test_abort_frees_everything(tiny_ckpt: Path, cases, when: str) -> None:
         for _ in range(steps):
             engine.step()
         victim = "queued" if when == "waiting" else "long"
-        req = engine.groups[victim][0]
+        req = engine.out.groups[victim][0]
         if when == "mid_prefill":
             assert req.num_computed_tokens < len(req.prompt_ids)
         elif when == "mid_decode":

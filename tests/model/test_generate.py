@@ -73,17 +73,17 @@ def test_generate_builds_only_final_outputs(llm: LLM) -> None:
     streamed run's final outputs."""
     ps, params = prompts(3, seed=5), SamplingParams(temperature=0, max_tokens=6)
     built: list[bool] = []
-    group_output = llm.engine._group_output
+    group_output = llm.engine.out.group_output
 
     def spy(rid: str):  # noqa: ANN202
         out = group_output(rid)
         built.append(out.finished)
         return out
 
-    llm.engine._group_output = spy  # type: ignore[method-assign]
+    llm.engine.out.group_output = spy  # type: ignore[method-assign]
     try:
         got = llm.generate(prompt_token_ids=ps, sampling_params=params)
-        assert built == [True] * 3 and llm.engine.stream_outputs
+        assert built == [True] * 3 and llm.engine.out.stream
         built.clear()
         for p in ps:
             llm.engine.add_request(p, params)
@@ -96,7 +96,7 @@ def test_generate_builds_only_final_outputs(llm: LLM) -> None:
         assert all(f.finished for f in finals)
         assert [f.outputs[0].token_ids for f in finals] == [o.token_ids for o in got]
     finally:
-        llm.engine._group_output = group_output  # type: ignore[method-assign]
+        llm.engine.out.group_output = group_output  # type: ignore[method-assign]
 
 
 def test_stop_token_and_eos(llm: LLM) -> None:

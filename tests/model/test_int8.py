@@ -12,7 +12,6 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.config import EngineConfig
-from kdaserve.engine import rl
 from kdaserve.kernels.native import ops as native_ops
 from kdaserve.kernels.ref.quant import dequantize
 from kdaserve.layers.linear import Linear
@@ -49,8 +48,8 @@ def test_int8_engine_is_fp32_math_on_the_dequantized_weights(small_ckpt: Path) -
 def test_int8_refuses_what_it_does_not_do(tiny_ckpt: Path) -> None:
     q = LLM(tiny_ckpt, quantization="int8")
     before = q.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)[0].token_ids
-    for call in (lambda: rl.update_weights_from_disk(q.engine, str(tiny_ckpt)),
-                 lambda: rl.release_memory_occupation(q.engine, ["weights"])):
+    for call in (lambda: q.engine.rl.update_weights_from_disk(str(tiny_ckpt)),
+                 lambda: q.engine.rl.release_memory_occupation(["weights"])):
         with pytest.raises(ValueError, match="int8-quantized"):
             call()
     assert q.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)[0].token_ids \

@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import make_checkpoint, preset_config
-from kdaserve.engine import rl
 from kdaserve.speculative.block import make_block_drafter
 from kdaserve.speculative.dspark import make_dspark_drafter
 from kdaserve.speculative.schedule import StepCost
@@ -136,7 +135,7 @@ def test_weight_updates_by_released_names(k3_ckpt: Path, tmp_path: Path,
                                                      sampling_params=GREEDY)]
     assert new != want
     llm = LLM(k3_ckpt)
-    rl.update_weights_from_disk(llm.engine, str(other), weight_version="v1")
+    llm.engine.rl.update_weights_from_disk(str(other), weight_version="v1")
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
                                               sampling_params=GREEDY)] == new
     named = {}
@@ -145,8 +144,8 @@ def test_weight_updates_by_released_names(k3_ckpt: Path, tmp_path: Path,
     assert any(n.startswith("language_model.") for n in named)
     a_log = next(n for n in named if n.endswith("A_log"))
     with pytest.raises(ValueError, match="shape"):  # shorter than the heads: refused whole
-        rl.update_weights_from_tensor(llm.engine, [serialize([(a_log, named[a_log][:1])])])
-    rl.update_weights_from_tensor(llm.engine, [serialize(list(named.items()))], "v2")
+        llm.engine.rl.update_weights_from_tensor([serialize([(a_log, named[a_log][:1])])])
+    llm.engine.rl.update_weights_from_tensor([serialize(list(named.items()))], "v2")
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
                                               sampling_params=GREEDY)] == want
     llm.check_integrity()
@@ -213,10 +212,10 @@ def test_distributed_weight_update_by_released_names(k3_ckpt: Path, tmp_path: Pa
                                               args=(port, str(other), names))
     trainer.start()
     try:
-        rl.init_weights_update_group(llm.engine, "127.0.0.1", port, 1, 2).result(timeout=120)
-        rl.update_weights_from_distributed(llm.engine, names, [meta[n][0] for n in names],
+        llm.engine.rl.init_weights_update_group("127.0.0.1", port, 1, 2).result(timeout=120)
+        llm.engine.rl.update_weights_from_distributed(names, [meta[n][0] for n in names],
                                            [meta[n][1] for n in names], weight_version="d1")
-        rl.destroy_weights_update_group(llm.engine)
+        llm.engine.rl.destroy_weights_update_group()
     finally:
         trainer.join(timeout=60)
     assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts,

@@ -192,7 +192,6 @@ def test_rl_updates_to_packed_experts(tmp_path: Path) -> None:
     decodes as the checkpoint those weights were packed into. Floats sent as codes, or codes
     as floats, are refused."""
     from kdaserve import SamplingParams
-    from kdaserve.engine import rl
 
     from .conftest import serialize
 
@@ -213,16 +212,16 @@ def test_rl_updates_to_packed_experts(tmp_path: Path) -> None:
                                                        sampling_params=params)]
     for source in (floats, packed):
         llm = LLM(serving)
-        rl.update_weights_from_tensor(llm.engine, [serialize(list(tensors(source).items()))])
+        llm.engine.rl.update_weights_from_tensor([serialize(list(tensors(source).items()))])
         assert [o.token_ids for o in llm.generate(prompt_token_ids=prompts,
                                                   sampling_params=params)] == want
     codes = next(n for n in tensors(packed) if n.endswith("w1.weight_packed"))
     llm = LLM(serving)
     with pytest.raises(ValueError, match="uint8"):
-        rl.update_weights_from_tensor(llm.engine, [serialize([(codes, torch.zeros(
+        llm.engine.rl.update_weights_from_tensor([serialize([(codes, torch.zeros(
             tensors(packed)[codes].shape))])])
     with pytest.raises(ValueError, match="packed to MXFP4 from a float"):
-        rl.update_weights_from_tensor(llm.engine, [serialize([(
+        llm.engine.rl.update_weights_from_tensor([serialize([(
             codes.removesuffix("_packed"), tensors(packed)[codes])])])
 
 

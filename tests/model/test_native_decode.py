@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.engine import rl
 from kdaserve.engine.native_decode import NativeDecode
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import use_backend
@@ -122,8 +121,8 @@ def test_native_decode_follows_replaced_weights(tiny_ckpt: Path) -> None:
     follows them, and greedy outputs are unchanged."""
     llm = LLM(tiny_ckpt)
     want = decode(llm, 3)
-    rl.release_memory_occupation(llm.engine, ["weights", "kv_cache"])
-    rl.resume_memory_occupation(llm.engine, ["weights", "kv_cache"])
+    llm.engine.rl.release_memory_occupation(["weights", "kv_cache"])
+    llm.engine.rl.resume_memory_occupation(["weights", "kv_cache"])
     checked = Checked(llm)
     llm.engine.runner.native_decode = checked
     assert decode(llm, 3) == want

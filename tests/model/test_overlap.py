@@ -13,7 +13,6 @@ import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.engine.overlap import Pending, placeholder, resolve_inputs
-from kdaserve.engine.rl import continue_generation, pause_generation
 from kdaserve.engine.sampler import Drawn, Sampler
 from kdaserve.request import Request
 
@@ -29,15 +28,15 @@ def watch(llm: LLM) -> list[tuple[str, int]]:
     """Records ("run", step) and ("read", step it launched) in order."""
     events: list[tuple[str, int]] = []
     e = llm.engine
-    run, launch = e.runner.run, e._launch
+    run, launch = e.runner.run, e.pipeline._launch
 
     def counted_run(batch, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
-        events.append(("run", e.counters["num_steps"] + 1))
+        events.append(("run", e.out.counters["num_steps"] + 1))
         return run(batch, *a, **kw)
 
     def counted_launch(logits, reqs):  # noqa: ANN001, ANN202
         pending = launch(logits, reqs)
-        step, read = e.counters["num_steps"], pending.read
+        step, read = e.out.counters["num_steps"], pending.read
 
         def counted_read(sampler):  # noqa: ANN001, ANN202
             events.append(("read", step))
@@ -47,7 +46,7 @@ def watch(llm: LLM) -> list[tuple[str, int]]:
         return pending
 
     e.runner.run = counted_run  # type: ignore[method-assign]
-    e._launch = counted_launch  # type: ignore[method-assign]
+    e.pipeline._launch = counted_launch  # type: ignore[method-assign]
     return events
 
 
@@ -93,7 +92,7 @@ def test_step_n_plus_1_runs_before_step_n_is_read(tiny_ckpt: Path) -> None:
     assert runs == list(range(1, len(runs) + 1)) and reads == runs
     for s in runs[1:]:  # step s ran before step s - 1 was read
         assert events.index(("run", s)) < events.index(("read", s - 1))
-    assert llm.engine.counters["num_steps"] == plain.engine.counters["num_steps"]
+    assert llm.engine.out.counters["num_steps"] == plain.engine.out.counters["num_steps"]
     no_placeholders(llm)
 
 
@@ -195,7 +194,7 @@ def test_requests_that_need_their_tokens_do_not_overlap(tiny_ckpt: Path) -> None
     # steps 5 to 9 (the penalised request's prefill and 3 more tokens) ran alone
     assert 4 in overlapped_runs and 11 in overlapped_runs
     assert not set(range(5, 10)) & set(overlapped_runs)
-    assert not llm.engine._serial
+    assert not llm.engine.out.serial
     no_placeholders(llm)
 
 
@@ -224,14 +223,14 @@ def test_abort_pause_and_failures_in_flight(tiny_ckpt: Path) -> None:
     after_abort: list[object] = []
     for step in range(40):
         if step == 3:
-            assert e._inflight is not None
+            assert e.pipeline.inflight is not None
             assert e.abort("1")
-            after_abort = e._pending_outputs
+            after_abort = e.out.pending
         if step == 5:
-            assert e._inflight is not None
-            pause_generation(e, "retract")
-            assert e._inflight is None and not e.scheduler.running
-            continue_generation(e)
+            assert e.pipeline.inflight is not None
+            e.rl.pause_generation("retract")
+            assert e.pipeline.inflight is None and not e.scheduler.running
+            e.rl.continue_generation()
         for out in e.step():
             if out.finished:
                 done[out.rid] = out
@@ -287,12 +286,12 @@ def test_abort_while_the_last_token_is_in_flight(tiny_ckpt: Path) -> None:
                   rid="a")
     e.step()
     e.step()
-    assert e.groups["a"][0].ends_when_read
+    assert e.out.groups["a"][0].ends_when_read
     assert e.abort("a")
     outs = e.step()
     assert [o.finished for o in outs] == [True]
     assert outs[0].outputs[0].finish_reason == "length"
-    assert len(outs[0].outputs[0].token_ids) == 2 and e.counters["num_aborted"] == 0
+    assert len(outs[0].outputs[0].token_ids) == 2 and e.out.counters["num_aborted"] == 0
     assert not e.has_unfinished()
     no_placeholders(llm)
 
@@ -311,12 +310,12 @@ def test_a_failed_read_leaves_no_placeholder(tiny_ckpt: Path) -> None:
     def fail(sampler: Sampler) -> None:
         raise RuntimeError("device lost")
 
-    assert e._inflight is not None
-    e._inflight.read = fail  # type: ignore[method-assign] - read by the next step
+    assert e.pipeline.inflight is not None
+    e.pipeline.inflight.read = fail  # type: ignore[method-assign] - read by the next step
     with pytest.raises(RuntimeError, match="device lost"):
         e.step()
-    assert e._inflight is None
-    for rid in list(e.groups):
+    assert e.pipeline.inflight is None
+    for rid in list(e.out.groups):
         assert e.abort(rid)
     outs = e.step()
     assert sorted(o.rid for o in outs) == ["0", "1", "2"]

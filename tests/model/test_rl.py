@@ -46,12 +46,12 @@ def test_update_from_disk_and_tensor(tiny_ckpt: Path, other_ckpt: Path) -> None:
     old = run(llm)
     new = run(LLM(other_ckpt))
     assert [t for t, _ in old] != [t for t, _ in new]
-    out = rl.update_weights_from_disk(e, str(other_ckpt), weight_version="v1")
-    assert out["weight_version"] == e.weight_version == "v1"
+    out = e.rl.update_weights_from_disk(str(other_ckpt), weight_version="v1")
+    assert out["weight_version"] == e.rl.weight_version == "v1"
     same(run(llm), new)
     # back to the old weights as shared tensors (what a trainer on the same host sends)
     named = list(LLM(tiny_ckpt).model.checkpoint_tensors().items())
-    rl.update_weights_from_tensor(e, [serialize([(k, v.clone()) for k, v in named])], "v2")
+    e.rl.update_weights_from_tensor([serialize([(k, v.clone()) for k, v in named])], "v2")
     same(run(llm), old)
     llm.check_integrity()
 
@@ -62,18 +62,18 @@ def test_bad_updates_are_refused_whole(tiny_ckpt: Path, small_ckpt: Path) -> Non
     before = run(llm)
     name, tensor = next(iter(llm.model.checkpoint_tensors().items()))
     bad = [
-        (lambda: rl.update_weights_from_disk(e, str(small_ckpt)), "architecture"),
-        (lambda: rl.update_weights_from_disk(e, "/no/such/dir"), "not a checkpoint"),
-        (lambda: rl.update_weights_from_tensor(e, [serialize([(name, tensor * 0 + 1),
+        (lambda: e.rl.update_weights_from_disk(str(small_ckpt)), "architecture"),
+        (lambda: e.rl.update_weights_from_disk("/no/such/dir"), "not a checkpoint"),
+        (lambda: e.rl.update_weights_from_tensor([serialize([(name, tensor * 0 + 1),
                                                               ("nope", tensor)])]), "nope"),
-        (lambda: rl.update_weights_from_tensor(e, [serialize([(name, tensor[:1])])]), "shape"),
-        (lambda: rl.update_weights_from_tensor(e, [b"not a pickle"]), "serialized"),
-        (lambda: rl.update_weights_from_tensor(e, [serialize([("os", print)])]), "tensors"),
+        (lambda: e.rl.update_weights_from_tensor([serialize([(name, tensor[:1])])]), "shape"),
+        (lambda: e.rl.update_weights_from_tensor([b"not a pickle"]), "serialized"),
+        (lambda: e.rl.update_weights_from_tensor([serialize([("os", print)])]), "tensors"),
     ]
     import pickle
 
     evil = pickle.dumps(__import__("os").system)  # would run a command if unpickled freely
-    bad.append((lambda: rl.update_weights_from_tensor(e, [evil]), "tensors only"))
+    bad.append((lambda: e.rl.update_weights_from_tensor([evil]), "tensors only"))
 
     class Nested:  # a second, unrestricted unpickle through torch.load: refused
         def __reduce__(self):  # noqa: ANN204
@@ -87,11 +87,11 @@ def test_bad_updates_are_refused_whole(tiny_ckpt: Path, small_ckpt: Path) -> Non
 
     for payload, message in ((Nested(), "tensors only"), (Foreign(), "shared-memory")):
         blob = pickle.dumps([(name, payload)])
-        bad.append((lambda blob=blob: rl.update_weights_from_tensor(e, [blob]), message))
+        bad.append((lambda blob=blob: e.rl.update_weights_from_tensor([blob]), message))
     for call, message in bad:
         with pytest.raises(ValueError, match=message):
             call()
-    assert e.weight_version == "default"
+    assert e.rl.weight_version == "default"
     same(run(llm), before)  # the first tensor of the refused batch was never written
     llm.check_integrity()
 
@@ -101,16 +101,16 @@ def test_release_frees_memory_and_resume_restores(tiny_ckpt: Path) -> None:
     e = llm.engine
     before = run(llm)
     e.blocks.kv.fill_(1.0)  # a used cache is resident; a fresh calloc'ed one is not yet
-    out = rl.release_memory_occupation(e)
+    out = e.rl.release_memory_occupation()
     freed = out["rss_mb_before"] - out["rss_mb_after"]
     assert freed > 0.5 * (e.blocks.bytes_per_block(e.model_config, e.config.block_size,
                                                    e.dtype) * e.blocks.num_blocks) / 2**20
     with pytest.raises(rl.EngineAsleep):
         llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)
     with pytest.raises(ValueError, match="released"):
-        rl.update_weights_from_disk(e, str(tiny_ckpt))
-    rl.resume_memory_occupation(e, ["kv_cache"])
-    rl.resume_memory_occupation(e, ["weights"])
+        e.rl.update_weights_from_disk(str(tiny_ckpt))
+    e.rl.resume_memory_occupation(["kv_cache"])
+    e.rl.resume_memory_occupation(["weights"])
     same(run(llm), before)
     llm.check_integrity()
 
@@ -124,11 +124,11 @@ def test_pause_modes(tiny_ckpt: Path) -> None:
         rids = [e.add_request(p, long) for p in PROMPTS]
         for _ in range(5):
             e.step()
-        rl.pause_generation(e, mode)
+        e.rl.pause_generation(mode)
         if mode == "retract":
             assert not e.scheduler.running and e.blocks.num_free + len(
                 e.cache.tree_blocks()) == e.blocks.num_blocks
-        rl.continue_generation(e)
+        e.rl.continue_generation()
         done = {}
         while e.has_unfinished():
             for o in e.step():
@@ -137,7 +137,7 @@ def test_pause_modes(tiny_ckpt: Path) -> None:
         assert [done[r].token_ids for r in rids] == [w.token_ids for w in want]
     e.add_request(PROMPTS[0], long)
     e.step()
-    rl.pause_generation(e, "abort")
+    e.rl.pause_generation("abort")
     assert not e.has_unfinished()
     e.step()  # the abort outputs
     llm.check_integrity()
@@ -172,15 +172,15 @@ def test_rendezvous_runs_beside_the_engine_and_failures_leave_no_trace(
     want = run(llm)
     # nobody joins: the call returns at once, the engine serves while it waits, then it fails;
     # an update sent meanwhile waits for the join and fails with it
-    waiting = rl.init_weights_update_group(e, "127.0.0.1", free_port(), 1, 2)
+    waiting = e.rl.init_weights_update_group("127.0.0.1", free_port(), 1, 2)
     with pytest.raises(ValueError, match="still waiting"):
-        rl.destroy_weights_update_group(e)
+        e.rl.destroy_weights_update_group()
     same(run(llm), want)
     with pytest.raises(ValueError, match="failed"):
-        rl.update_weights_from_distributed(e, ["x"], ["float32"], [[1]])
+        e.rl.update_weights_from_distributed(["x"], ["float32"], [[1]])
     with pytest.raises(ValueError, match="failed"):
         waiting.result(timeout=60)
-    assert e.update_groups == {}
+    assert e.rl.update_groups == {}
     # a later rendezvous meets its trainer (the failed one left torch's group count as it was);
     # the join waits long enough for a spawned trainer to import torch on a busy machine (at
     # 2 s a CI-loaded run timed out before the trainer connected)
@@ -191,20 +191,20 @@ def test_rendezvous_runs_beside_the_engine_and_failures_leave_no_trace(
     trainer = ctx.Process(target=_trainer, args=(port, out))
     trainer.start()
     try:
-        rl.init_weights_update_group(e, "127.0.0.1", port, 1, 2)  # not awaited: the update waits
+        e.rl.init_weights_update_group("127.0.0.1", port, 1, 2)  # not awaited: the update waits
         # an update that cannot be received (here: the weights are released, so nothing
         # bounds its shapes; a wrong dtype or shape goes the same way) is refused, and the
         # group is left so the trainer's broadcast fails now instead of waiting out its
         # two-minute timeout
-        rl.release_memory_occupation(e, ["weights"])
+        e.rl.release_memory_occupation(["weights"])
         with pytest.raises(ValueError, match="released.*group was left"):
-            rl.update_weights_from_distributed(e, ["w"], ["int8"], [[32 * 2**20]])
-        rl.resume_memory_occupation(e, ["weights"])
+            e.rl.update_weights_from_distributed(["w"], ["int8"], [[32 * 2**20]])
+        e.rl.resume_memory_occupation(["weights"])
         status, waited = out.get(timeout=60)
         # failed when the group was left, not at its 120 s timeout (a generous margin for a
         # busy machine)
         assert status.startswith("failed") and waited < 90
-        assert e.update_groups == {}
+        assert e.rl.update_groups == {}
     finally:
         trainer.join(30)
         if trainer.is_alive():
@@ -228,7 +228,7 @@ def test_update_from_a_transformers_module_matches_transformers(tiny_ckpt: Path,
     # the router's correction bias is a buffer in transformers: sent too (it differs here)
     named = [(k, v.detach().clone()) for k, v in hf.named_parameters()] + [
         (k, v.clone()) for k, v in hf.named_buffers() if "e_score_correction_bias" in k]
-    rl.update_weights_from_tensor(llm.engine, [serialize(named)], "hf")
+    llm.engine.rl.update_weights_from_tensor([serialize(named)], "hf")
     for prompt, (tokens, lps) in zip(PROMPTS, run(llm), strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)

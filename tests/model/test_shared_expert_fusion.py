@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.engine import llm_engine, rl
+from kdaserve.engine import llm_engine
 from kdaserve.engine.native_decode import Unsupported
 from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.moe import MoE
@@ -117,12 +117,12 @@ def test_rl_updates_land_in_the_fused_slot(tiny_ckpt: Path, monkeypatch: pytest.
     fused = fused_llm(monkeypatch, tiny_ckpt, kernel_backend="ref")
     plain = LLM(tiny_ckpt, kernel_backend="ref")
     for llm in (fused, plain):
-        rl.update_weights_from_disk(llm.engine, str(other), weight_version="v1")
+        llm.engine.rl.update_weights_from_disk(str(other), weight_version="v1")
     same(run(fused), run(plain))
     hf = load_hf(tiny_ckpt)
     named = [(k, v.detach().clone()) for k, v in hf.named_parameters()] + [
         (k, v.clone()) for k, v in hf.named_buffers() if "e_score_correction_bias" in k]
     for llm in (fused, plain):
-        rl.update_weights_from_tensor(llm.engine, [serialize(named)], "hf")
+        llm.engine.rl.update_weights_from_tensor([serialize(named)], "hf")
     same(run(fused), run(plain))
     fused.check_integrity()

@@ -171,7 +171,7 @@ def test_partial_acceptance_leaves_the_states_of_plain_decoding(
     for req, prompt in zip(engine.scheduler.running, prompts, strict=True):
         assert req.prompt_ids == prompt and req.num_computed_tokens == req.num_tokens - 1
         rid = plain.engine.add_request(prompt, GREEDY)
-        mine = plain.engine.groups[rid][0]
+        mine = plain.engine.out.groups[rid][0]
         while len(mine.output_ids) < len(req.output_ids):
             plain.engine.step()
         assert mine.output_ids == req.output_ids

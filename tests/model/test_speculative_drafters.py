@@ -212,4 +212,4 @@ def test_sampled_requests_and_aborts(tiny_ckpt: Path, spec_prompts: list[list[in
     while engine.has_unfinished():
         engine.step()
     engine.check_integrity()
-    assert not engine.groups and keep
+    assert not engine.out.groups and keep

@@ -22,19 +22,15 @@ reservation it answers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kdaserve.engine.disaggregation.decode import DecodeSide
 from kdaserve.engine.disaggregation.prefill import PrefillSide
+from kdaserve.engine.disaggregation.side import SideHost
 
-if TYPE_CHECKING:
-    from kdaserve.engine.llm_engine import LLMEngine
-
-__all__ = ["DecodeSide", "PrefillSide", "make_side"]
+__all__ = ["DecodeSide", "PrefillSide", "SideHost", "make_side"]
 
 
-def make_side(engine: LLMEngine) -> PrefillSide | DecodeSide | None:
-    mode = engine.config.disaggregation_mode
+def make_side(host: SideHost) -> PrefillSide | DecodeSide | None:
+    mode = host.config.disaggregation_mode
     if mode is None:
         return None
-    return PrefillSide(engine) if mode == "prefill" else DecodeSide(engine)
+    return PrefillSide(host) if mode == "prefill" else DecodeSide(host)

@@ -11,7 +11,7 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import zmq
@@ -19,16 +19,14 @@ import zmq
 from kdaserve.engine.disaggregation.side import (
     PING_S,
     Side,
+    SideHost,
     decode,
     encode,
     integer,
     number,
     prompt_hash,
 )
-from kdaserve.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from kdaserve.engine.llm_engine import LLMEngine
+from kdaserve.request import Request
 
 logger = logging.getLogger("kdaserve")
 
@@ -67,8 +65,8 @@ class Peer:
 
 
 class DecodeSide(Side):
-    def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine)
+    def __init__(self, host: SideHost) -> None:
+        super().__init__(host)
         self.pending: deque[tuple[Request, float]] = deque()  # not yet reserved
         self.inflight: dict[int, Incoming] = {}  # room -> reservation
         self.peers: dict[tuple[str, int], Peer] = {}
@@ -192,7 +190,7 @@ class DecodeSide(Side):
                 self._drop(room, None)
 
     def _reserve(self) -> None:
-        e = self.engine
+        e = self.host
         sched, blocks, states, cache = e.scheduler, e.blocks, e.states, e.cache
         now = time.monotonic()
         while self.pending:
@@ -227,8 +225,8 @@ class DecodeSide(Side):
         """Frees a reservation (the prefill side will not write into it any more) and fails
         its request, if it still has one, with `why`."""
         inc = self.inflight.pop(room)
-        self.engine.blocks.free(inc.blocks)
-        self.engine.states.free(inc.slot)
+        self.host.blocks.free(inc.blocks)
+        self.host.states.free(inc.slot)
         if inc.req is not None and why is not None:
             self.fail(inc.req, why)
 
@@ -242,7 +240,7 @@ class DecodeSide(Side):
             token = integer(msg, "token")
             if msg.get("prompt_hash") != prompt_hash(req.prompt_ids):
                 raise ValueError("the prefill server computed another prompt")
-            if not 0 <= token < self.engine.model_config.vocab_size:
+            if not 0 <= token < self.host.model_config.vocab_size:
                 raise ValueError(f"first token {token} outside the vocabulary")
             top = {int(t): number(lp) for t, lp in msg["top"]} if msg.get("top") else None
             logprob = number(msg["logprob"]) if top is not None else None
@@ -257,8 +255,7 @@ class DecodeSide(Side):
         req.block_ids, req.state_slot = inc.blocks, inc.slot
         req.num_computed_tokens = len(req.prompt_ids)
         req.num_cached_prompt = cached
-        req.status = RequestStatus.RUNNING
-        self.engine.scheduler.running.append(req)
+        self.host.scheduler.add_running(req)
         self.counters["pd_transfers"] += 1
-        self.engine.append_token(req, token, logprob, top)
+        self.host.out.append_token(req, token, logprob, top)
         return req

@@ -8,13 +8,14 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from kdaserve.engine.disaggregation.layout import PoolLayout, spans
 from kdaserve.engine.disaggregation.side import (
     Side,
+    SideHost,
     decode,
     encode,
     integer,
@@ -22,10 +23,7 @@ from kdaserve.engine.disaggregation.side import (
     prompt_hash,
 )
 from kdaserve.request import Request
-
-if TYPE_CHECKING:
-    from kdaserve.engine.llm_engine import LLMEngine
-    from kdaserve.scheduled_batch import ScheduledBatch
+from kdaserve.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger("kdaserve")
 
@@ -56,12 +54,12 @@ class Offer:
 
 
 class PrefillSide(Side):
-    def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine)
-        c = engine.config
+    def __init__(self, host: SideHost) -> None:
+        super().__init__(host)
+        c = host.config
         self.sock = self.socket(zmq.ROUTER)
-        host = "*" if c.disaggregation_host in ("0.0.0.0", "") else c.disaggregation_host
-        self.sock.bind(f"tcp://{host}:{c.disaggregation_bootstrap_port}")
+        bind = "*" if c.disaggregation_host in ("0.0.0.0", "") else c.disaggregation_host
+        self.sock.bind(f"tcp://{bind}:{c.disaggregation_bootstrap_port}")
         self.waiting: dict[int, tuple[Request, float]] = {}  # room -> request, since
         self.offers: OrderedDict[int, Offer] = OrderedDict()  # reservations, no request yet
         self.active: dict[int, Outgoing] = {}
@@ -186,7 +184,7 @@ class PrefillSide(Side):
                                 or msg.get("prompt_hash") != prompt_hash(req.prompt_ids)):
                 why = (f"prompt mismatch: the decode server tokenized {prompt_len} tokens, "
                        f"this server {len(req.prompt_ids)} (another tokenizer or template?)")
-            need = self.engine.blocks.blocks_needed(len(req.prompt_ids))
+            need = self.host.blocks.blocks_needed(len(req.prompt_ids))
             if why is None and len(blocks) < need:
                 why = f"the decode server reserved {len(blocks)} blocks, the prompt needs {need}"
         except (KeyError, TypeError, ValueError, OverflowError) as e:
@@ -198,13 +196,13 @@ class PrefillSide(Side):
             return
         self.active[room] = Outgoing(req, peer, tid, session, layout, blocks, slot, liveness)
         self.by_req[id(req)] = room
-        self.engine.scheduler.add(req)
+        self.host.scheduler.add(req)
 
     def after_forward(self, batch: ScheduledBatch) -> None:
         """Writes each request's newly complete blocks; after its last prompt chunk the rest
         and its state (final only now). A decode peer silent for half its liveness window may
         have given the memory up: then nothing is written and the request fails."""
-        bs = self.engine.blocks.block_size
+        bs = self.host.blocks.block_size
         for req in batch.reqs:
             room = self.by_req.get(id(req))
             if room is None:
@@ -212,7 +210,7 @@ class PrefillSide(Side):
             out = self.active[room]
             prompt = len(req.prompt_ids)
             final = req.num_computed_tokens >= prompt
-            done = self.engine.blocks.blocks_needed(prompt) if final \
+            done = self.host.blocks.blocks_needed(prompt) if final \
                 else req.num_computed_tokens // bs
             if done <= out.sent and not final:
                 continue
@@ -260,4 +258,4 @@ class PrefillSide(Side):
                         cached=req.num_cached_prompt, prompt_hash=prompt_hash(req.prompt_ids))
             self.counters["pd_transfers"] += 1
             if not req.is_finished:
-                self.engine.scheduler.finish(req, "length")
+                self.host.scheduler.finish(req, "length")

@@ -8,17 +8,22 @@ import hashlib
 import json
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import zmq
 
+from kdaserve.cache.block_pool import BlockPool
+from kdaserve.cache.radix_cache import RadixCache
+from kdaserve.cache.state_pool import StatePool
+from kdaserve.config import EngineConfig, ModelConfig
 from kdaserve.engine.disaggregation.layout import PoolLayout, model_fingerprint
 from kdaserve.engine.disaggregation.mooncake import MooncakeTransfer
+from kdaserve.engine.outputs import OutputProcessor
+from kdaserve.engine.scheduler import Scheduler
+from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.request import Request
-
-if TYPE_CHECKING:
-    from kdaserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("kdaserve")
 
@@ -56,14 +61,28 @@ def encode(msg: dict[str, Any]) -> bytes:
     return json.dumps(msg).encode()
 
 
+@dataclass(frozen=True)
+class SideHost:
+    """What a side uses of its engine: the pools it transfers (and the model they belong
+    to), the scheduler its requests run in, and where their tokens and failures go."""
+    config: EngineConfig
+    model_config: ModelConfig
+    model: KimiLinearForCausalLM
+    blocks: BlockPool
+    states: StatePool
+    cache: RadixCache | None
+    scheduler: Scheduler
+    out: OutputProcessor
+
+
 class Side:
-    def __init__(self, engine: LLMEngine) -> None:
-        c = engine.config
-        self.engine = engine
+    def __init__(self, host: SideHost) -> None:
+        c = host.config
+        self.host = host
         self.timeout_s, self.liveness_s = c.disaggregation_timeout_s, c.disaggregation_liveness_s
         self.transfer = MooncakeTransfer(c.disaggregation_host)
-        fingerprint = model_fingerprint(dataclasses.asdict(engine.model_config), engine.model)
-        self.layout = PoolLayout.of(fingerprint, engine.blocks, engine.states)
+        fingerprint = model_fingerprint(dataclasses.asdict(host.model_config), host.model)
+        self.layout = PoolLayout.of(fingerprint, host.blocks, host.states)
         for t in self.layout.tensors():
             self.transfer.register(t.address, t.nbytes)
         self.ctx = zmq.Context.instance()
@@ -90,7 +109,7 @@ class Side:
     def fail(self, req: Request, why: str) -> None:
         self.counters["pd_failed"] += 1
         logger.warning("request %s: %s", req.rid, why)
-        self.engine.failures.append((req.rid, why))
+        self.host.out.fail(req.rid, why)
 
     def close(self) -> None:
         for sock in self.sockets():
