@@ -187,8 +187,9 @@ class ModelRunner:
         return self.model.forward_hidden(fb, self.states, self.blocks)
 
     def replay(self, record: StepRecord, replays: list[tuple[Request, int]]) -> None:
-        """Advances each request's KDA states by its first n recorded steps (req, n), one
-        kda_chunk per KDA layer for all of them."""
+        """Advances each request's KDA states by its first n recorded steps (req, n): every
+        KDA layer runs its fused decode step over them, token by token (KDAttention.replay_steps),
+        all requests in one call."""
         rows, cu = record.spans([(record.starts[id(r)], n) for r, n in replays], self.device)
         slots = torch.tensor([r.state_slot for r, _ in replays], dtype=torch.int64,
                              device=self.device)

@@ -1,4 +1,5 @@
-"""Kernel backend registry: each op has backends (`ref`, `cpu`, `triton`) chosen once at build.
+"""Kernel backend registry: each op has backends (`ref`, `cpu`, `native`, `native_wy`,
+`batch_invariant`, `triton`) chosen once at build.
 
 A backend registers `(op, name, priority, supports, features)`; `supports(device)` answers
 `(ok, reason)`; `features` names the model variants it computes beyond the op's base contract

@@ -22,7 +22,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
-from kdaserve.engine.client import EngineError
+from kdaserve.client.request_client import EngineError
 from kdaserve.request import SamplingParams
 from kdaserve.server import native, response_store, rl
 from kdaserve.server import openapi as oa

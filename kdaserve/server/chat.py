@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from kdaserve.engine.client import EngineError
+from kdaserve.client.request_client import EngineError
 from kdaserve.request import CompletionOutput, Grammar, RequestOutput, SamplingParams
 from kdaserve.server.chat_format import ChatFormat, K3Format, detect_format
 from kdaserve.server.chat_request import (

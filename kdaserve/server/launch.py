@@ -128,10 +128,10 @@ async def _serve(args: argparse.Namespace) -> str | None:
     import uvicorn
 
     from kdaserve.checkpoint import resolve_model_path
+    from kdaserve.client.data_parallel import DataParallel
+    from kdaserve.client.engine_process import EngineProcess
     from kdaserve.server.api import ServerState, create_app
     from kdaserve.server.chat import ChatHandler
-    from kdaserve.server.data_parallel import DataParallel
-    from kdaserve.server.engine_proc import EngineProcess
     from kdaserve.server.header_timeout import with_header_timeout
     from kdaserve.server.metrics import ServerMetrics
     from kdaserve.server.responses import ResponseStore

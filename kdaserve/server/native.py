@@ -12,7 +12,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import kdaserve
-from kdaserve.engine.client import EngineError
+from kdaserve.client.request_client import EngineError
 from kdaserve.request import CompletionOutput, RequestOutput
 from kdaserve.server.protocol import (
     DetokenizeRequest,

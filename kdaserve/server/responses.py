@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
-from kdaserve.engine.client import EngineError
+from kdaserve.client.request_client import EngineError
 from kdaserve.server.chat import ChatPlan
 from kdaserve.server.k3_parser import Event
 from kdaserve.server.protocol import ChatCompletionRequest, Seed, Strict

@@ -66,7 +66,7 @@ class Continue(Strict):
 
 
 async def call(state: ServerState, method: str, *args: Any) -> dict[str, Any]:
-    from kdaserve.engine.client import EngineError
+    from kdaserve.client.request_client import EngineError
 
     try:
         out = await state.client.call(method, *args)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from kdaserve.engine.client import EngineError, RequestClient
+from kdaserve.client.request_client import EngineError, RequestClient
 from kdaserve.request import RequestOutput, SamplingParams
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.protocol import error_body

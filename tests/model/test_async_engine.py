@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.engine.async_engine import AsyncLLM
-from kdaserve.engine.client import EngineError
+from kdaserve.client.async_llm import AsyncLLM
+from kdaserve.client.request_client import EngineError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

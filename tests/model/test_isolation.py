@@ -52,8 +52,8 @@ def test_engine_loop_reports_the_failure_to_its_request_only(tiny_ckpt: Path) ->
     the others finish with the tokens they would have had, and the loop keeps serving."""
     import asyncio
 
-    from kdaserve.engine.async_engine import AsyncLLM
-    from kdaserve.engine.client import EngineError
+    from kdaserve.client.async_llm import AsyncLLM
+    from kdaserve.client.request_client import EngineError
 
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     poisoned = SamplingParams(temperature=POISON, max_tokens=6, ignore_eos=True)

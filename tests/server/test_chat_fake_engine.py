@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from kdaserve.engine.client import EngineClient
+from kdaserve.client.request_client import EngineClient
 from kdaserve.request import CompletionOutput, RequestOutput, SamplingParams
 from kdaserve.server.api import ServerState, create_app
 from kdaserve.server.chat import ChatHandler

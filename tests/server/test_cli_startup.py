@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kdaserve.server.engine_proc import sweep_ipc_dirs
+from kdaserve.client.engine_process import sweep_ipc_dirs
 from kdaserve.server.header_timeout import H2_PREFACE, H2_REFUSAL
 from kdaserve.server.launch import served_names
 from tests.ports import free_port

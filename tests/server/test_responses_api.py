@@ -22,7 +22,7 @@ from openai.types.completion import Completion
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from kdaserve.engine.client import EngineClient
+from kdaserve.client.request_client import EngineClient
 from kdaserve.request import CompletionOutput, RequestOutput, SamplingParams
 from kdaserve.server.api import ServerState, create_app
 from kdaserve.server.chat import ChatHandler

@@ -1,7 +1,8 @@
-"""The package's imports run one way: server -> engine -> models -> layers -> kernels, with the
-shared types below their users, and no module imports one that imports it back, at module
-level or inside a function (a deferred import is still a circle). Read from the source (its
-`import` statements, less those under `if TYPE_CHECKING:`, which only annotate)."""
+"""The package's imports run one way: server -> client -> engine -> models -> layers ->
+kernels, with the shared types below their users, and no module imports one that imports it
+back, at module level or inside a function (a deferred import is still a circle). Read from
+the source (its `import` statements, less those under `if TYPE_CHECKING:`, which only
+annotate)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ LEVELS: list[set[str]] = [
     {"bench", "training"},
     {"server"},
     {"", "llm"},
+    {"client"},
     {"engine"},
     {"speculative"},
     {"checkpoint", "tokenizer_writer"},

@@ -1,4 +1,4 @@
-"""Outputs sent as deltas across the engine process's boundary (engine/output_delta.py): the
+"""Outputs sent as deltas across the engine process's boundary (client/output_delta.py): the
 client rebuilds exactly the engine's cumulative outputs, through growing and held-back text,
 logprobs, several completions and interleaved requests, and a late update costs bytes for
 what is new only."""
@@ -9,7 +9,7 @@ import dataclasses
 import pickle
 import random
 
-from kdaserve.engine.output_delta import DeltaDecoder, DeltaEncoder, _common_prefix, with_parts
+from kdaserve.client.output_delta import DeltaDecoder, DeltaEncoder, _common_prefix, with_parts
 from kdaserve.request import CompletionOutput, RequestOutput
 
 

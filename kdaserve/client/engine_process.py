@@ -2,7 +2,7 @@
 
 HTTP stays responsive while the model computes (like SGLang's tokenizer manager <-> scheduler):
 the HTTP process PUSHes commands, the engine process PUSHes outputs back; both sides exchange
-pickled tuples (see engine_loop). A watchdog turns an engine crash into 503s, never a hang.
+pickled message dataclasses (messages.py). A watchdog turns an engine crash into 503s, never a hang.
 """
 
 from __future__ import annotations
@@ -26,10 +26,19 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from kdaserve.client.messages import (
+    Command,
+    Message,
+    Outputs,
+    Ready,
+    RequestFailed,
+    StartFailed,
+    Stop,
+)
+from kdaserve.client.output_delta import DeltaDecoder, DeltaEncoder
+from kdaserve.client.request_client import EngineClient, EngineError
 from kdaserve.config import EngineConfig
-from kdaserve.engine.client import EngineClient
 from kdaserve.engine.lifecycle import run_with_parent
-from kdaserve.engine.output_delta import DeltaDecoder, DeltaEncoder
 
 logger = logging.getLogger("kdaserve")
 
@@ -96,7 +105,7 @@ def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str, parent: int
     # process decides when we stop, after draining
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from kdaserve.engine.engine_loop import run_engine_loop
+    from kdaserve.client.engine_loop import run_engine_loop
     from kdaserve.engine.llm_engine import LLMEngine
 
     ctx = zmq.Context()
@@ -107,25 +116,25 @@ def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str, parent: int
     try:
         engine = LLMEngine(config)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which exits
-        out.send_pyobj(("failed", f"{type(e).__name__}: {e}"))
+        out.send_pyobj(StartFailed(f"{type(e).__name__}: {e}"))
         raise
-    out.send_pyobj(("ready", {"model_path": str(engine.path), "summary": engine.summary(),
-                              "max_request_tokens": engine.scheduler.max_request_tokens()}))
+    out.send_pyobj(Ready({"model_path": str(engine.path), "summary": engine.summary(),
+                          "max_request_tokens": engine.scheduler.max_request_tokens()}))
 
-    def recv(block: bool) -> tuple[Any, ...] | None:
+    def recv(block: bool) -> Command | None:
         if cmds.poll(POLL_MS if block else 0):
             return cmds.recv_pyobj()
         if os.getppid() != parent:  # the HTTP process is gone (seen here first without
-            return ("stop",)  # PDEATHSIG; a subreaper, not pid 1, may have adopted us)
+            return Stop()  # PDEATHSIG; a subreaper, not pid 1, may have adopted us)
         return None
 
     encoder = DeltaEncoder()
 
-    def send(msg: tuple[Any, ...]) -> None:
-        if msg[0] == "outputs":  # each update as what changed since the last one sent
-            msg = ("outputs", [encoder.encode(o) for o in msg[1]])
-        elif msg[0] == "error":
-            encoder.forget(msg[1])
+    def send(msg: Message) -> None:
+        if isinstance(msg, Outputs):  # each update as what changed since the last one sent
+            msg = Outputs([encoder.encode(o) for o in msg.outputs])
+        elif isinstance(msg, RequestFailed):
+            encoder.forget(msg.rid)
         out.send_pyobj(msg)
 
     run_engine_loop(engine, recv, send)
@@ -163,7 +172,7 @@ class EngineProcess(EngineClient):
         self.dead: str | None = None
         self.stopping = False  # shutting down: a dying engine is not restarted
         self.restarts = 0
-        self._ready: asyncio.Queue = asyncio.Queue()  # "ready" of a restarted engine
+        self._ready: asyncio.Queue[Ready] = asyncio.Queue()  # of a restarted engine
         # called after a restart: the new engine serves the checkpoint it was started on,
         # unpaused, whatever its predecessor had been sent
         self.on_restart: list[Callable[[], None]] = []
@@ -201,33 +210,33 @@ class EngineProcess(EngineClient):
         self.loop = asyncio.get_running_loop()
         self._start_process()
         msg = await asyncio.wait_for(self._wait_ready(), timeout)
-        if msg[0] == "failed":
-            raise RuntimeError(f"engine failed to start: {msg[1]}")
-        self.info = msg[1]
+        if isinstance(msg, StartFailed):
+            raise RuntimeError(f"engine failed to start: {msg.message}")
+        self.info = msg.info
         self.last_tick = time.monotonic()
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
 
-    async def _wait_ready(self) -> tuple[Any, ...]:
+    async def _wait_ready(self) -> Ready | StartFailed:
         while True:
             if await self._out.poll(200):
                 msg = await self._out.recv_pyobj()
-                if msg[0] in ("ready", "failed"):
+                if isinstance(msg, Ready | StartFailed):
                     return msg
                 continue  # late messages of a dead engine
             if not self.proc.is_alive():
-                return ("failed", f"engine process exited with code {self.proc.exitcode}")
+                return StartFailed(f"engine process exited with code {self.proc.exitcode}")
 
     async def _receive(self) -> None:
         while True:
             msg = await self._out.recv_pyobj()
-            if msg[0] == "ready":  # a restarted engine, awaited by _watch
+            if isinstance(msg, Ready):  # a restarted engine, awaited by _watch
                 self.deltas.reset()  # (what the dead engine's last messages left)
                 self._ready.put_nowait(msg)
                 continue
-            if msg[0] == "outputs":
-                msg = ("outputs", [self.deltas.decode(d) for d in msg[1]])
-            elif msg[0] == "error":
-                self.deltas.forget(msg[1])
+            if isinstance(msg, Outputs):
+                msg = Outputs([self.deltas.decode(d) for d in msg.outputs])
+            elif isinstance(msg, RequestFailed):
+                self.deltas.forget(msg.rid)
             self._on_message(msg)
 
     async def _watch(self) -> None:
@@ -257,17 +266,17 @@ class EngineProcess(EngineClient):
             logger.error("restarting the engine (%d of at most %d)", self.restarts,
                          self.max_restarts)
             self.dead = f"engine restarting after a crash ({self.restarts}/{self.max_restarts})"
-            while not self._ready.empty():  # a "ready" of an engine that died since
+            while not self._ready.empty():  # the Ready of an engine that died since
                 self._ready.get_nowait()
             self.proc = self._new_process()
             self._start_process()
-            msg = None
-            while msg is None and self.proc.is_alive():
+            ready: Ready | None = None
+            while ready is None and self.proc.is_alive():
                 with contextlib.suppress(TimeoutError):
-                    msg = await asyncio.wait_for(self._ready.get(), 0.5)
-            if msg is None:
+                    ready = await asyncio.wait_for(self._ready.get(), 0.5)
+            if ready is None:
                 continue  # died while starting: counted, tried again
-            self.info, self.dead, self.last_tick = msg[1], None, time.monotonic()
+            self.info, self.dead, self.last_tick = ready.info, None, time.monotonic()
             for fn in self.on_restart:
                 fn()
             logger.error("engine restarted")
@@ -291,9 +300,7 @@ class EngineProcess(EngineClient):
         if self.on_fatal is not None:
             self.on_fatal(why)
 
-    def _send(self, cmd: tuple[Any, ...]) -> None:
-        from kdaserve.engine.client import EngineError
-
+    def _send(self, cmd: Command) -> None:
         if self.dead:
             raise EngineError(self.dead, 503)
         self._cmd.send_pyobj(cmd)
@@ -304,7 +311,7 @@ class EngineProcess(EngineClient):
             t.cancel()
         self.fail_all("the server is shutting down", 503)
         if self.proc.is_alive() and not self.dead and self.info:
-            self._cmd.send_pyobj(("stop",))
+            self._cmd.send_pyobj(Stop())
             await asyncio.to_thread(self.proc.join, 10)
         if self.proc.is_alive():  # still starting, or stuck: it ignores SIGTERM and SIGINT
             self.proc.kill()

@@ -8,9 +8,10 @@ import queue
 import threading
 from typing import Any
 
+from kdaserve.client.engine_loop import run_engine_loop
+from kdaserve.client.messages import Command, Message, Stop
+from kdaserve.client.request_client import EngineClient
 from kdaserve.config import EngineConfig
-from kdaserve.engine.client import EngineClient
-from kdaserve.engine.engine_loop import Command, run_engine_loop
 from kdaserve.engine.llm_engine import LLMEngine
 
 POLL_S = 0.05
@@ -20,7 +21,7 @@ class AsyncLLM(EngineClient):
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         super().__init__()
         self.engine = LLMEngine(config or EngineConfig.from_kwargs(**kwargs))
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._thread = threading.Thread(target=run_engine_loop, name="kdaserve-engine",
                                         args=(self.engine, self._recv, self._deliver),
                                         daemon=True)
@@ -32,16 +33,16 @@ class AsyncLLM(EngineClient):
         except queue.Empty:
             return None
 
-    def _deliver(self, msg: tuple[Any, ...]) -> None:  # engine thread -> event loop
+    def _deliver(self, msg: Message) -> None:  # engine thread -> event loop
         loop = self.loop
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._on_message, msg)
 
-    def _send(self, cmd: tuple[Any, ...]) -> None:
+    def _send(self, cmd: Command) -> None:
         if not self._thread.is_alive():
             raise RuntimeError("engine is shut down")
         self._commands.put(cmd)
 
     def shutdown(self) -> None:
-        self._commands.put(("stop",))
+        self._commands.put(Stop())
         self._thread.join(timeout=10)

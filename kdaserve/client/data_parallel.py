@@ -21,11 +21,11 @@ import itertools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from kdaserve.client.engine_process import EngineProcess
+from kdaserve.client.request_client import EngineError, RequestClient
 from kdaserve.config import EngineConfig
-from kdaserve.engine.client import EngineError, RequestClient
 from kdaserve.engine.tensor_parallel import free_local_addr
 from kdaserve.request import RequestOutput, SamplingParams
-from kdaserve.server.engine_proc import EngineProcess
 
 POLICIES = ("shortest_queue", "round_robin", "prefix")
 PREFIX_TOKENS = 64  # leading tokens that choose the replica under the prefix policy

@@ -2,9 +2,9 @@
 one engine loop (per-request streams, calls by name).
 
 EngineClient's subclasses provide the transport (`_send`) and feed every message from the loop
-to `_on_message`; `AsyncLLM` runs the loop in a thread, the server in another process over
-ZeroMQ. The server's data-parallel controller (`server/data_parallel.py`) is a RequestClient
-over several of them.
+to `_on_message`; `AsyncLLM` runs the loop in a thread, `EngineProcess` in another process over
+ZeroMQ. The data-parallel controller (`data_parallel.py`) is a RequestClient over several
+engine processes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,17 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
+from kdaserve.client.messages import (
+    Abort,
+    AddRequest,
+    Call,
+    Command,
+    Message,
+    Outputs,
+    Reply,
+    RequestFailed,
+    Tick,
+)
 from kdaserve.request import RequestOutput, SamplingParams
 
 
@@ -68,32 +79,32 @@ class EngineClient(RequestClient):
         self.last_tick = time.monotonic()
 
     # ---- transport ----
-    def _send(self, cmd: tuple[Any, ...]) -> None:
+    def _send(self, cmd: Command) -> None:
         raise NotImplementedError
 
-    def _on_message(self, msg: tuple[Any, ...]) -> None:
+    def _on_message(self, msg: Message) -> None:
         """Called on the event loop for each message from the engine loop."""
-        kind = msg[0]
-        if kind == "tick":  # the engine loop is alive and not stuck in a step
-            self.last_tick = time.monotonic()
-        elif kind == "outputs":
-            for out in msg[1]:
-                q = self._streams.get(out.rid)
+        match msg:
+            case Tick():  # the engine loop is alive and not stuck in a step
+                self.last_tick = time.monotonic()
+            case Outputs(outputs):
+                for out in outputs:
+                    q = self._streams.get(out.rid)
+                    if q is not None:
+                        q.put_nowait(out)
+                        if out.finished:
+                            del self._streams[out.rid]
+            case RequestFailed(rid, message, status):
+                q = self._streams.pop(rid, None)
                 if q is not None:
-                    q.put_nowait(out)
-                    if out.finished:
-                        del self._streams[out.rid]
-        elif kind == "error":
-            q = self._streams.pop(msg[1], None)
-            if q is not None:
-                q.put_nowait(EngineError(msg[2], msg[3]))
-        elif kind == "reply":
-            fut = self._calls.pop(msg[1], None)
-            if fut is not None and not fut.done():
-                if msg[3] is None:
-                    fut.set_result(msg[2])
-                else:
-                    fut.set_exception(EngineError(msg[3], 500))
+                    q.put_nowait(EngineError(message, status))
+            case Reply(token, result, error):
+                fut = self._calls.pop(token, None)
+                if fut is not None and not fut.done():
+                    if error is None:
+                        fut.set_result(result)
+                    else:
+                        fut.set_exception(EngineError(error, 500))
 
     def fail_all(self, message: str, status: int = 503) -> None:
         """The engine is gone: every waiting stream and call gets an error, none hangs."""
@@ -115,7 +126,7 @@ class EngineClient(RequestClient):
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         try:
-            self._send(("add", rid, prompt, params or SamplingParams()))
+            self._send(AddRequest(rid, prompt, params or SamplingParams()))
         except BaseException:  # e.g. the engine is restarting: the id stays free
             self._streams.pop(rid, None)
             raise
@@ -137,16 +148,16 @@ class EngineClient(RequestClient):
             if not finished:
                 self._streams.pop(rid, None)
                 with contextlib.suppress(EngineError):  # a dead engine has nothing to abort
-                    self._send(("abort", rid))
+                    self._send(Abort(rid))
 
     async def abort(self, rid: str) -> None:
         self._streams.pop(rid, None)
-        self._send(("abort", rid))
+        self._send(Abort(rid))
 
     async def call(self, method: str, *args: Any) -> Any:
         self.loop = asyncio.get_running_loop()
         token = next(self._tokens)
         fut = self.loop.create_future()
         self._calls[token] = fut
-        self._send(("call", token, method, args))
+        self._send(Call(token, method, args))
         return await fut

@@ -1,11 +1,8 @@
 """The engine loop shared by the in-process thread (`AsyncLLM`) and the engine process of the
-server: commands in, step, outputs out. Transport-agnostic: `recv` and `send` are given.
-
-Commands: ("add", rid, prompt, params) | ("abort", rid) | ("call", token, method, args) |
-("stop",). Messages out: ("outputs", [RequestOutput]) | ("error", rid, message, status) |
-("reply", token, result, error) | ("tick",). A call that waits on something outside the engine
-(a trainer's rendezvous) returns a Future; its reply goes out when it completes, and the loop
-serves meanwhile.
+server: commands in, step, outputs out (messages.py names both). Transport-agnostic: `recv`
+and `send` are given. A call that waits on something outside the engine (a trainer's
+rendezvous) returns a Future; its reply goes out when it completes, and the loop serves
+meanwhile.
 """
 
 from __future__ import annotations
@@ -16,13 +13,25 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from kdaserve.client.messages import (
+    Abort,
+    AddRequest,
+    Call,
+    Command,
+    Message,
+    Outputs,
+    Reply,
+    RequestFailed,
+    Stop,
+    Tick,
+)
 from kdaserve.engine.llm_engine import LLMEngine
 from kdaserve.engine.rl import EngineAsleep
+from kdaserve.request import RequestOutput
 
 logger = logging.getLogger("kdaserve")
 
-Command = tuple[Any, ...]
-TICK_S = 1.0  # a ("tick",) at most this often: the loop is alive and between steps
+TICK_S = 1.0  # a Tick at most this often: the loop is alive and between steps
 PD_WAIT_S = 0.01  # waiting on a disaggregation peer: commands are read this often
 
 # read-only or maintenance calls a client may make by name (functions do not cross processes)
@@ -41,22 +50,25 @@ CALLS: dict[str, Callable[..., Any]] = {
 }
 
 
+Send = Callable[[Message], None]
+
+
 def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
-                    send: Callable[[tuple[Any, ...]], None]) -> None:
-    """Runs until a ("stop",) command. recv(block) waits briefly for a command when block."""
+                    send: Send) -> None:
+    """Runs until a Stop command. recv(block) waits briefly for a command when block."""
     idle_step = False
     last_tick = 0.0
-    deferred: list[tuple[Any, Future]] = []  # (token, the call's result to come)
+    deferred: list[tuple[int, Future]] = []  # (token, the call's result to come)
     while True:
         now = time.monotonic()
         if now - last_tick >= TICK_S:  # the HTTP side's watchdog listens
-            send(("tick",))
+            send(Tick())
             last_tick = now
         for token, future in [d for d in deferred if d[1].done()]:
             deferred.remove((token, future))
             err = future.exception()
-            send(("reply", token, None if err else future.result(),
-                  f"{type(err).__name__}: {err}" if err else None))
+            send(Reply(token, None if err else future.result(),
+                       f"{type(err).__name__}: {err}" if err else None))
         # wait for commands when there is nothing to run, or when the last step could schedule
         # nothing (requests waiting for memory): never spin
         block = idle_step or not engine.has_unfinished() or engine.rl.paused
@@ -68,7 +80,7 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             block = False
         while (cmd := recv(block)) is not None:
             block = False
-            if cmd[0] == "stop":
+            if isinstance(cmd, Stop):
                 return
             _handle(engine, cmd, send, deferred)
         if (not engine.has_unfinished() or engine.rl.paused) and not lockstep:
@@ -78,7 +90,7 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             # a peer's refusal or a failed transfer can end a request here, between steps
             pending = _report_failures(engine, pending, send)
             if pending:
-                send(("outputs", pending))
+                send(Outputs(pending))
             continue
         steps = engine.out.counters["num_steps"]
         try:
@@ -94,52 +106,50 @@ def run_engine_loop(engine: LLMEngine, recv: Callable[[bool], Command | None],
             logger.exception("engine step failed")
             for rid in list(engine.out.groups):
                 engine.abort(rid)
-                send(("error", rid, f"engine step failed: {e}", 500))
+                send(RequestFailed(rid, f"engine step failed: {e}", 500))
             engine.step()  # drain the abort outputs of the failed requests
             continue
         outputs = _report_failures(engine, outputs, send)
         if outputs:
-            send(("outputs", outputs))
+            send(Outputs(outputs))
 
 
-def _report_failures(engine: LLMEngine, outputs: list[Any],
-                     send: Callable[[tuple[Any, ...]], None]) -> list[Any]:
+def _report_failures(engine: LLMEngine, outputs: list[RequestOutput],
+                     send: Send) -> list[RequestOutput]:
     """Sends an error for each request that failed on its own (not the batch); returns the
     outputs of the others."""
     failed = engine.take_failures()
     for rid, why in failed:
-        send(("error", rid, why, 500))
+        send(RequestFailed(rid, why, 500))
     gone = {rid for rid, _ in failed}
     return [o for o in outputs if o.rid not in gone] if gone else outputs
 
 
-def _handle(engine: LLMEngine, cmd: Command, send: Callable[[tuple[Any, ...]], None],
-            deferred: list[tuple[Any, Future]]) -> None:
-    kind = cmd[0]
-    if kind == "add":
-        _, rid, prompt, params = cmd
-        try:
-            engine.add_request(prompt, params, rid)
-        except EngineAsleep as e:
-            send(("error", rid, str(e), 503))
-        except ValueError as e:
-            send(("error", rid, str(e), 400))
-        except Exception as e:  # noqa: BLE001 - a bug, but this request's: the loop goes on
-            logger.exception("request %s: add_request failed", rid)
-            if rid in engine.out.groups:
-                engine.abort(rid)
-            send(("error", rid, f"{type(e).__name__}: {e}", 500))
-    elif kind == "abort":
-        engine.abort(cmd[1])
-    elif kind == "call":
-        _, token, method, args = cmd
-        try:
-            result = CALLS[method](engine, *args)
-            if isinstance(result, Future):
-                deferred.append((token, result))
-            else:
-                send(("reply", token, result, None))
-        except Exception as e:  # noqa: BLE001 - reported to the caller
-            send(("reply", token, None, f"{type(e).__name__}: {e}"))
-    else:
-        logger.error("unknown engine command %r", kind)
+def _handle(engine: LLMEngine, cmd: Command, send: Send,
+            deferred: list[tuple[int, Future]]) -> None:
+    match cmd:
+        case AddRequest(rid, prompt, params):
+            try:
+                engine.add_request(prompt, params, rid)
+            except EngineAsleep as e:
+                send(RequestFailed(rid, str(e), 503))
+            except ValueError as e:
+                send(RequestFailed(rid, str(e), 400))
+            except Exception as e:  # noqa: BLE001 - a bug, but this request's: the loop goes on
+                logger.exception("request %s: add_request failed", rid)
+                if rid in engine.out.groups:
+                    engine.abort(rid)
+                send(RequestFailed(rid, f"{type(e).__name__}: {e}", 500))
+        case Abort(rid):
+            engine.abort(rid)
+        case Call(token, method, args):
+            try:
+                result = CALLS[method](engine, *args)
+                if isinstance(result, Future):
+                    deferred.append((token, result))
+                else:
+                    send(Reply(token, result))
+            except Exception as e:  # noqa: BLE001 - reported to the caller
+                send(Reply(token, None, f"{type(e).__name__}: {e}"))
+        case _:
+            logger.error("unknown engine command %r", cmd)
