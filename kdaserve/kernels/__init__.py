@@ -17,12 +17,12 @@ this package never imports triton or CUDA code.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from kdaserve.kernels import interface as op
 from kdaserve.kernels import registry
 from kdaserve.kernels.ref.attn_res import attn_res_norm_ref
 from kdaserve.kernels.ref.cache import copy_slots_ref
@@ -208,20 +208,21 @@ registry.register("gated_rmsnorm", "native", gated_rmsnorm_native, priority=20,
 
 
 class Kernels(NamedTuple):
-    linear: Callable
-    kda_chunk: Callable
-    kda_recurrent: Callable
-    kda_decode: Callable
-    short_conv: Callable
-    mla_attention: Callable
-    moe_route: Callable
-    moe_experts: Callable
-    rms_norm: Callable
-    gated_rmsnorm: Callable
-    silu_mul: Callable
-    situ_mul: Callable
-    sigmoid_mul: Callable
-    attn_res_norm: Callable
+    """One callable per op, typed by its Protocol (kernels/interface.py)."""
+    linear: op.Linear
+    kda_chunk: op.KdaChunk
+    kda_recurrent: op.KdaRecurrent
+    kda_decode: op.KdaDecode
+    short_conv: op.ShortConv
+    mla_attention: op.MlaAttention
+    moe_route: op.MoeRoute
+    moe_experts: op.MoeExperts
+    rms_norm: op.RmsNorm
+    gated_rmsnorm: op.GatedRmsNorm
+    silu_mul: op.SiluMul
+    situ_mul: op.SituMul
+    sigmoid_mul: op.SigmoidMul
+    attn_res_norm: op.AttnResNorm
     # Whether MoE layers run their shared expert inside `moe_experts`, as one more expert
     # every token takes with weight 1 (stacked after the routed ones): on a GPU that saves its
     # own GEMMs' and SwiGLU's launches and rides the grouped GEMM's blocks. The CPU backends
