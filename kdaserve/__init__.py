@@ -6,9 +6,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kdaserve.llm import LLM
-    from kdaserve.request import RequestOutput, SamplingParams
+    from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOptions", "RequestOutput"]
 __version__ = "0.1.0"
 
 
@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
         from kdaserve.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "RequestOutput"):
+    if name in ("SamplingParams", "RequestOptions", "RequestOutput"):
         from kdaserve import request
 
         return getattr(request, name)

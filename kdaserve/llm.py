@@ -13,7 +13,7 @@ from kdaserve.checkpoint import resolve_model_path
 from kdaserve.config import EngineConfig
 from kdaserve.engine.llm_engine import LLMEngine
 from kdaserve.forward_batch import ForwardBatch
-from kdaserve.request import RequestOutput, SamplingParams
+from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 
 __all__ = ["LLM", "resolve_model_path"]
 
@@ -60,9 +60,13 @@ class LLM:
 
     def generate(self, prompts: list[str] | str | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+                 prompt_token_ids: list[list[int]] | None = None,
+                 options: RequestOptions | list[RequestOptions] | None = None,
+                 ) -> list[RequestOutput]:
         """Blocking generation (vLLM's argument order: prompts, sampling_params). All prompts
-        are validated before any is queued, so a bad one leaves the engine untouched."""
+        are validated before any is queued, so a bad one leaves the engine untouched.
+        `options`: what the requests ask beyond sampling (hidden states, routed experts), one
+        for all or one per prompt."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if (prompts is None) == (prompt_token_ids is None):
@@ -81,7 +85,14 @@ class LLM:
                 raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} "
                                  "exceeds the KV cache capacity "
                                  f"({self.engine.scheduler.max_request_tokens()} tokens)")
-        rids = [self.engine.add_request(ids, p) for ids, p in zip(encoded, params, strict=True)]
+        if isinstance(options, list):
+            if len(options) != len(inputs):
+                raise ValueError("options list must match the number of prompts")
+            opts = options
+        else:
+            opts = [options or RequestOptions()] * len(inputs)
+        rids = [self.engine.add_request(ids, p, options=o)
+                for ids, p, o in zip(encoded, params, opts, strict=True)]
         finished: dict[str, RequestOutput] = {}
         self.engine.out.stream = False  # only the final outputs are kept here
         try:

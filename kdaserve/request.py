@@ -66,12 +66,6 @@ class SamplingParams:
     logprob_start_len: int = 0
     token_ids_logprob: list[int] = field(default_factory=list)  # always reported, per position
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to the logits
-    # rollout routing replay: each forwarded position's experts per MoE layer, from this one
-    return_routed_experts: bool = False
-    routed_experts_start: int = 0
-    # the final-normed hidden state (what the LM head sees) of every forwarded position:
-    # the prompt's, then each output token's but the last (SGLang's return_hidden_states)
-    return_hidden_states: bool = False
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) banned until this many are out
     skip_special_tokens: bool = True
     keep_special_ids: tuple[int, ...] = ()  # decoded even with skip_special_tokens (markers)
@@ -80,10 +74,6 @@ class SamplingParams:
     # engine forces `reasoning_end` (the token ids that close the reasoning channel)
     reasoning_budget: int | None = None
     reasoning_end: tuple[int, ...] = ()
-    bootstrap: Bootstrap | None = None  # prefill/decode disaggregation (set by the PD router)
-    # the data-parallel replica to run on (sglang-router --dp-aware); the server's DP
-    # controller routes by it, an engine of its own accepts only 0
-    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,6 +128,30 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass(frozen=True, slots=True)
+class RequestOptions:
+    """What a request asks beyond how its tokens are chosen: records returned with its final
+    output, and where it runs (set by routers). SGLang passes these beside sampling_params."""
+
+    # rollout routing replay: each forwarded position's experts per MoE layer, from this one
+    return_routed_experts: bool = False
+    routed_experts_start: int = 0
+    # the final-normed hidden state (what the LM head sees) of every forwarded position:
+    # the prompt's, then each output token's but the last (SGLang's return_hidden_states)
+    return_hidden_states: bool = False
+    bootstrap: Bootstrap | None = None  # prefill/decode disaggregation (set by the PD router)
+    # the data-parallel replica to run on (sglang-router --dp-aware); the server's DP
+    # controller routes by it, an engine of its own accepts only 0
+    data_parallel_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.routed_experts_start < 0:
+            raise ValueError("routed_experts_start must be >= 0, got "
+                             f"{self.routed_experts_start}")
+        if self.data_parallel_rank is not None and self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be >= 0, got {self.data_parallel_rank}")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -154,6 +168,7 @@ class Request:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    options: RequestOptions = field(default_factory=RequestOptions)
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     block_ids: list[int] = field(default_factory=list)
@@ -184,7 +199,7 @@ class Request:
     # position 0); None when not wanted (only the first of n siblings computes them)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [n, layers, k] chunks
-    num_routed: int = 0  # positions recorded, from params.routed_experts_start
+    num_routed: int = 0  # positions recorded, from options.routed_experts_start
     hidden_states: list[torch.Tensor] = field(default_factory=list)  # [n, D] chunks from 0
     num_hidden: int = 0  # positions in hidden_states
 
@@ -248,9 +263,9 @@ class Request:
         row = self.prompt_logits_row
         if row is not None:
             caps.append(row)
-        if self.params.return_routed_experts:  # routing is recorded only by a forward
-            caps.append(self.params.routed_experts_start + self.num_routed)
-        if self.params.return_hidden_states:
+        if self.options.return_routed_experts:  # routing is recorded only by a forward
+            caps.append(self.options.routed_experts_start + self.num_routed)
+        if self.options.return_hidden_states:
             caps.append(self.num_hidden)
         return max(min(caps), 0)
 

@@ -25,7 +25,7 @@ from kdaserve.client.engine_process import EngineProcess
 from kdaserve.client.request_client import EngineError, RequestClient
 from kdaserve.config import EngineConfig
 from kdaserve.engine.tensor_parallel import free_local_addr
-from kdaserve.request import RequestOutput, SamplingParams
+from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 
 POLICIES = ("shortest_queue", "round_robin", "prefix")
 PREFIX_TOKENS = 64  # leading tokens that choose the replica under the prefix policy
@@ -90,13 +90,13 @@ class DataParallel(RequestClient):
         return None
 
     # ---- requests ----
-    def pick(self, prompt: str | list[int], params: SamplingParams) -> int:
+    def pick(self, prompt: str | list[int], options: RequestOptions) -> int:
         n = len(self.engines)
-        if params.data_parallel_rank is not None:
-            if not 0 <= params.data_parallel_rank < n:
-                raise EngineError(f"data_parallel_rank {params.data_parallel_rank} outside "
-                                  f"dp_size {n}", 400)
-            return params.data_parallel_rank
+        rank = options.data_parallel_rank
+        if rank is not None:
+            if not 0 <= rank < n:
+                raise EngineError(f"data_parallel_rank {rank} outside dp_size {n}", 400)
+            return rank
         loads = [len(e._streams) for e in self.engines]
         turn = next(self._next)
         if self.policy == "round_robin":
@@ -111,12 +111,13 @@ class DataParallel(RequestClient):
         return min(range(n), key=lambda i: (loads[i], (i - turn) % n))  # ties take turns
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                          rid: str | None = None) -> tuple[str, AsyncIterator[RequestOutput]]:
-        params = params or SamplingParams()
-        r = self.pick(prompt, params)
+                          rid: str | None = None, options: RequestOptions | None = None,
+                          ) -> tuple[str, AsyncIterator[RequestOutput]]:
+        options = options or RequestOptions()
+        r = self.pick(prompt, options)
         # the replica is one engine of its own: the rank was for us
         rid, stream = await self.engines[r].add_request(
-            prompt, dataclasses.replace(params, data_parallel_rank=None), rid)
+            prompt, params, rid, dataclasses.replace(options, data_parallel_rank=None))
         self.owner[rid] = r
         return rid, self._forget_when_done(rid, stream)
 

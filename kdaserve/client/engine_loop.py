@@ -128,9 +128,9 @@ def _report_failures(engine: LLMEngine, outputs: list[RequestOutput],
 def _handle(engine: LLMEngine, cmd: Command, send: Send,
             deferred: list[tuple[int, Future]]) -> None:
     match cmd:
-        case AddRequest(rid, prompt, params):
+        case AddRequest(rid, prompt, params, options):
             try:
-                engine.add_request(prompt, params, rid)
+                engine.add_request(prompt, params, rid, options)
             except EngineAsleep as e:
                 send(RequestFailed(rid, str(e), 503))
             except ValueError as e:

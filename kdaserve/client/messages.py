@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kdaserve.request import SamplingParams
+from kdaserve.request import RequestOptions, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class AddRequest:
     rid: str
     prompt: str | list[int]
     params: SamplingParams
+    options: RequestOptions = field(default_factory=RequestOptions)
 
 
 @dataclass(frozen=True)

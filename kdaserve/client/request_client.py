@@ -29,7 +29,7 @@ from kdaserve.client.messages import (
     RequestFailed,
     Tick,
 )
-from kdaserve.request import RequestOutput, SamplingParams
+from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 
 
 class EngineError(Exception):
@@ -46,7 +46,8 @@ class RequestClient(ABC):
 
     @abstractmethod
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                          rid: str | None = None) -> tuple[str, AsyncIterator[RequestOutput]]:
+                          rid: str | None = None, options: RequestOptions | None = None,
+                          ) -> tuple[str, AsyncIterator[RequestOutput]]:
         """Submits a request now; returns its id and its output stream (see `generate`)."""
 
     @abstractmethod
@@ -56,10 +57,11 @@ class RequestClient(ABC):
     async def call(self, method: str, *args: Any) -> Any: ...
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       rid: str | None = None) -> AsyncIterator[RequestOutput]:
+                       rid: str | None = None, options: RequestOptions | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs as tokens arrive; the last has finished=True. Raises
         EngineError (status 400 for a bad request). Leaving early aborts the request."""
-        _, stream = await self.add_request(prompt, params, rid)
+        _, stream = await self.add_request(prompt, params, rid, options)
         try:
             async for out in stream:
                 yield out
@@ -118,7 +120,8 @@ class EngineClient(RequestClient):
 
     # ---- API ----
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                          rid: str | None = None) -> tuple[str, AsyncIterator[RequestOutput]]:
+                          rid: str | None = None, options: RequestOptions | None = None,
+                          ) -> tuple[str, AsyncIterator[RequestOutput]]:
         self.loop = asyncio.get_running_loop()
         rid = rid or uuid.uuid4().hex
         if rid in self._streams:
@@ -126,7 +129,8 @@ class EngineClient(RequestClient):
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         try:
-            self._send(AddRequest(rid, prompt, params or SamplingParams()))
+            self._send(AddRequest(rid, prompt, params or SamplingParams(),
+                                  options or RequestOptions()))
         except BaseException:  # e.g. the engine is restarting: the id stays free
             self._streams.pop(rid, None)
             raise

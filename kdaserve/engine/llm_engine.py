@@ -40,7 +40,7 @@ from kdaserve.kernels import resolve_kernels
 from kdaserve.kernels.host_memory import keep_freed_memory
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
-from kdaserve.request import Request, RequestOutput, SamplingParams
+from kdaserve.request import Request, RequestOptions, RequestOutput, SamplingParams
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.build import build_speculator
 from kdaserve.speculative.verify import Verified, trim_drafts
@@ -199,8 +199,8 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    rid: str | None = None) -> str:
-        params = params or SamplingParams()
+                    rid: str | None = None, options: RequestOptions | None = None) -> str:
+        params, options = params or SamplingParams(), options or RequestOptions()
         if self.rl.released:
             released = ", ".join(sorted(self.rl.released))
             raise EngineAsleep(f"the engine's memory is released ({released}): "
@@ -215,22 +215,22 @@ class LLMEngine:
             bad = [t for t in toks if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]!r} outside the vocabulary of {vocab}")
-        if params.return_routed_experts and params.routed_experts_start > len(ids):
-            raise ValueError(f"routed_experts_start_len ({params.routed_experts_start}) is past "
+        if options.return_routed_experts and options.routed_experts_start > len(ids):
+            raise ValueError(f"routed_experts_start_len ({options.routed_experts_start}) is past "
                              f"the prompt's {len(ids)} tokens")
         if params.logprob_start_len > len(ids):
             raise ValueError(f"logprob_start_len ({params.logprob_start_len}) is past the "
                              f"prompt's {len(ids)} tokens")
-        if (params.bootstrap is None) != (self.pd is None):
+        if (options.bootstrap is None) != (self.pd is None):
             raise ValueError("bootstrap_host/port/room are set by the PD router for a prefill or "
                              "decode server" if self.pd is not None else
                              "bootstrap_room is for prefill/decode disaggregation; this server "
                              "is not in disaggregation mode")
-        if params.data_parallel_rank not in (None, 0):
-            raise ValueError(f"data_parallel_rank {params.data_parallel_rank}: this engine is "
+        if options.data_parallel_rank not in (None, 0):
+            raise ValueError(f"data_parallel_rank {options.data_parallel_rank}: this engine is "
                              "a single replica (dp_size 1)")
-        if self.pd is not None and (params.n != 1 or params.return_hidden_states
-                                    or params.return_routed_experts):
+        if self.pd is not None and (params.n != 1 or options.return_hidden_states
+                                    or options.return_routed_experts):
             raise ValueError("n > 1, return_hidden_states and return_routed_experts are not "
                              "supported with disaggregation")
         children = []
@@ -239,7 +239,7 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator().manual_seed((params.seed * 1_000_003 + i) % 2**64)
             children.append(Request(rid if params.n == 1 else f"{rid}-{i}", ids, params,
-                                    generator=gen))
+                                    options, generator=gen))
         # the siblings share the prompt: one scores it (on the prefill side, when disaggregated)
         if params.prompt_logprobs is not None and not isinstance(self.pd, DecodeSide):
             children[0].prompt_logprobs = [None] if params.logprob_start_len == 0 else []

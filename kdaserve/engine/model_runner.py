@@ -27,7 +27,7 @@ def record_routing(batch: ScheduledBatch, ids: torch.Tensor) -> None:
     forward), once per position: a recomputed one (after preemption) is not added twice."""
     row = 0
     for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
-        p = req.params
+        p = req.options
         if p.return_routed_experts:
             first = req.num_computed_tokens  # absolute position of this chunk's first row
             want = p.routed_experts_start + req.num_routed
@@ -94,7 +94,7 @@ class ModelRunner:
                 assert row >= start, "prompt-logprob rows were skipped"
                 end = min(len(req.prompt_ids) - 1, start + n)  # the last row samples
                 prompt_at, prompt_k = row - start, end - row
-            if req.params.return_hidden_states:  # every row not recorded yet
+            if req.options.return_hidden_states:  # every row not recorded yet
                 assert req.num_hidden >= start, "hidden-state rows were skipped"
                 first = min(first, req.num_hidden - start)
             if prompt_k:
@@ -131,13 +131,13 @@ class ModelRunner:
             fb.input_ids = resolve_inputs(fb.input_ids, future)
         fb.record = record
         fb.taps = return_hidden or ()
-        if any(r.params.return_routed_experts for r in batch.reqs):
+        if any(r.options.return_routed_experts for r in batch.reqs):
             fb.routing = []
         # every row samples (a prompt-logprob row of a one-token chunk is a decode-shaped
         # row that does not) and nothing but the logits (and a drafter's rows) comes back
         key = self.graphs.key(fb, return_hidden) if self.graphs is not None \
             and len(to_sample) == fb.num_seqs and not any(x.prompt_k for x in layout) \
-            and not any(r.params.return_hidden_states for r in batch.reqs) else None
+            and not any(r.options.return_hidden_states for r in batch.reqs) else None
         # the graph's own buffers (and, for a verify, the record's): read before the next step
         replayed = self.graphs.run(fb, key) if self.graphs is not None and key is not None \
             else None
@@ -152,7 +152,7 @@ class ModelRunner:
             self.followers.forward(fb, self.states)
         hidden = self.forward_hidden(fb)
         prompt: list[tuple[Request, torch.Tensor]] = []
-        if any(x.size > x.sampled or x.req.params.return_hidden_states for x in layout):
+        if any(x.size > x.sampled or x.req.options.return_hidden_states for x in layout):
             # per sequence a block of rows: prompt-logprob rows and hidden states to keep
             # inside it, its sampling rows last; the logits are the sampling rows only
             keep, row = [], 0
@@ -160,7 +160,7 @@ class ModelRunner:
                 block = hidden[row:row + x.size]
                 if x.prompt_k:
                     prompt.append((x.req, block[x.prompt_at:x.prompt_at + x.prompt_k]))
-                if x.req.params.return_hidden_states:
+                if x.req.options.return_hidden_states:
                     record_hidden(x.req, x.pos, block)
                 keep.extend(range(row + x.size - x.sampled, row + x.size))
                 row += x.size

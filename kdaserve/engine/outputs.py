@@ -131,9 +131,9 @@ class OutputProcessor:
                 else None, spec_num_drafted=r.num_drafted, spec_num_accepted=r.num_accepted,
                 spec_num_verifies=r.num_verifies,
                 routed_experts=torch.cat(r.routed_experts) if r.is_finished
-                and r.params.return_routed_experts and r.routed_experts else None,
+                and r.options.return_routed_experts and r.routed_experts else None,
                 hidden_states=torch.cat(r.hidden_states) if r.is_finished
-                and r.params.return_hidden_states and r.hidden_states else None))
+                and r.options.return_hidden_states and r.hidden_states else None))
         first = children[0]
         finished = all(r.is_finished for r in children)
         # prompt logprobs go out once (the first update) and with the final one, not with

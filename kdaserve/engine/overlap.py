@@ -57,8 +57,8 @@ def overlappable(req: Request) -> bool:
     p = req.params
     return (req.matcher is None and p.reasoning_budget is None
             and p.repetition_penalty == 1.0 and not p.presence_penalty
-            and not p.frequency_penalty and not p.return_hidden_states
-            and not p.return_routed_experts)
+            and not p.frequency_penalty and not req.options.return_hidden_states
+            and not req.options.return_routed_experts)
 
 
 class Pending:

@@ -5,7 +5,6 @@ output parser (reasoning, content, tool calls), whole or streamed."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +17,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kdaserve.client.request_client import EngineError
-from kdaserve.request import CompletionOutput, Grammar, RequestOutput, SamplingParams
+from kdaserve.request import (
+    CompletionOutput,
+    Grammar,
+    RequestOptions,
+    RequestOutput,
+    SamplingParams,
+)
 from kdaserve.server.chat_format import ChatFormat, K3Format, detect_format
 from kdaserve.server.chat_request import (
     REASONING_SHARE,
@@ -35,6 +40,7 @@ from kdaserve.server.k3_parser import Event
 from kdaserve.server.k3_render import CONTROL_TOKENS as K3_CONTROL_TOKENS
 from kdaserve.server.k3_render import K3Renderer, is_kimi_k3
 from kdaserve.server.protocol import ChatCompletionRequest
+from kdaserve.server.sampling import Sampling
 from kdaserve.server.sampling_policy import SamplingPolicy
 from kdaserve.server.serving import (
     ServerState,
@@ -73,6 +79,7 @@ class ChatPlan:
 
     ids: list[int]
     params: SamplingParams
+    options: RequestOptions
     pending: int  # trailing prompt tokens counted as output (the channel opener)
     thinking: bool  # output starts in the reasoning channel
     use_tools: bool  # parse tool calls out of the output
@@ -107,7 +114,8 @@ class ChatHandler:
                                  f"{self.format.name} ({template.origin})")
         # K3 always separates its channels; K2 splits <think> only when asked
         self.reasoning = reasoning_parser is not None or isinstance(self.format, K3Format)
-        self.policy = policy
+        # the server's one way to SamplingParams; a raw prompt takes this format's default mode
+        self.sampling = Sampling(policy, self.format.default_thinking)
         self.default_max_tokens = default_max_tokens
 
     @classmethod
@@ -166,24 +174,24 @@ class ChatHandler:
         top = req.top_logprobs or 0
         if top and not req.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        values = {p: getattr(req, p) for p in ("temperature", "top_p", "top_k", "min_p",
-                                                "presence_penalty", "frequency_penalty",
-                                                "repetition_penalty", "n")}
-        if self.policy is not None:
-            values = self.policy.apply(values, thinking)
-        params = req.sampling_params(max_tokens, top if req.logprobs else None, values)
+        fields = req.sampling_fields(max_tokens)
         reasons = isinstance(fmt, K3Format) and thinking  # the output opens in `think`
-        extra: dict[str, Any] = {"keep_special_ids": fmt.marker_ids(tok),
-                                 "grammar": self._grammar(choice, everything, response_format,
-                                                          reasons)}
+        grammar = self._grammar(choice, everything, response_format, reasons)
+        if grammar is not None:
+            if fields["grammar"] is not None:
+                raise ValueError("regex, json_schema and ebnf cannot be combined with tools or "
+                                 "response_format: both would constrain the answer")
+            fields["grammar"] = grammar
+        extra: dict[str, Any] = {"keep_special_ids": fmt.marker_ids(tok)}
         if reasons:
             extra["reasoning_end"] = fmt.reasoning_end(tok)
             extra["reasoning_budget"] = max(1, int(REASONING_SHARE[effort or "max"]
                                                    * max_tokens))
-        params = dataclasses.replace(params, **extra)  # checked again with them
+        params = self.sampling.params(fields, thinking, logprobs=top if req.logprobs else None,
+                                      **extra)
         use_tools = bool(everything) and choice != "none"
-        return ChatPlan(ids, params, fmt.pending_tokens(thinking), reasons, use_tools,
-                        self.reasoning)
+        return ChatPlan(ids, params, req.options(), fmt.pending_tokens(thinking), reasons,
+                        use_tools, self.reasoning)
 
     def _grammar(self, choice: str | dict[str, Any], tools: list[dict[str, Any]],
                  response_format: Any, thinking: bool) -> Grammar | None:
@@ -215,7 +223,7 @@ class ChatHandler:
         admit(state, plan.params.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": cid, "created": int(time.time()), "model": state.model_name}
-        stream = timed(state, plan.ids, plan.params, cid)
+        stream = timed(state, plan.ids, plan.params, cid, plan.options)
         if not req.stream:
             final = await last(stream)
             choices = [self._choice(o, plan, req) for o in final.outputs]

@@ -89,12 +89,14 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Respo
     extra: dict[str, Any] = {}
     if req.echo and req.logprobs is not None:
         extra = {"prompt_logprobs": req.logprobs, "logprob_start_len": 0}
-    params = [req.sampling_params(check_length(state.max_request_tokens, p, max_tokens),
-                                  req.logprobs, **extra) for p in prompts]
+    params = [state.sampling.params(
+        req.sampling_fields(check_length(state.max_request_tokens, p, max_tokens)),
+        logprobs=req.logprobs, **extra) for p in prompts]
+    options = req.options()
     check_model(state, req.model)  # after the 400s, as chat
     n = params[0].n
     admit(state, len(prompts) * n)
-    streams = [timed(state, p, sp, f"{cid}-{i}")
+    streams = [timed(state, p, sp, f"{cid}-{i}", options)
                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
     head = {"id": cid, "object": "text_completion", "created": created,
             "model": state.model_name}

@@ -135,6 +135,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
     from kdaserve.server.header_timeout import with_header_timeout
     from kdaserve.server.metrics import ServerMetrics
     from kdaserve.server.responses import ResponseStore
+    from kdaserve.server.sampling import Sampling
     from kdaserve.server.sampling_policy import load_policy
     from kdaserve.tokenizer import Tokenizer
 
@@ -186,11 +187,11 @@ async def _serve(args: argparse.Namespace) -> str | None:
     # --skip-tokenizer-init: token ids in and out (/generate input_ids), as SGLang; RL
     # trainers tokenize themselves, and a checkpoint may come without tokenizer files
     tokenizer = chat = None
+    policy = load_policy(args.sampling_policy, path)
     if not config.skip_tokenizer_init:
         tokenizer = Tokenizer.from_pretrained(path)
         chat = ChatHandler.from_pretrained(path, tokenizer, args.reasoning_parser,
-                                           args.chat_template,
-                                           load_policy(args.sampling_policy, path),
+                                           args.chat_template, policy,
                                            args.default_max_tokens, args.tool_call_parser)
     name, aliases = served_names(str(args.model), str(path), args.served_model_name)
     logger.info("start-up config: checkpoint %s%s (%.1f s)", path,
@@ -231,7 +232,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
             client=engine, tokenizer=tokenizer, model_name=name, model_path=str(path),
             max_request_tokens=context, metrics=ServerMetrics(), limits=limits,
             chat=chat, api_key=args.api_key, responses=ResponseStore(),
-            model_aliases=aliases,
+            model_aliases=aliases, sampling=Sampling(policy),  # (the chat handler's, if any)
             server_args={k: v for k, v in vars(args).items()
                          if isinstance(v, str | int | float | bool | None) and k != "api_key"})
         engine.on_restart.append(state.engine_restarted)
@@ -248,9 +249,8 @@ async def _serve(args: argparse.Namespace) -> str | None:
             print("[kdaserve] no tokenizer (--skip-tokenizer-init): token ids in and out",
                   flush=True)
         else:
-            policy = chat.policy.name if chat.policy else "none"
             print(f"[kdaserve] chat template {chat.template.origin} ({chat.format.name}); "
-                  f"sampling policy {policy}", flush=True)
+                  f"sampling policy {policy.name if policy else 'none'}", flush=True)
         also = f" (requests may also name {', '.join(map(repr, aliases))})" if aliases else ""
         print(f"[kdaserve] served model name {name!r}{also}", flush=True)
         await server.serve()

@@ -113,7 +113,7 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
     else:
         prompts = [req.input_ids] if single else list(req.input_ids)  # type: ignore[list-item]
     sp = req.sampling_params
-    check_sequences(len(prompts), sp.n)
+    check_sequences(len(prompts), sp.n or 1)
     if state.tokenizer is None and (sp.stop or sp.regex or sp.json_schema or sp.ebnf):
         raise ValueError("stop strings and grammars need a tokenizer, but the server runs "
                          "with --skip-tokenizer-init")
@@ -121,13 +121,11 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
     # max_new_tokens 0 (SGLang's prefix-cache warm-up and its select scoring): prefill only,
     # the one sampled token is dropped
     prefill_only = sp.max_new_tokens == 0
-    extra: dict[str, Any] = {"token_ids_logprob": list(req.token_ids_logprob or []),
-                             "return_routed_experts": req.return_routed_experts,
-                             "return_hidden_states": req.return_hidden_states,
-                             "routed_experts_start": req.routed_experts_start_len,
-                             "bootstrap": req.bootstrap(),
-                             "data_parallel_rank": req.data_parallel_rank}
-    if extra["bootstrap"] is not None and len(prompts) > 1:
+    extra: dict[str, Any] = {"token_ids_logprob": list(req.token_ids_logprob or [])}
+    options = req.options(return_routed_experts=req.return_routed_experts,
+                          return_hidden_states=req.return_hidden_states,
+                          routed_experts_start=req.routed_experts_start_len)
+    if options.bootstrap is not None and len(prompts) > 1:
         raise ValueError("a disaggregated request (bootstrap_room) takes one prompt")
     results = []
     for p in prompts:
@@ -140,10 +138,10 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
                                  f"{len(p)} tokens")
             extra = {**extra, "prompt_logprobs": req.top_logprobs_num,
                      "logprob_start_len": start}
-        params = sp.to_params(logprobs, **extra)
+        params = state.sampling.params(sp.sampling_fields(), logprobs=logprobs, **extra)
         check_length(state.max_request_tokens, p, params.max_tokens)
         results.append(params)
-    admit(state, len(prompts) * sp.n)
+    admit(state, len(prompts) * results[0].n)
     base = req.rid or uuid.uuid4().hex
     rids = [base if single else f"{base}-{i}" for i in range(len(prompts))]
     if req.stream:
@@ -151,7 +149,8 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
             raise ValueError("streaming /generate takes one prompt")
         if prefill_only:
             raise ValueError("max_new_tokens 0 (prefill only) cannot stream")
-        _, rest = await first_then_rest(timed(state, prompts[0], results[0], rids[0]))
+        _, rest = await first_then_rest(timed(state, prompts[0], results[0], rids[0],
+                                              options))
 
         async def body() -> AsyncIterator[str]:
             try:
@@ -165,7 +164,7 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
                 await rest.aclose()  # type: ignore[attr-defined]
 
         return StreamingResponse(body(), media_type="text/event-stream")
-    finals = await all_finals([timed(state, p, sp_, r)
+    finals = await all_finals([timed(state, p, sp_, r, options)
                                for p, sp_, r in zip(prompts, results, rids, strict=True)])
     if prefill_only:
         for f in finals:
@@ -174,7 +173,7 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
                 o.logprobs = [] if o.logprobs is not None else None
                 o.finish_reason, o.stop_reason = "length", None
     out = [_result(state, req, f.rid, f, o) for f in finals for o in f.outputs]
-    return JSONResponse(out[0] if single and sp.n == 1 else out)
+    return JSONResponse(out[0] if single and results[0].n == 1 else out)
 
 
 async def server_info(state: ServerState) -> dict[str, Any]:

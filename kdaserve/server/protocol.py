@@ -25,8 +25,9 @@ from kdaserve.request import (
     MIN_REPETITION_PENALTY,
     Bootstrap,
     Grammar,
-    SamplingParams,
+    RequestOptions,
 )
+from kdaserve.server.sampling_policy import PARAMS as POLICED
 
 TokenId = Annotated[StrictInt, Field(ge=0, lt=2**31)]
 MAX_N = 128  # OpenAI's limit on n
@@ -207,6 +208,11 @@ class BootstrapFields(Strict):
                 {"if": {"anyOf": [given("bootstrap_host"), given("bootstrap_port")]},
                  "then": given("bootstrap_room")}]
 
+    def options(self, **records: Any) -> RequestOptions:
+        """The request's routing (and, from /generate, the records it asks for)."""
+        return RequestOptions(bootstrap=self.bootstrap(),
+                              data_parallel_rank=self.data_parallel_rank, **records)
+
     def bootstrap(self) -> Bootstrap | None:
         if self.bootstrap_room is None:
             if self.bootstrap_host is not None or self.bootstrap_port is not None:
@@ -216,6 +222,17 @@ class BootstrapFields(Strict):
             raise ValueError("bootstrap_room without bootstrap_host")
         return Bootstrap(self.bootstrap_host, self.bootstrap_port or SGLANG_BOOTSTRAP_PORT,
                          self.bootstrap_room)
+
+
+def shared_sampling_fields(m: SamplingFields | GenerateSampling) -> dict[str, Any]:
+    """What every endpoint's sampling fields share, by SamplingParams' names (None: omitted,
+    for the sampling policy or SamplingParams' defaults to fill)."""
+    return {**{p: getattr(m, p) for p in POLICED}, "seed": m.seed,
+            "stop": [m.stop] if isinstance(m.stop, str) else list(m.stop or []),
+            "stop_token_ids": list(m.stop_token_ids or []), "ignore_eos": m.ignore_eos,
+            "skip_special_tokens": m.skip_special_tokens,
+            "logit_bias": parse_logit_bias(m.logit_bias),
+            "grammar": constraint(m.regex, m.json_schema, m.ebnf)}
 
 
 class SamplingFields(BootstrapFields):
@@ -260,40 +277,12 @@ class SamplingFields(BootstrapFields):
     def schema_rules(cls) -> list[dict[str, Any]]:
         return [*super().schema_rules(), at_most_one(*GRAMMARS)]
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        values: dict[str, Any] | None = None, **extra: Any) -> SamplingParams:
-        """Raises ValueError naming the bad field. `values`: the sampling fields after a
-        sampling policy filled in its defaults (None: as the request gives them)."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        v = values if values is not None else self.model_dump()
-
-        def get(name: str, default: Any) -> Any:
-            return default if v.get(name) is None else v[name]
-
-        grammar = constraint(self.regex, self.json_schema, self.ebnf)
-        if grammar is not None:
-            extra["grammar"] = grammar
-        return SamplingParams(
-            n=get("n", 1),
-            temperature=get("temperature", 1.0),
-            top_p=get("top_p", 1.0),
-            top_k=get("top_k", 0),
-            min_p=get("min_p", 0.0),
-            presence_penalty=get("presence_penalty", 0.0),
-            frequency_penalty=get("frequency_penalty", 0.0),
-            repetition_penalty=get("repetition_penalty", 1.0),
-            max_tokens=max_tokens,
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            min_tokens=check_min_tokens("min_tokens", self.min_tokens, "max_tokens", max_tokens),
-            logit_bias=parse_logit_bias(self.logit_bias),
-            bootstrap=self.bootstrap(), data_parallel_rank=self.data_parallel_rank,
-            **extra,
-        )
+    def sampling_fields(self, max_tokens: int) -> dict[str, Any]:
+        """The sampling fields by SamplingParams' names, None where omitted (server/sampling.py
+        builds the SamplingParams); ValueError naming a bad field."""
+        return {**shared_sampling_fields(self), "max_tokens": max_tokens,
+                "min_tokens": check_min_tokens("min_tokens", self.min_tokens, "max_tokens",
+                                               max_tokens)}
 
 
 class CompletionRequest(SamplingFields):
@@ -358,19 +347,19 @@ class GenerateSampling(Strict):
 
     max_new_tokens: Count | None = 128  # 0: prefill only (a prefix-cache warm-up / scoring)
     min_new_tokens: Count | None = 0
-    temperature: float | None = Field(1.0, ge=0)
-    top_p: float | None = Field(1.0, gt=0, le=1)
-    top_k: int | None = Field(-1, ge=-1, lt=2**31)
-    min_p: float | None = Field(0.0, ge=0, le=1)
-    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
-    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float | None = Field(1.0, ge=MIN_REPETITION_PENALTY,
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)
+    min_p: float | None = Field(None, ge=0, le=1)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY,
                                              le=MAX_REPETITION_PENALTY)
     stop: Stop | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOPS)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     seed: Seed | None = Field(default=None, alias="sampling_seed")
     logit_bias: LogitBias | None = None
     regex: str | None = None
@@ -386,28 +375,12 @@ class GenerateSampling(Strict):
     def schema_rules(cls) -> list[dict[str, Any]]:
         return [at_most_one(*GRAMMARS)]
 
-    def to_params(self, logprobs: int | None, **extra: Any) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        grammar = constraint(self.regex, self.json_schema, self.ebnf)
-        if grammar is not None:
-            extra["grammar"] = grammar
+    def sampling_fields(self) -> dict[str, Any]:
+        """As SamplingFields.sampling_fields (max_new_tokens 0, prefill only, samples one)."""
         max_tokens = max(self.max_new_tokens if self.max_new_tokens is not None else 128, 1)
-
-        def d(v: Any, default: Any) -> Any:
-            return default if v is None else v
-
-        return SamplingParams(
-            n=self.n, temperature=d(self.temperature, 1.0), top_p=d(self.top_p, 1.0),
-            top_k=d(self.top_k, -1), min_p=d(self.min_p, 0.0),
-            frequency_penalty=d(self.frequency_penalty, 0.0),
-            presence_penalty=d(self.presence_penalty, 0.0),
-            repetition_penalty=d(self.repetition_penalty, 1.0),
-            max_tokens=max_tokens, seed=self.seed, ignore_eos=self.ignore_eos,
-            stop=stop, stop_token_ids=list(self.stop_token_ids or []), logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            min_tokens=check_min_tokens("min_new_tokens", self.min_new_tokens or 0,
-                                        "max_new_tokens", max_tokens),
-            logit_bias=parse_logit_bias(self.logit_bias), **extra)
+        return {**shared_sampling_fields(self), "max_tokens": max_tokens,
+                "min_tokens": check_min_tokens("min_new_tokens", self.min_new_tokens or 0,
+                                               "max_new_tokens", max_tokens)}
 
 
 class GenerateRequest(BootstrapFields):

@@ -322,7 +322,7 @@ async def create_response(state: ServerState, req: ResponsesRequest) -> Response
             "error": None}
     builder = Builder(head, req.parallel_tool_calls)
     parser = chat.format.parser(plan.thinking, plan.use_tools, plan.reasoning)
-    stream = timed(state, plan.ids, plan.params, rid)
+    stream = timed(state, plan.ids, plan.params, rid, plan.options)
     _, rest = await first_then_rest(stream)
 
     async def run() -> AsyncIterator[dict[str, Any]]:

@@ -16,9 +16,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kdaserve.client.request_client import EngineError, RequestClient
-from kdaserve.request import RequestOutput, SamplingParams
+from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.protocol import error_body
+from kdaserve.server.sampling import Sampling
 from kdaserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -63,9 +64,14 @@ class ServerState:
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     paused: bool = False
     weight_version: str = "default"
+    # every endpoint's way to SamplingParams (server/sampling.py): the chat handler's, which
+    # knows the chat format's default mode, when there is one
+    sampling: Sampling = field(default_factory=Sampling)
 
     def __post_init__(self) -> None:
         self.gate.set()
+        if self.chat is not None:
+            self.sampling = self.chat.sampling
 
     def engine_restarted(self) -> None:
         """A restarted engine serves its start-up checkpoint, unpaused: say so."""
@@ -95,14 +101,15 @@ def stream_error(e: Exception) -> str:
 
 
 async def timed(state: ServerState, prompt_ids: list[int], params: SamplingParams,
-                rid: str) -> AsyncIterator[RequestOutput]:
+                rid: str, options: RequestOptions | None = None,
+                ) -> AsyncIterator[RequestOutput]:
     """The engine stream of one request, recording TTFT / ITL / E2E and finish reasons."""
     limits = state.limits
     start = last_at = time.perf_counter()
     first = True
     timeout = limits.request_timeout
     await state.gate.wait()  # a weight update in progress
-    gen = state.client.generate(prompt_ids, params, rid)
+    gen = state.client.generate(prompt_ids, params, rid, options)
     state.in_flight += params.n
     try:
         while True:

@@ -74,8 +74,8 @@ def trim_drafts(running: list[Request]) -> None:
         if not req.draft_ids:
             continue
         p, k = req.params, len(req.draft_ids)
-        if p.logit_bias or len(req.output_ids) < p.min_tokens or p.return_routed_experts \
-                or p.return_hidden_states:
+        records = req.options.return_routed_experts or req.options.return_hidden_states
+        if p.logit_bias or len(req.output_ids) < p.min_tokens or records:
             req.draft_ids = []  # verification samples raw rows: bias and bans need plain
             continue
         if p.reasoning_budget is not None and not req.reasoning_done \

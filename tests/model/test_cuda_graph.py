@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdaserve import LLM, SamplingParams
+from kdaserve import LLM, RequestOptions, SamplingParams
 from kdaserve.config import EngineConfig
 from kdaserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
 from kdaserve.forward_batch import ForwardBatch
@@ -105,9 +105,10 @@ def test_steps_a_graph_cannot_hold_run_eagerly(tiny_ckpt: Path) -> None:
         prompt_token_ids=ps, sampling_params=SamplingParams(temperature=0, max_tokens=4))]
     llm = LLM(tiny_ckpt)
     ran = attach(llm, max_bs=8)
+    params = SamplingParams(temperature=0, max_tokens=4)
     for extra in ({"return_routed_experts": True}, {"return_hidden_states": True}):
-        params = SamplingParams(temperature=0, max_tokens=4, **extra)
-        got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params)]
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=params,
+                                                 options=RequestOptions(**extra))]
         assert got == want and ran == []
     got = [o.token_ids for o in llm.generate(
         prompt_token_ids=ps, sampling_params=SamplingParams(temperature=0, max_tokens=4))]

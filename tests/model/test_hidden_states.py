@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdaserve import LLM, SamplingParams
+from kdaserve import LLM, RequestOptions, SamplingParams
 
 from .conftest import clear_prompt
 
@@ -33,9 +33,11 @@ def prompts(tiny_ckpt: Path) -> list[list[int]]:
     return [clear_prompt(llm, n, seed=300 + n, continuation=NEW) for n in (1, 9, 40, 75)]
 
 
+HIDDEN = RequestOptions(return_hidden_states=True)
+
+
 def params(**kw) -> SamplingParams:
-    return SamplingParams(**{"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True,
-                             "return_hidden_states": True, **kw})
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": NEW, "ignore_eos": True, **kw})
 
 
 def test_hidden_states_batched_and_chunked_match_transformers(tiny_ckpt: Path, prompts,
@@ -43,7 +45,8 @@ def test_hidden_states_batched_and_chunked_match_transformers(tiny_ckpt: Path, p
     llm = LLM(tiny_ckpt, max_num_batched_tokens=16, block_size=8)
     plain = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=prompts + prompts[:2],
-                        sampling_params=[params()] * len(prompts) + [plain] * 2)
+                        sampling_params=[params()] * len(prompts) + [plain] * 2,
+                        options=[HIDDEN] * len(prompts) + [RequestOptions()] * 2)
     for p, out in zip(prompts, outs, strict=False):
         check(llm, p, out, hf_tiny)
     assert all(o.outputs[0].hidden_states is None for o in outs[len(prompts):])
@@ -54,11 +57,12 @@ def test_hidden_states_on_a_prefix_hit_and_after_preemption(tiny_ckpt: Path, pro
     llm = LLM(tiny_ckpt, block_size=4, snapshot_interval=16, max_total_tokens=200,
               max_num_batched_tokens=32)
     p = prompts[3]
-    llm.generate(prompt_token_ids=[p], sampling_params=params(return_hidden_states=False))
-    hit = llm.generate(prompt_token_ids=[p], sampling_params=params())[0]
+    llm.generate(prompt_token_ids=[p], sampling_params=params())
+    hit = llm.generate(prompt_token_ids=[p], sampling_params=params(), options=HIDDEN)[0]
     assert hit.num_cached_tokens == 0  # every row must run to produce its hidden state
     check(llm, p, hit)
-    outs = llm.generate(prompt_token_ids=prompts * 3, sampling_params=params(max_tokens=20))
+    outs = llm.generate(prompt_token_ids=prompts * 3, sampling_params=params(max_tokens=20),
+                        options=HIDDEN)
     assert llm.get_metrics()["num_preemptions"] > 0
     for q, out in zip(prompts * 3, outs, strict=True):
         check(llm, q, out)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kdaserve import LLM, SamplingParams
+from kdaserve import LLM, RequestOptions, SamplingParams
 from kdaserve.checkpoint import make_checkpoint, preset_config
 from kdaserve.speculative.block import make_block_drafter
 from kdaserve.speculative.dspark import make_dspark_drafter
@@ -86,9 +86,9 @@ def test_hidden_states_and_routing_match_mlx(k3_ckpt: Path, prompts: list[list[i
     against mlx-lm's final-normed hidden states and its router's choices on the whole
     sequence."""
     llm = LLM(k3_ckpt, max_num_batched_tokens=24)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
-                            return_hidden_states=True, return_routed_experts=True)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, options=RequestOptions(
+        return_hidden_states=True, return_routed_experts=True))
     compared = 0
     for p, out in zip(prompts, outs, strict=True):
         seq = p + out.token_ids[:-1]  # the last token was never forwarded

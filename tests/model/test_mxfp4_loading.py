@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kdaserve import LLM, SamplingParams
+from kdaserve import LLM, RequestOptions, SamplingParams
 from kdaserve.checkpoint import make_checkpoint
 from kdaserve.config import ModelConfig
 from kdaserve.hub_schema import MXFP4_CONFIG, expert_format_of
@@ -164,7 +164,8 @@ def test_pd_fingerprint_and_routing_replay_see_the_format(k3_ckpt: Path,
     llm = LLM(mxfp4_ckpt)
     ids = [5, 99, 7, 1000, 42, 3, 8, 8]
     out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(
-        temperature=0.0, max_tokens=4, ignore_eos=True, return_routed_experts=True))[0]
+        temperature=0.0, max_tokens=4, ignore_eos=True),
+        options=RequestOptions(return_routed_experts=True))[0]
     got = out.outputs[0].routed_experts
     seen: list[torch.Tensor] = []
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdaserve import LLM, SamplingParams
+from kdaserve import LLM, RequestOptions, SamplingParams
 from kdaserve.engine.native_decode import NativeDecode
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import use_backend
@@ -101,9 +101,9 @@ def test_native_decode_steps_aside(tiny_ckpt: Path) -> None:
     asked: list[bool] = []
     real = native.takes
     native.takes = lambda batch: asked.append(real(batch)) or asked[-1]  # type: ignore
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
-                            return_routed_experts=True)
-    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=params,
+                 options=RequestOptions(return_routed_experts=True))
     assert asked == [False, False, False]  # the prefill, then two decodes with routing
     asked.clear()
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kdaserve import LLM, SamplingParams
+from kdaserve import LLM, RequestOptions, SamplingParams
 from kdaserve.layers.moe import MoE
 
 from .conftest import MIN_MARGIN, routing_margin
@@ -68,9 +68,9 @@ def test_routed_experts_equal_a_plain_forward(tiny_ckpt: Path, hf_tiny) -> None:
             prompts.append(p)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(
         temperature=0, max_tokens=2, ignore_eos=True))  # cached: replay must bypass it
-    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True,
-                        return_routed_experts=True)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+    sp = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp,
+                        options=RequestOptions(return_routed_experts=True))
     assert llm.get_metrics()["num_preemptions"] > 0
     compared_hf = 0
     for p, out in zip(prompts, outs, strict=True):
@@ -86,9 +86,8 @@ def test_routed_experts_equal_a_plain_forward(tiny_ckpt: Path, hf_tiny) -> None:
             assert torch.equal(hf.sort(-1).values, want.sort(-1).values)
             compared_hf += 1
     assert compared_hf > 0
-    start = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True,
-                           return_routed_experts=True, routed_experts_start=3)
-    out = llm.generate(prompt_token_ids=prompts[1:2], sampling_params=start)[0]
+    out = llm.generate(prompt_token_ids=prompts[1:2], sampling_params=sp, options=RequestOptions(
+        return_routed_experts=True, routed_experts_start=3))[0]
     full = outs[1].outputs[0].routed_experts
     assert torch.equal(out.outputs[0].routed_experts, full[3:])
     llm.check_integrity()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdaserve import LLM, SamplingParams
+from kdaserve import LLM, RequestOptions, SamplingParams
 from kdaserve.engine import llm_engine
 from kdaserve.engine.native_decode import Unsupported
 from kdaserve.kernels import resolve_kernels
@@ -95,9 +95,9 @@ def test_int8_and_routing_replay_with_the_fused_slot(tiny_ckpt: Path,
     fused = fused_llm(monkeypatch, tiny_ckpt, kernel_backend="ref", quantization="int8")
     plain = LLM(tiny_ckpt, kernel_backend="ref", quantization="int8")
     same(run(fused), run(plain))
-    replay = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
-                            return_routed_experts=True)
-    a, b = (llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=replay)[0]
+    replay = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    a, b = (llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=replay,
+                         options=RequestOptions(return_routed_experts=True))[0]
             for llm in (fused, plain))
     assert a.token_ids == b.token_ids
     ra, rb = (torch.as_tensor(o.outputs[0].routed_experts) for o in (a, b))

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kdaserve.client.request_client import EngineClient
-from kdaserve.request import CompletionOutput, RequestOutput, SamplingParams
+from kdaserve.request import CompletionOutput, RequestOptions, RequestOutput, SamplingParams
 from kdaserve.server.api import ServerState, create_app
 from kdaserve.server.chat import ChatHandler
 from kdaserve.server.chat_template import ChatTemplate
@@ -41,7 +41,8 @@ class ScriptedEngine(EngineClient):
         raise AssertionError("scripted engine takes no commands")
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       rid: str | None = None) -> AsyncIterator[RequestOutput]:
+                       rid: str | None = None, options: RequestOptions | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         assert params is not None
         self.seen_params.append(params)
         for end in range(3, len(self.script) + 3, 3):

@@ -277,6 +277,19 @@ def test_malformed_requests_are_400(http: httpx.Client, k3_server: ServerProc, c
                 "frequency": "frequency_penalty"}.get(param, param) in r.json()["error"]["message"]
 
 
+def test_the_policy_holds_for_raw_prompts_too(http: httpx.Client) -> None:
+    """Completions and /generate build their SamplingParams the same way as chat: a value the
+    policy refuses is a 400 naming it there as well."""
+    r = http.post("/v1/completions", json={"model": "k3", "prompt": "x", "max_tokens": 2,
+                                           "temperature": 1.1})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"], r.text
+    r = http.post("/generate", json={"text": "x", "sampling_params": {
+        "max_new_tokens": 2, "top_p": 0.8}})
+    assert r.status_code == 400 and "top_p" in r.json()["error"]["message"], r.text
+    ok = http.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200, ok.text
+
+
 def test_policy_defaults_and_allowed_values(http: httpx.Client) -> None:
     for extra in ({}, {"temperature": 0.6}, {"temperature": 0.0, "top_p": 0.95, "n": 1,
                                                "presence_penalty": 0, "frequency_penalty": 0}):

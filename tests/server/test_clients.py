@@ -165,6 +165,15 @@ def test_sglang_regex_json_schema_ebnf(http: httpx.Client, client: openai.OpenAI
     r = client.completions.create(model=model, prompt="x", max_tokens=8, temperature=0,
                                   extra_body={"regex": "(ab)+"})
     assert re.fullmatch("(ab)+", r.choices[0].text)
+    # chat takes them too (the answer is what they constrain), but not beside a format of its
+    # own: tools or response_format
+    c = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=8, temperature=0, extra_body={"regex": "(ab)+"})
+    assert re.fullmatch("(ab)+", c.choices[0].message.content or "")
+    both = http.post("/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": "x"}], "regex": "a",
+        "response_format": {"type": "json_object"}})
+    assert both.status_code == 400 and "regex" in both.json()["error"]["message"]
     bad = http.post("/generate", json={"text": "x", "sampling_params": {
         "regex": "a", "ebnf": 'root ::= "a"'}})
     assert bad.status_code == 400 and "at most one" in bad.json()["error"]["message"]

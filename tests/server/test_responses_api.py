@@ -23,7 +23,7 @@ from openai.types.responses import Response, ResponseItemList, ResponseStreamEve
 from pydantic import TypeAdapter
 
 from kdaserve.client.request_client import EngineClient
-from kdaserve.request import CompletionOutput, RequestOutput, SamplingParams
+from kdaserve.request import CompletionOutput, RequestOptions, RequestOutput, SamplingParams
 from kdaserve.server.api import ServerState, create_app
 from kdaserve.server.chat import ChatHandler
 from kdaserve.server.chat_template import ChatTemplate
@@ -145,7 +145,8 @@ class ScriptedEngine(EngineClient):
         raise AssertionError("the scripted engine takes no commands")
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       rid: str | None = None) -> AsyncIterator[RequestOutput]:
+                       rid: str | None = None, options: RequestOptions | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         for end in range(3, len(SCRIPT) + 3, 3):
             done = end >= len(SCRIPT)
             yield RequestOutput(rid or "r", list(prompt), [CompletionOutput(

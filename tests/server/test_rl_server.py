@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from kdaserve import LLM, SamplingParams
+from kdaserve import LLM, RequestOptions, SamplingParams
 from kdaserve.checkpoint import make_checkpoint
 from tests.ports import free_port
 
@@ -187,8 +187,8 @@ def test_routed_experts_in_meta_info(h: httpx.Client, tiny_ckpt: Path) -> None:
     post(h, "/update_weights_from_disk", {"model_path": str(tiny_ckpt)})
     llm = LLM(tiny_ckpt)
     want = llm.generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
-        temperature=0, max_tokens=NEW, ignore_eos=True, return_routed_experts=True,
-        routed_experts_start=2))[0].outputs[0].routed_experts
+        temperature=0, max_tokens=NEW, ignore_eos=True), options=RequestOptions(
+        return_routed_experts=True, routed_experts_start=2))[0].outputs[0].routed_experts
     r = h.post("/generate", json={"input_ids": PROMPT, "return_routed_experts": True,
                                   "routed_experts_start_len": 2, "sampling_params": {
                                       "max_new_tokens": NEW, "temperature": 0,
@@ -202,7 +202,7 @@ def test_routed_experts_in_meta_info(h: httpx.Client, tiny_ckpt: Path) -> None:
 def test_hidden_states_in_meta_info(h: httpx.Client, tiny_ckpt: Path) -> None:
     post(h, "/update_weights_from_disk", {"model_path": str(tiny_ckpt)})
     want = LLM(tiny_ckpt).generate(prompt_token_ids=[PROMPT], sampling_params=SamplingParams(
-        temperature=0, max_tokens=NEW, ignore_eos=True,
+        temperature=0, max_tokens=NEW, ignore_eos=True), options=RequestOptions(
         return_hidden_states=True))[0].outputs[0].hidden_states
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NEW, "temperature": 0,
                                                      "ignore_eos": True}}

@@ -82,10 +82,10 @@ class DecodeSide(Side):
                 [r.slot for r in self.inflight.values()])
 
     def add(self, req: Request) -> None:
-        b = req.params.bootstrap
+        b = req.options.bootstrap
         assert b is not None  # checked by the engine
         check_host(b.host)
-        if b.room in self.inflight or any(r.params.bootstrap.room == b.room  # type: ignore
+        if b.room in self.inflight or any(r.options.bootstrap.room == b.room  # type: ignore
                                           for r, _ in self.pending):
             raise ValueError(f"bootstrap_room {b.room} is already in use")
         self._peer((b.host, b.port))  # connects now: a bad address is this request's 400
@@ -155,7 +155,7 @@ class DecodeSide(Side):
         for key, peer in list(self.peers.items()):
             rooms = [room for room, inc in self.inflight.items() if inc.peer == key]
             if not rooms:
-                if not any((r.params.bootstrap.host, r.params.bootstrap.port) == key  # type: ignore
+                if not any((r.options.bootstrap.host, r.options.bootstrap.port) == key  # type: ignore
                            for r, _ in self.pending):
                     peer.sock.close(linger=0)
                     del self.peers[key]
@@ -208,7 +208,7 @@ class DecodeSide(Side):
             if need > blocks.num_free or states.num_free == 0:
                 return
             self.pending.popleft()
-            b = req.params.bootstrap
+            b = req.options.bootstrap
             assert b is not None
             # the slot is zeroed: nothing of an earlier request shows through if a peer
             # claims "done" without writing

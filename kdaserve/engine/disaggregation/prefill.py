@@ -77,7 +77,7 @@ class PrefillSide(Side):
         return [], []  # nothing here is held outside the scheduler
 
     def add(self, req: Request) -> None:
-        room = req.params.bootstrap.room  # type: ignore[union-attr] - checked by the engine
+        room = req.options.bootstrap.room  # type: ignore[union-attr] - checked by the engine
         if room in self.waiting or room in self.active:
             raise ValueError(f"bootstrap_room {room} is already in use")
         self.ended.pop(room, None)  # a room may be used again once its last use ended
