@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,6 +19,17 @@ from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 __all__ = ["LLM", "resolve_model_path"]
 
 logger = logging.getLogger("kdaserve")
+T = TypeVar("T")
+
+
+def per_prompt(name: str, given: T | list[T] | None, default: Callable[[], T],
+               n: int) -> list[T]:
+    """One value for each of n prompts: a list of them, or one (or the default) for all."""
+    if isinstance(given, list):
+        if len(given) != n:
+            raise ValueError(f"{name} list must match the number of prompts")
+        return given
+    return [given if given is not None else default()] * n
 
 
 class LLM:
@@ -73,24 +85,14 @@ class LLM:
             raise ValueError("pass exactly one of prompts or prompt_token_ids")
         inputs: list[str | list[int]] = list(prompts if prompts is not None
                                              else prompt_token_ids)  # type: ignore[arg-type]
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(inputs):
-                raise ValueError("sampling_params list must match the number of prompts")
-            params = sampling_params
-        else:
-            params = [sampling_params or SamplingParams()] * len(inputs)
+        params = per_prompt("sampling_params", sampling_params, SamplingParams, len(inputs))
+        opts = per_prompt("options", options, RequestOptions, len(inputs))
         encoded = [self.engine.encode(x) for x in inputs]
         for ids, p in zip(encoded, params, strict=True):
             if len(ids) + p.max_tokens > self.engine.scheduler.max_request_tokens():
                 raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} "
                                  "exceeds the KV cache capacity "
                                  f"({self.engine.scheduler.max_request_tokens()} tokens)")
-        if isinstance(options, list):
-            if len(options) != len(inputs):
-                raise ValueError("options list must match the number of prompts")
-            opts = options
-        else:
-            opts = [options or RequestOptions()] * len(inputs)
         rids = [self.engine.add_request(ids, p, options=o)
                 for ids, p, o in zip(encoded, params, opts, strict=True)]
         finished: dict[str, RequestOutput] = {}
