@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         gsm8k,
         kernels,
         prefix_cache,
+        report,
         scoring,
         serving,
         soak,
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     weight_sync.add_parser(bench_sub)
     disaggregation.add_parser(bench_sub)
     accuracy.add_parser(bench_sub)
+    report.add_parser(bench_sub)
     from kdaserve.training import drafter as train_drafter
     from kdaserve.training import lm as train_lm
     from kdaserve.training import token_map

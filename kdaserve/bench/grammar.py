@@ -29,7 +29,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default="bench")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--batch", default="1,16")
-    p.add_argument("--out", default="bench_grammar.json")
+    p.add_argument("--out", default="bench_results/grammar.json")
     p.set_defaults(func=run)
 
 

@@ -9,9 +9,10 @@ vocabulary; the report gives both times, their ratio and the extra work's achiev
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
+
+from kdaserve.bench import write_result
 
 
 def add_parser(sub: Any) -> None:
@@ -21,7 +22,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--top", type=int, default=1, help="top logprobs per prompt position")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="bench_scoring.json")
+    p.add_argument("--out", default="bench_results/scoring.json")
     p.set_defaults(func=run)
 
 
@@ -65,5 +66,4 @@ def run(args: argparse.Namespace) -> None:
         print(f"{r['length']:>7} {r['plain_tok_s']:>12.0f} {r['scored_tok_s']:>13.0f} "
               f"{r['scored_vs_plain']:>6.2f} {r['extra_gflop']:>12.1f} "
               f"{r['extra_gflop_s']:>14.1f}")
-    with open(args.out, "w") as f:
-        json.dump({"model": args.model, "top": args.top, "rows": rows}, f, indent=2)
+    write_result(args.out, {"model": args.model, "top": args.top, "rows": rows})

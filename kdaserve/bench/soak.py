@@ -40,7 +40,7 @@ def add_parser(sub: Any) -> None:
                    help="KV cache of the started server (small: preemption under load)")
     p.add_argument("--port", type=int, default=30711)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench_soak.json")
+    p.add_argument("--out", default="bench_results/soak.json")
     p.set_defaults(func=run)
 
 

@@ -21,7 +21,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("weight-sync", help="refit time per method (disk, tensor, distributed)")
     p.add_argument("--model", default="bench")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="bench_weight_sync.json")
+    p.add_argument("--out", default="bench_results/weight_sync.json")
     p.set_defaults(func=run)
 
 

@@ -73,7 +73,7 @@ LIBRARIES = {
         "sigmoid_mul_f32": [_P] * 3 + [_I],
         "attn_res_norm_f32": [_P, _I, _P, _P, _F, _P, _F, _P, _I, _I],
         "copy_blocks": [_P] + [_I] * 3 + [_P] * 2 + [_I],
-        "read_f32": ([_P, _I], _F),
+        "read_f32": ([_P, _I, _I], _F),
     }),
     # No fused multiply-add contraction: each value's operations are fixed by the source alone
     # (deterministic inference; see the file's header).

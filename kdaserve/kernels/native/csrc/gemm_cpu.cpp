@@ -8,6 +8,7 @@
 #include <cstdint>
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <omp.h>
 #endif
 #include <memory>
 #include <type_traits>
@@ -128,16 +129,31 @@ void linear_small_int8w(const float* x, const int8_t* w, const float* scale, flo
 // Sum of n floats over the OpenMP team: the streaming-read probe of bench/roofline.py (the
 // result only keeps the loop from being optimised away). 8-float vectors with 8 accumulators:
 // measured 48 GB/s here where the 16-float vector type of the kernels above reached 30 (GCC
-// lowers it to AVX2 pairs and the loop stalls on them).
-float read_f32(const float* x, int64_t n) {
+// lowers it to AVX2 pairs and the loop stalls on them). `streams`: each thread reads its share
+// as that many interleaved sequential streams, 256 bytes of each in turn, as a matrix-vector
+// kernel walks several weight rows at once: on some hosts (a Zen 4 VM) more streams per core
+// read faster than one, and the probe must find the machine's best, not one pattern's.
+float read_f32(const float* x, int64_t n, int64_t streams) {
   typedef float v8 __attribute__((vector_size(32)));
   float total = 0.0f;
   const int64_t blocks = n / 64;
+  if (streams < 1) streams = 1;
 #pragma omp parallel reduction(+ : total)
   {
     v8 acc[8] = {};
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < blocks; ++i)
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t lo = blocks * t / nt, hi = blocks * (t + 1) / nt;
+    const int64_t per = (hi - lo) / streams;  // blocks of each stream
+    for (int64_t i = 0; i < per; ++i)
+      for (int64_t s = 0; s < streams; ++s) {
+        const float* p = x + 64 * (lo + s * per + i);
+        for (int j = 0; j < 8; ++j) {
+          v8 v;
+          __builtin_memcpy(&v, p + 8 * j, sizeof(v));
+          acc[j] += v;
+        }
+      }
+    for (int64_t i = lo + per * streams; i < hi; ++i)  // what the streams left
       for (int j = 0; j < 8; ++j) {
         v8 v;
         __builtin_memcpy(&v, x + 64 * i + 8 * j, sizeof(v));
