@@ -93,7 +93,7 @@ def _llama_cpp(gguf: str, n_ctx: int) -> tuple[Logits, Greedy]:
     except ImportError as e:
         raise ValueError("--gguf needs llama-cpp-python (`llama_cpp`) importable") from e
     # llama.cpp's CPU weight repacking aborts in ggml's scheduler for this architecture's
-    # q8_0 tensors (0.3.36); the llama-bench runs in docs/benchmarks.md use --repack 0 too.
+    # q8_0 tensors (0.3.36); the llama-bench runs in docs/benchmarks_log.md use --repack 0 too.
     default = llama_cpp.llama_cpp.llama_model_default_params
 
     def no_repack() -> Any:

@@ -5,7 +5,8 @@ docs/benchmarks_log.md.
 
 Every result carries its run (`write_result`): the command, the UTC date, the host (CPU, cores,
 the native kernels' instruction-set level, torch) and the commit. Each is one section: its
-run, its top-level settings, and its rows as a table, columns in the order the bench wrote them.
+run, its top-level settings, and its rows (and any other list of records) as tables, columns
+in the order the bench wrote them.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def render(results: list[tuple[str, dict[str, Any]]]) -> str:
         if settings:
             out += ["Settings: " + ", ".join(f"{k} {_cell(v)}" for k, v in settings.items())
                     + ".", ""]
-        rows = result.get("rows")
-        if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
-            out += table(rows) + [""]
+        for key, value in result.items():  # "rows" and any other list of records
+            if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
+                out += ([] if key == "rows" else [f"`{key}`:", ""]) + table(value) + [""]
     return "\n".join(out)
 
 

@@ -1,6 +1,6 @@
 """Weight-only int8 on a CPU (`quantization="int8"`): projections and experts quantized per
 row once loaded; the engine computes what fp32 arithmetic on the dequantized weights computes
-(how far that is from the float weights is measured in docs/benchmarks.md); weight updates are
+(how far that is from the float weights is measured in docs/benchmarks_log.md); weight updates are
 refused, not half done."""
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def test_bf16_checkpoint_serves_as_fp32(tiny_ckpt: Path) -> None:
 
 def test_fp32_checkpoint_is_served_on_its_bf16_rounding(small_ckpt: Path) -> None:
     """The bf16 path computes what fp32 arithmetic on the rounded weights computes (how far
-    that is from the fp32 weights' output is a property of the model: docs/benchmarks.md)."""
+    that is from the fp32 weights' output is a property of the model: docs/benchmarks_log.md)."""
     bf16 = LLM(small_ckpt, dtype="bfloat16")
     rounded = LLM(small_ckpt)
     with torch.no_grad():
