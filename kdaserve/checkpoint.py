@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from kdaserve.config import DENSE, KDA, MLA, MOE, ModelConfig
+from kdaserve.hub_writer import hub_dict
 from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.parallel import full_shape
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
@@ -191,7 +192,7 @@ def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: i
     (out / RANDOM_MARKER).write_text(
         f"Random weights written by `kdaserve make-checkpoint` (preset/config above, seed "
         f"{seed}): for tests and benchmarks; the text this model generates is meaningless.\n")
-    hub = config.to_hub_dict()
+    hub = hub_dict(config)
     if with_tokenizer and tokenizer is None:
         layout = "k3" if config.tensor_prefix else "k2"  # K3's special ids (k3_spec.md 6.2)
         write_kimi_tokenizer(out, config.vocab_size - NUM_SPECIAL, layout=layout)

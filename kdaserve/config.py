@@ -21,7 +21,6 @@ from kdaserve.hub_schema import (
     MOE,
     MXFP4_GROUP,
     expert_format_of,
-    hub_dict,
     k3_fields,
     layer_types_of,
     mlp_types_of,
@@ -237,11 +236,6 @@ class ModelConfig:
             expert_format=expert_format,
             **k3,
         )
-
-    def to_hub_dict(self) -> dict[str, Any]:
-        """Moonshot's hub schema (what `make-checkpoint` writes): Kimi Linear's flat config,
-        or K3's `kimi_k3` wrapper around its text config."""
-        return hub_dict(self)
 
     def summary(self) -> str:
         d = asdict(self)

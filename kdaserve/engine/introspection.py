@@ -4,19 +4,16 @@ prefix-cache flush (an object the engine holds, apart so its request path reads 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kdaserve.checkpoint import RANDOM_MARKER
+from kdaserve.engine.parts import EngineParts
 from kdaserve.layers.parallel import COMM
-
-if TYPE_CHECKING:  # the engine builds this object
-    from kdaserve.engine.llm_engine import LLMEngine
 
 
 class Introspection:
     """What an engine reports about itself, read from the engine it is given."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineParts) -> None:
         self.engine = engine
 
     def summary(self) -> str:

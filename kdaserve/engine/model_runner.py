@@ -13,7 +13,7 @@ from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.engine.cuda_graph import CudaGraphRunner
 from kdaserve.engine.native_decode import NativeDecode
-from kdaserve.engine.overlap import resolve_inputs
+from kdaserve.engine.placeholders import resolve_inputs
 from kdaserve.engine.tensor_parallel import Followers
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM

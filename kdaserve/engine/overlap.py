@@ -19,33 +19,19 @@ every step reads its tokens before the next is scheduled (`overlappable`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
 from kdaserve.engine.logprobs import Picked
+from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.outputs import OutputProcessor, group_id
+from kdaserve.engine.placeholders import placeholder
 from kdaserve.engine.sampler import Drawn, Sampler, SamplerOutput
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.request import Request, RequestOutput
 from kdaserve.scheduled_batch import ScheduledBatch
 
-if TYPE_CHECKING:  # the runner imports resolve_inputs from here
-    from kdaserve.engine.model_runner import ModelRunner
-
 logger = logging.getLogger("kdaserve")
-
-
-def placeholder(row: int) -> int:
-    """The output token standing for row `row` of the step in flight."""
-    return -1 - row
-
-
-def resolve_inputs(input_ids: torch.Tensor, future: torch.Tensor) -> torch.Tensor:
-    """input_ids with each placeholder replaced by its row of `future` (the step in flight's
-    sampled tokens); device ops only, so nothing waits for that step."""
-    picked = future[(-1 - input_ids).clamp(min=0)]
-    return torch.where(input_ids < 0, picked, input_ids)
 
 
 def _pinned_copy(t: torch.Tensor) -> torch.Tensor:

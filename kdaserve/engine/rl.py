@@ -17,16 +17,14 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 
 from kdaserve.engine import weights
+from kdaserve.engine.parts import EngineParts
 from kdaserve.layers.parallel import full_shape
-
-if TYPE_CHECKING:  # the engine imports this module (EngineAsleep)
-    from kdaserve.engine.llm_engine import LLMEngine
 
 TAGS = ("weights", "kv_cache")
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -77,7 +75,7 @@ class RLControl:
     update groups, paused generation, released memory and the sizes to restore it) and the
     calls a trainer makes on it."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineParts) -> None:
         self.engine = engine
         self.weight_version = "default"
         self.weights_source: Path | None = Path(engine.path)

@@ -26,6 +26,7 @@ from kdaserve.client.request_client import EngineError
 from kdaserve.request import SamplingParams
 from kdaserve.server import native, response_store, rl
 from kdaserve.server import openapi as oa
+from kdaserve.server.chat import chat_handler
 from kdaserve.server.completions import create_completion
 from kdaserve.server.guards import ApiKeyMiddleware, BodyGuard
 from kdaserve.server.protocol import (
@@ -257,7 +258,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=oa.ChatCompletionResponse,
               responses=oa.responses(oa.ChatCompletionResponse, oa.GENERATION, stream=True))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await until_disconnect(request, state.need_chat().handle(state, req))
+        return await until_disconnect(request, chat_handler(state).handle(state, req))
 
     @app.post("/v1/responses", response_model=oa.ResponseObject,
               responses=oa.responses(oa.ResponseObject, oa.GENERATION, stream=True))
@@ -273,12 +274,12 @@ def create_app(state: ServerState) -> FastAPI:
         """A stored response as it was returned (`include_obfuscation`: a stream option, and
         no stream is replayed here)."""
         return response_store.unknown_query(request, {"include_obfuscation"}) \
-            or response_store.retrieve(state, response_id)
+            or response_store.retrieve(state.responses, response_id)
 
     @app.delete("/v1/responses/{response_id}", response_model=oa.ResponseDeleted,
                 responses=oa.responses(oa.ResponseDeleted, oa.STORED))
     async def delete_response(response_id: str) -> Response:
-        return response_store.delete(state, response_id)
+        return response_store.delete(state.responses, response_id)
 
     @app.get("/v1/responses/{response_id}/input_items", response_model=oa.ResponseItemList,
              responses=oa.responses(oa.ResponseItemList, {**oa.STORED, 400: oa._error(
@@ -289,8 +290,8 @@ def create_app(state: ServerState) -> FastAPI:
             limit: Annotated[int, Query(ge=1, le=response_store.MAX_PAGE)] = 20,
             order: Literal["asc", "desc"] = "desc", after: str | None = None) -> Response:
         """A stored response's input context (the responses it continues, then its input)."""
-        return response_store.unknown_query(request, {"limit", "order", "after"}) \
-            or response_store.list_input_items(state, response_id, limit, order, after)
+        return response_store.unknown_query(request, {"limit", "order", "after"}) or \
+            response_store.list_input_items(state.responses, response_id, limit, order, after)
 
     @app.post("/generate", response_model=oa.GenerateResult | list[oa.GenerateResult],
               responses=oa.responses(oa.GenerateResult, oa.GENERATION, stream=True))

@@ -97,6 +97,13 @@ def delta_of(ev: Event) -> dict[str, Any]:
     return {"reasoning_content" if kind == "reasoning" else "content": text}
 
 
+def chat_handler(state: ServerState) -> ChatHandler:
+    """The server's chat handler (a ValueError, HTTP 400, when it runs without a tokenizer)."""
+    state.need_tokenizer("chat")
+    assert isinstance(state.chat, ChatHandler)
+    return state.chat
+
+
 class ChatHandler:
     def __init__(self, template: ChatTemplate | K3Renderer, tokenizer: Tokenizer,
                  reasoning_parser: str | None = None, policy: SamplingPolicy | None = None,

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 import kdaserve
 from kdaserve.client.request_client import EngineError
 from kdaserve.request import CompletionOutput, RequestOutput
+from kdaserve.server.chat import chat_handler
 from kdaserve.server.protocol import (
     DetokenizeRequest,
     GenerateRequest,
@@ -197,7 +198,7 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     tok = state.need_tokenizer("/tokenize")
     check_model(state, req.model)
     if req.messages is not None:
-        chat = state.need_chat()
+        chat = chat_handler(state)
         # as chat requests are: special-token spellings in the messages stay text
         _, ids = chat.template.render_ids(
             tok, [m.model_dump(exclude_none=True) for m in req.messages],

@@ -12,15 +12,12 @@ from __future__ import annotations
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kdaserve.server.protocol import error_body
-
-if TYPE_CHECKING:
-    from kdaserve.server.serving import ServerState
 
 STORE_SIZE = 1024
 MAX_PAGE = 100  # OpenAI's largest `limit`
@@ -119,8 +116,8 @@ def not_found(rid: str) -> JSONResponse:
                                    "response_id"), status_code=404)
 
 
-def _find(state: ServerState, rid: str) -> StoredResponse | None:
-    return None if state.responses is None else state.responses.find(rid)
+def _find(store: ResponseStore | None, rid: str) -> StoredResponse | None:
+    return None if store is None else store.find(rid)
 
 
 def unknown_query(request: Request, documented: set[str]) -> JSONResponse | None:
@@ -136,22 +133,22 @@ def unknown_query(request: Request, documented: set[str]) -> JSONResponse | None
         status_code=400)
 
 
-def retrieve(state: ServerState, rid: str) -> Response:
-    stored = _find(state, rid)
+def retrieve(store: ResponseStore | None, rid: str) -> Response:
+    stored = _find(store, rid)
     return not_found(rid) if stored is None else JSONResponse(stored.response)
 
 
-def delete(state: ServerState, rid: str) -> Response:
-    if state.responses is None or not state.responses.delete(rid):
+def delete(store: ResponseStore | None, rid: str) -> Response:
+    if store is None or not store.delete(rid):
         return not_found(rid)
     return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
 
-def list_input_items(state: ServerState, rid: str, limit: int = 20,
+def list_input_items(store: ResponseStore | None, rid: str, limit: int = 20,
                      order: Literal["asc", "desc"] = "desc", after: str | None = None
                      ) -> Response:
     """OpenAI's cursor page: `limit` items after the item `after`, newest first by default."""
-    stored = _find(state, rid)
+    stored = _find(store, rid)
     if stored is None:
         return not_found(rid)
     items = stored.items if order == "asc" else stored.items[::-1]

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field
 
 from kdaserve.client.request_client import EngineError
-from kdaserve.server.chat import ChatPlan
+from kdaserve.server.chat import ChatPlan, chat_handler
 from kdaserve.server.k3_parser import Event
 from kdaserve.server.protocol import ChatCompletionRequest, Seed, Strict
 from kdaserve.server.response_store import (
@@ -297,7 +297,7 @@ def _messages_of(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 async def create_response(state: ServerState, req: ResponsesRequest) -> Response:
-    chat = state.need_chat()
+    chat = chat_handler(state)
     previous: StoredResponse | None = None
     if req.previous_response_id:
         if state.responses is None:

@@ -10,7 +10,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -19,12 +19,9 @@ from kdaserve.client.request_client import EngineError, RequestClient
 from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.protocol import error_body
+from kdaserve.server.response_store import ResponseStore
 from kdaserve.server.sampling import Sampling
 from kdaserve.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from kdaserve.server.chat import ChatHandler
-    from kdaserve.server.response_store import ResponseStore
 
 
 @dataclass(frozen=True)
@@ -36,6 +33,13 @@ class Limits:
     max_queued_requests: int = 1024  # sequences in flight; more get 429 + Retry-After
     request_timeout: float | None = None  # seconds from arrival to the last token
     watchdog_timeout: float = 120.0  # no step this long with requests waiting: unhealthy
+
+
+class ChatEndpoint(Protocol):
+    """What the state knows of the chat handler (chat.py, which imports this module; its
+    users take it whole through `chat.chat_handler`)."""
+    @property
+    def sampling(self) -> Sampling: ...
 
 
 class QueueFullError(Exception):
@@ -50,7 +54,7 @@ class ServerState:
     model_path: str
     max_request_tokens: int
     metrics: ServerMetrics
-    chat: ChatHandler | None
+    chat: ChatEndpoint | None
     api_key: str | None = None
     server_args: dict[str, Any] = field(default_factory=dict)  # reported by /get_server_info
     responses: ResponseStore | None = None  # stored /v1/responses (previous_response_id, GET)
@@ -82,11 +86,6 @@ class ServerState:
             raise ValueError(f"{what} needs a tokenizer, but the server runs with "
                              "--skip-tokenizer-init: send token ids (/generate input_ids)")
         return self.tokenizer
-
-    def need_chat(self) -> ChatHandler:
-        self.need_tokenizer("chat")
-        assert self.chat is not None
-        return self.chat
 
 
 def sse(obj: Any) -> str:

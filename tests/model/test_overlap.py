@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.engine.overlap import Pending, placeholder, resolve_inputs
+from kdaserve.engine.overlap import Pending
+from kdaserve.engine.placeholders import placeholder, resolve_inputs
 from kdaserve.engine.sampler import Drawn, Sampler
 from kdaserve.request import Request
 

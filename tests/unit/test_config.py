@@ -13,6 +13,7 @@ import pytest
 
 from kdaserve.checkpoint import PRESETS, preset_config
 from kdaserve.config import DENSE, KDA, MLA, MOE, ModelConfig
+from kdaserve.hub_writer import hub_dict
 
 # 1-indexed, exactly as in Kimi-Linear-48B-A3B-Instruct's config.json (kda_spec.md §4)
 KDA_LAYERS_1 = [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26]
@@ -20,7 +21,7 @@ FULL_ATTN_LAYERS_1 = [4, 8, 12, 16, 20, 24, 27]
 MLA_LAYERS_0 = [3, 7, 11, 15, 19, 23, 26]
 # what `make-checkpoint` writes for each preset
 PRESETS_HUB: dict[str, dict[str, Any]] = {
-    name: preset_config(name).to_hub_dict() for name in PRESETS
+    name: hub_dict(preset_config(name)) for name in PRESETS
 }
 
 
@@ -167,7 +168,7 @@ def test_dense_and_moe_layers(changes: dict[str, Any], expected_moe: list[int]) 
 def test_non_contiguous_moe_has_no_hub_form() -> None:
     c = ModelConfig.from_dict(with_changes(PRESETS_HUB["small"], {"moe_layer_freq": 2}))
     with pytest.raises(ValueError, match="first_k_dense_replace"):
-        c.to_hub_dict()
+        hub_dict(c)
 
 
 def test_ungrouped_router_ignores_group_fields() -> None:
@@ -373,7 +374,7 @@ def test_k3_value_we_do_not_implement_names_field_and_value(field_name: str, key
 
 def test_k3_preset_round_trips_through_the_hub_schema() -> None:
     c = preset_config("k3-tiny")
-    hub = c.to_hub_dict()
+    hub = hub_dict(c)
     assert hub["model_type"] == "kimi_k3" and "text_config" in hub
     assert ModelConfig.from_dict(hub) == c
 
@@ -424,12 +425,12 @@ def test_mismatched_type_lists_rejected_by_dataclass() -> None:
         replace(c, layer_types=c.layer_types[:-1] + ("swa",))
 
 
-# ---- to_hub_dict: the writer of `make-checkpoint` ----
+# ---- hub_dict: the writer of `make-checkpoint` ----
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_hub_dict_round_trip(name: str) -> None:
     c = preset_config(name)
-    hub = c.to_hub_dict()
+    hub = hub_dict(c)
     assert ModelConfig.from_dict(hub) == c
     # JSON-serialisable and 1-indexed like Moonshot's files
     assert ModelConfig.from_dict(json.loads(json.dumps(hub))) == c
@@ -446,12 +447,12 @@ def test_hub_dict_round_trip(name: str) -> None:
 )
 def test_hub_dict_round_trip_variants(overrides: dict[str, Any]) -> None:
     c = preset_config("tiny", **overrides)
-    assert ModelConfig.from_dict(c.to_hub_dict()) == c
+    assert ModelConfig.from_dict(hub_dict(c)) == c
 
 
 def test_hub_dict_round_trip_48b() -> None:
     c = ModelConfig.from_dict(kimi_linear_48b())
-    hub = c.to_hub_dict()
+    hub = hub_dict(c)
     assert hub["linear_attn_config"]["kda_layers"] == KDA_LAYERS_1
     assert hub["linear_attn_config"]["full_attn_layers"] == FULL_ATTN_LAYERS_1
     assert ModelConfig.from_dict(hub) == c
