@@ -38,11 +38,8 @@ from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.config import EngineConfig
 from kdaserve.forward_batch import ForwardBatch
-from kdaserve.kernels import Kernels
-from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS
+from kdaserve.kernels import Kernels, graph_verify_tokens
 from kdaserve.kernels.registry import GRAPH_SAFE
-from kdaserve.kernels.triton import tile
-from kdaserve.kernels.triton.kda import FUSED_MAX_STATE
 from kdaserve.layers.kda import FUSED_MAX_TOKENS, KDAttention
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.step_record import KDASteps, StepRecord
@@ -77,9 +74,9 @@ def verify_tokens(config: EngineConfig, model: KimiLinearForCausalLM, block_size
     if config.speculative_algorithm is None:
         return 1
     q = 1 + config.speculative_num_draft_tokens
-    fused_kda = all(tile(m.head_dim) ** 2 <= FUSED_MAX_STATE
-                    for m in model.modules() if isinstance(m, KDAttention))
-    return q if q <= min(block_size, FUSED_MAX_TOKENS, VERIFY_MAX_TOKENS) and fused_kda else 1
+    kernels = graph_verify_tokens(m.head_dim for m in model.modules()
+                                  if isinstance(m, KDAttention))
+    return q if q <= min(block_size, FUSED_MAX_TOKENS, kernels) else 1
 
 
 def graph_runner(config: EngineConfig, kernels: Kernels, model: KimiLinearForCausalLM,

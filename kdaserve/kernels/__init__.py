@@ -17,6 +17,7 @@ this package never imports triton or CUDA code.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import torch
@@ -33,7 +34,7 @@ from kdaserve.kernels.ref.kda import (
     kda_recurrent_ref,
     short_conv_ref,
 )
-from kdaserve.kernels.ref.mla import mla_attention_ref
+from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS, mla_attention_ref
 from kdaserve.kernels.ref.mlp import sigmoid_mul_ref, silu_mul_ref, situ_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
@@ -118,9 +119,14 @@ from kdaserve.kernels.native.ops import (  # noqa: E402
     silu_mul_native,
 )
 from kdaserve.kernels.triton import supports as _triton  # noqa: E402
+from kdaserve.kernels.triton import tile  # noqa: E402
 from kdaserve.kernels.triton.conv import short_conv_triton  # noqa: E402
 from kdaserve.kernels.triton.k3 import attn_res_norm_triton, situ_mul_triton  # noqa: E402
-from kdaserve.kernels.triton.kda import kda_chunk_triton, kda_decode_triton  # noqa: E402
+from kdaserve.kernels.triton.kda import (  # noqa: E402
+    FUSED_MAX_STATE,
+    kda_chunk_triton,
+    kda_decode_triton,
+)
 from kdaserve.kernels.triton.mla import mla_attention_triton  # noqa: E402
 from kdaserve.kernels.triton.moe import moe_experts_triton, moe_route_triton  # noqa: E402
 
@@ -236,6 +242,15 @@ class Kernels(NamedTuple):
     def have(self, capability: str, ops: tuple[str, ...]) -> bool:
         """Whether the backends chosen for all of `ops` declare `capability`."""
         return all((op, capability) in self.capabilities for op in ops)
+
+
+def graph_verify_tokens(kda_head_dims: Iterable[int]) -> int:
+    """The most new tokens per sequence a graph-safe (Triton) verify step takes in its fused
+    kernels, which read no lengths back: the absorbed MLA path's limit, and none at all (0)
+    where a KDA layer's state tile is too large for the fused decode step."""
+    if any(tile(d) ** 2 > FUSED_MAX_STATE for d in kda_head_dims):
+        return 0
+    return VERIFY_MAX_TOKENS
 
 
 def resolve_kernels(device: torch.device, backend: str | None = None,

@@ -74,9 +74,24 @@ def _closest_branches(errs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def create_app(state: ServerState) -> FastAPI:
+    """The server: its error handlers (every error an OpenAI error object), guards, and
+    routes by family."""
     app = FastAPI(title="kdaserve")
     app.state.kd = state
+    _error_handlers(app)
+    # the last added runs first: the key is checked before the body is read
+    app.add_middleware(BodyGuard, max_bytes=state.limits.max_body_bytes,
+                       read_timeout=state.limits.body_read_timeout)
+    if state.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=state.api_key)
+    _operational_routes(app, state)
+    _model_routes(app, state)
+    _sglang_routes(app, state)
+    _generation_routes(app, state)
+    return app
 
+
+def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = [(_where(e.get("loc", ())), e) for e in _closest_branches(exc.errors())]
@@ -116,12 +131,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def _engine(request: Request, exc: EngineError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), exc.status), status_code=exc.status)
 
-    # the last added runs first: the key is checked before the body is read
-    app.add_middleware(BodyGuard, max_bytes=state.limits.max_body_bytes,
-                       read_timeout=state.limits.body_read_timeout)
-    if state.api_key:
-        app.add_middleware(ApiKeyMiddleware, key=state.api_key)
 
+def _operational_routes(app: FastAPI, state: ServerState) -> None:
+    """Health, metrics, pool invariants, the prefix-cache flush."""
     @app.get("/health", response_class=PlainTextResponse, responses={
         **oa.responses(None, {503: oa._error("the engine is down, restarting or stuck")},
                        text=True)})
@@ -172,6 +184,9 @@ def create_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body("cache entries in use by running requests were kept",
                                        400), status_code=400)
 
+
+def _model_routes(app: FastAPI, state: ServerState) -> None:
+    """OpenAI's model list and card."""
     def model_card() -> dict[str, Any]:
         return {"id": state.model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "kdaserve", "root": state.model_path,
@@ -187,6 +202,9 @@ def create_app(state: ServerState) -> FastAPI:
         check_model(state, model)  # the served name or any alias
         return model_card()
 
+
+def _sglang_routes(app: FastAPI, state: ServerState) -> None:
+    """SGLang's RL calls, model and server info, tokenize and detokenize."""
     rl_errors = {400: oa._error("a bad update (nothing changed) or bad request"),
                  503: oa._error("the engine is down")}
 
@@ -250,6 +268,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         return native.detokenize(state, req)
 
+
+def _generation_routes(app: FastAPI, state: ServerState) -> None:
+    """Completions, chat completions, the Responses API, SGLang's /generate."""
     @app.post("/v1/completions", response_model=oa.CompletionResponse,
               responses=oa.responses(oa.CompletionResponse, oa.GENERATION, stream=True))
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -299,4 +320,3 @@ def create_app(state: ServerState) -> FastAPI:
         return await until_disconnect(request, native.generate(state, req))
 
     oa.install(app)
-    return app

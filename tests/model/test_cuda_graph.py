@@ -15,7 +15,8 @@ import torch
 
 from kdaserve import LLM, RequestOptions, SamplingParams
 from kdaserve.config import EngineConfig
-from kdaserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
+from kdaserve.engine.cuda_graph import CudaGraphRunner, capture_sizes, verify_tokens
+from kdaserve.kernels import graph_verify_tokens
 from kdaserve.forward_batch import ForwardBatch
 
 from .conftest import KEYS, attach
@@ -28,6 +29,22 @@ def test_capture_sizes() -> None:
     assert capture_sizes(64)[-3:] == [48, 56, 64]
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         capture_sizes(0)
+
+
+def test_verify_graph_size(tiny_ckpt: Path) -> None:
+    """A verify step sits in a graph only within what the fused kernels take (the kernels
+    package says: the absorbed MLA path's 16 new tokens, nothing where a KDA state tile is too
+    large for the fused step), the block and the fused step's token limit; else it runs
+    eagerly (1)."""
+    assert graph_verify_tokens([64, 128]) == 16
+    assert graph_verify_tokens([129]) == 0  # a 256 x 256 state tile
+    model = LLM(tiny_ckpt).engine.model
+    plain = EngineConfig(model=str(tiny_ckpt))
+    assert verify_tokens(plain, model, 16) == 1  # no speculation
+    spec = EngineConfig(model=str(tiny_ckpt), speculative_algorithm="ngram",
+                        speculative_num_draft_tokens=3)
+    assert verify_tokens(spec, model, 16) == 4
+    assert verify_tokens(spec, model, 2) == 1  # 4 tokens do not fit one block of 2
 
 
 def prompts(n: int) -> list[list[int]]:
