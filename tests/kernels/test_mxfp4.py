@@ -88,13 +88,17 @@ def test_quantize_round_trip_error() -> None:
     assert zero_scales.item() == 0 and not zero_packed.any()
 
 
+@pytest.mark.parametrize("widths", [(96, 160), (128, 192)], ids=["odd-groups", "group-pairs"])
 @pytest.mark.parametrize("situ", [None, (4.0, 25.0)], ids=["swiglu", "situ"])
 @pytest.mark.parametrize("tokens", [1, 3, 5, 40, 200])
-def test_native_experts_are_the_reference(tokens: int, situ: tuple | None) -> None:
+def test_native_experts_are_the_reference(tokens: int, situ: tuple | None,
+                                          widths: tuple[int, int]) -> None:
     """The native MXFP4 experts (csrc/mxfp4_cpu.cpp) against dequantize-then-matmul: streamed
     (an expert with up to 15 tokens, four at a time) and as token blocks on the broadcast
     tiles (16 or more: 40 tokens mixes both, 200 splits experts into several blocks), widths
-    of 3 groups (D 96, I 160: row blocks and panels with tails), SwiGLU and SiTU."""
+    of 3 and 5 groups (D 96, I 160: row blocks and panels with tails), and of whole pairs of
+    groups (D 128, I 192), which the streamed rows take on the BF16 dots where the build has
+    them (x in two bf16 parts), SwiGLU and SiTU."""
     from kdaserve.kernels.native.build import available
     from kdaserve.kernels.native.ops import moe_experts_native
     from kdaserve.kernels.ref.moe import moe_experts_ref
@@ -102,7 +106,7 @@ def test_native_experts_are_the_reference(tokens: int, situ: tuple | None) -> No
     if not available()[0]:
         pytest.skip(f"no native library: {available()[1]}")
     g = torch.Generator().manual_seed(tokens)
-    E, D, inter, k = 6, 96, 160, 3
+    (D, inter), E, k = widths, 6, 3
     x = torch.randn(tokens, D, generator=g)
     w13, s13 = quantize_mxfp4(torch.randn(E, 2 * inter, D, generator=g))
     w2, s2 = quantize_mxfp4(torch.randn(E, D, inter, generator=g) / inter ** 0.5)
