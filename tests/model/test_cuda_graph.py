@@ -16,8 +16,8 @@ import torch
 from kdaserve import LLM, RequestOptions, SamplingParams
 from kdaserve.config import EngineConfig
 from kdaserve.engine.cuda_graph import CudaGraphRunner, capture_sizes, verify_tokens
-from kdaserve.kernels import graph_verify_tokens
 from kdaserve.forward_batch import ForwardBatch
+from kdaserve.kernels import graph_verify_tokens
 
 from .conftest import KEYS, attach
 

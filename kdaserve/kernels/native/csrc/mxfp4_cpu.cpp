@@ -157,16 +157,23 @@ inline void split_pairs(const float* xs, int64_t K, bf16* xb) {
   }
 }
 
+// kE2M1 as bf16 bits, twice (vpermw's table has 32 entries), built once
+struct E2M1Bf16 {
+  alignas(64) bf16 v[32];
+  E2M1Bf16() {
+    for (int i = 0; i < 32; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &kE2M1[i & 15], 4);
+      v[i] = static_cast<bf16>(bits >> 16);
+    }
+  }
+};
+const E2M1Bf16 kE2M1Bf16;
+
 template <int M>
 inline void dot_row_bf16(const uint8_t* __restrict w, const uint8_t* __restrict s,
                          const bf16* __restrict xb, int64_t K, float* y, int64_t ldy) {
-  alignas(64) bf16 table16[32];
-  for (int i = 0; i < 32; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &kE2M1[i & 15], 4);
-    table16[i] = static_cast<bf16>(bits >> 16);
-  }
-  const __m512i table = _mm512_load_si512(table16);
+  const __m512i table = _mm512_load_si512(kE2M1Bf16.v);
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K / (2 * kGroup); ++p) {
