@@ -98,7 +98,8 @@ def test_native_experts_are_the_reference(tokens: int, situ: tuple | None,
     tiles (16 or more: 40 tokens mixes both, 200 splits experts into several blocks), widths
     of 3 and 5 groups (D 96, I 160: row blocks and panels with tails), and of whole pairs of
     groups (D 128, I 192), which the streamed rows take on the BF16 dots where the build has
-    them (x in two bf16 parts), SwiGLU and SiTU."""
+    them (x in two bf16 parts), SwiGLU and SiTU. On AMX hosts the token blocks run on the
+    tiles, their panels decoded to bf16 (`test_rows_decode_to_bf16_exactly`)."""
     from kdaserve.kernels.native.build import available
     from kdaserve.kernels.native.ops import moe_experts_native
     from kdaserve.kernels.ref.moe import moe_experts_ref
@@ -115,3 +116,29 @@ def test_native_experts_are_the_reference(tokens: int, situ: tuple | None,
     want = moe_experts_ref(x, weights, ids, w13, w2, s13, s2, situ=situ)
     got = moe_experts_native(x, weights, ids, w13, w2, s13, s2, situ=situ)
     torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+
+
+def test_rows_decode_to_bf16_exactly() -> None:
+    """`mxfp4_rows_bf16` (csrc/mxfp4_cpu.cpp), the panels AMX's tiles read MXFP4 experts
+    from: rows p..p+tn of every code at every scale, into a row stride wider than K (the
+    padding past K untouched), equal to the reference's bf16 decode bit for bit (NaN where a
+    zero meets the infinite scale, in both)."""
+    from kdaserve.kernels.native.build import available, library
+    from kdaserve.kernels.native.tensors import ptr
+
+    if not available()[0]:
+        pytest.skip(f"no native library: {available()[1]}")
+    codes = torch.arange(16, dtype=torch.uint8)
+    pairs = (codes | (15 - codes) << 4).repeat(3)  # 48 bytes: K = 96, three groups a row
+    packed = torch.stack([pairs.roll(r) for r in range(256)])  # every code in every group
+    scales = torch.stack([torch.tensor([r, 255 - r, (r * 7) % 256]) for r in range(256)])
+    scales = scales.to(torch.uint8)
+    K, ldo, p, tn = 96, 112, 5, 250
+    out = torch.full((tn, ldo), 0x1234, dtype=torch.int16)
+    library().mxfp4_rows_bf16(ptr(packed), ptr(scales), p, tn, K, ptr(out), ldo)
+    want = dequantize_mxfp4(packed[p:p + tn], scales[p:p + tn], torch.bfloat16)
+    got = out[:, :K].view(torch.bfloat16)
+    assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+    finite = ~want.isnan()
+    assert same_bits(got[finite], want[finite])
+    assert (out[:, K:] == 0x1234).all()

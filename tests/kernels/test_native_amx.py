@@ -1,9 +1,9 @@
 """bf16 weights on AMX tiles (csrc/amx_cpu.cpp), against float64 arithmetic on the same bf16
 values: the activations' two-part bf16 split keeps the products within 2^-16 of exact, far
 inside the error of rounding the activations to bf16 (which the test shows the kernel does
-not do); int8 weights (weight-only int8) as exact bf16 panels on the same tiles. Skipped where
-the host has no AMX (AVX2 hosts, AMD): ops.amx() is then False and bf16 and int8 products take
-the widening paths, which test_native.py covers."""
+not do); int8 weights (weight-only int8) and MXFP4 ones as exact bf16 panels on the same
+tiles. Skipped where the host has no AMX (AVX2 hosts, AMD): ops.amx() is then False and the
+products take the widening paths, which test_native.py and test_mxfp4.py cover."""
 
 from __future__ import annotations
 
@@ -139,24 +139,62 @@ def test_linear_native_runs_int8_weights_on_amx(rows: int,
     assert bool((err <= (2.0**-16 + 96 * 2.0**-23) * (x.double().abs() @ deq.abs().t())).all())
 
 
-def test_int8_experts_blocks_on_amx_equal_the_reference() -> None:
-    """Experts with 8+ tokens run as AMX token blocks for int8 weights too (their scales on
-    the way out of each product); against the reference on the dequantized weights."""
-    from kdaserve.kernels.ref.moe import moe_experts_ref
+def _quantized(fmt: str):
+    """(quantize, dequantize(weight, scale, dtype)) of a weight format the tiles take."""
+    from kdaserve.kernels.ref.mxfp4 import dequantize_mxfp4, quantize_mxfp4
     from kdaserve.kernels.ref.quant import dequantize, quantize_int8
 
-    assert ops.moe_blocked_from(torch.int8) == ops.MOE_BLOCKED_FROM_AMX
+    return {"int8": (quantize_int8, dequantize),
+            "mxfp4": (quantize_mxfp4, dequantize_mxfp4)}[fmt]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "mxfp4"])
+def test_quantized_experts_blocks_on_amx_equal_the_reference(fmt: str) -> None:
+    """Experts with enough tokens run as AMX token blocks for int8 weights (their scales on
+    the way out of each product, from 8 tokens) and MXFP4 ones (panels decoded to bf16, from
+    16); against the reference on the dequantized weights in float64."""
+    from kdaserve.kernels.ref.moe import moe_experts_ref
+
+    quantize, dequantize = _quantized(fmt)
+    if fmt == "int8":
+        assert ops.moe_blocked_from(torch.int8) == ops.MOE_BLOCKED_FROM_AMX
     g = gen(3)
-    E, inter, D, T, k = 8, 64, 96, 48, 2
+    E, inter, D, T, k = (8, 64, 96, 48, 2) if fmt == "int8" else (4, 64, 96, 48, 2)
     x = torch.randn(T, D, generator=g)
-    w13, s13 = quantize_int8(torch.randn(E, 2 * inter, D, generator=g) * 0.1)
-    w2, s2 = quantize_int8(torch.randn(E, D, inter, generator=g) * 0.1)
+    w13, s13 = quantize(torch.randn(E, 2 * inter, D, generator=g) * 0.1)
+    w2, s2 = quantize(torch.randn(E, D, inter, generator=g) * 0.1)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g)
     y = ops.moe_experts_native(x, weights, ids, w13, w2, s13, s2)
     ref = moe_experts_ref(x.double(), weights.double(), ids, dequantize(w13, s13, torch.float64),
                           dequantize(w2, s2, torch.float64))
     torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
-    # the row-split path (blocked_from past every expert's count) computes the same products
-    rows = ops.moe_experts_native(x, weights, ids, w13, w2, s13, s2, blocked_from=T + 1)
-    torch.testing.assert_close(y, rows, atol=1e-5, rtol=1e-5)
+    if fmt == "int8":  # the row-split path (blocked_from past every count): the same products
+        rows = ops.moe_experts_native(x, weights, ids, w13, w2, s13, s2, blocked_from=T + 1)
+        torch.testing.assert_close(y, rows, atol=1e-5, rtol=1e-5)
+
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 1, 32), (5, 17, 64), (33, 64, 96),
+                                           (300, 40, 128)])
+def test_amx_product_on_mxfp4_weights_is_exact_bf16_panels(M: int, N: int, K: int) -> None:
+    """MXFP4 weights decoded to bf16 panels on the way (exact: two significant bits times a
+    power of two), the fp32-class bound against float64 on the decoded weights, over the
+    team and on one thread (an expert block's product) alike."""
+    from kdaserve.kernels.ref.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    g = gen(M * N + K + 2)
+    x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 4
+    codes, scales = quantize_mxfp4(torch.randn(N, K, generator=g))
+    deq = dequantize_mxfp4(codes, scales, torch.float64)
+
+    def product(team: int) -> torch.Tensor:
+        y = torch.empty(M, N)
+        rc = ops.library().linear_amx_mxfp4w(x.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                             y.data_ptr(), M, N, K, team)
+        assert rc == 0
+        return y
+
+    err = (product(1).double() - x.double() @ deq.t()).abs()
+    b = (2.0**-16 + K * 2.0**-23) * (x.double().abs() @ deq.abs().t())
+    assert bool((err <= b).all()), float((err / b).max())
+    assert torch.equal(product(0), product(1))
+

@@ -8,7 +8,9 @@
 // 24 mantissa bits (error <= 2^-17 |x|), products and sums stay fp32 in the tiles. That error
 // is ~1/256 of what the bf16 weights themselves already carry, at twice the tile work.
 // int8 weights (weight-only int8) ride on the same tiles: an 8-bit integer is exact in bf16, so
-// each 32-row panel is converted on the way in and the row scales applied to the products.
+// each 32-row panel is converted on the way in and the row scales applied to the products;
+// MXFP4 weights (K3's routed experts) likewise, an E2M1 value times its power-of-two scale
+// being exact in bf16.
 // Built into the kda_cpu library (build.py); tested against fp32 arithmetic on the same bf16
 // weights (tests/kernels/test_native_amx.py). Without AMX the entry points report it
 // (linear_amx_ready() == 0) and ops.py never calls the product.
@@ -22,6 +24,12 @@
 #include <memory>
 #include <type_traits>
 #include <vector>
+
+extern "C" {
+// mxfp4_cpu.cpp
+void mxfp4_rows_bf16(const uint8_t* w, const uint8_t* s, int64_t p, int64_t tn, int64_t K,
+                     uint16_t* out, int64_t ldo);
+}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__linux__)
@@ -220,6 +228,26 @@ inline const bf16* panel_rows(const int8_t* w, int64_t N, int64_t K, int64_t Kp,
   return dst;
 }
 
+// MXFP4 weights (codes [N, K / 2], E8M0 scales [N, K / 32]) as bf16 panels, decoded exactly
+// (mxfp4_rows_bf16: two significant bits times a power of two) into pad; K is whole groups
+// of 32, so whole tile chunks. A subnormal weight (scale code 0, value 2^-128) is read as zero
+// by the tiles, as any bf16 subnormal: an error below 2^-126 in absolute terms.
+struct Mxfp4 {
+  const uint8_t* codes;
+  const uint8_t* scales;
+};
+
+inline const bf16* panel_rows(Mxfp4 w, int64_t N, int64_t K, int64_t Kp, int64_t n0,
+                              std::unique_ptr<bf16[]>& pad, int64_t& lda) {
+  const int64_t rows = std::min(kPanel, N - n0);
+  if (!pad) pad.reset(new bf16[kPanel * Kp]);
+  mxfp4_rows_bf16(w.codes, w.scales, n0, rows, K, pad.get(), Kp);
+  for (int64_t r = 0; r < kPanel; ++r)  // rows past the weight, and K up to Kp: padding
+    std::fill(pad.get() + r * Kp + (r < rows ? K : 0), pad.get() + (r + 1) * Kp, 0);
+  lda = Kp;
+  return pad.get();
+}
+
 // Columns [j0, j1) of the packed activations xb against panel n0 of w, into y.
 inline void panel_columns(const bf16* a, int64_t lda, const uint32_t* xb, int64_t nkc,
                           int64_t j0, int64_t j1, float* ct, float* y, int64_t M, int64_t N,
@@ -257,8 +285,8 @@ struct Packed {
 // panels of 32 weight rows, each against every 32-column block of split activations (16 rows
 // of x) of the pass.
 template <typename W>
-void linear_amx(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
-  if constexpr (std::is_same_v<W, int8_t>) {
+void linear_amx(const float* x, W w, float* y, int64_t M, int64_t N, int64_t K) {
+  if constexpr (std::is_same_v<W, const int8_t*>) {
     // several passes over the panels (a prefill chunk: 16 at 2,048 rows) would convert each
     // panel again every pass; a weight that fits is converted once instead, in parallel, and
     // the product runs as the bf16 one (an lm_head never gets here with many rows: only
@@ -297,7 +325,7 @@ void linear_amx(const float* x, const W* w, float* y, int64_t M, int64_t N, int6
 // The same product on the calling thread alone (one task of a parallel loop: an expert's
 // block of tokens), its few rows' activations packed once and every panel passed over them.
 template <typename W>
-void block_amx(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+void block_amx(const float* x, W w, float* y, int64_t M, int64_t N, int64_t K) {
   // kept per thread: a fresh 300 KB buffer per expert block went to mmap, and its page
   // faults cost as much as the block's products (64 experts top-8 at hidden 768, 2,048
   // tokens: 98 ms)
@@ -366,6 +394,23 @@ int64_t linear_amx_int8w(const float* x, const int8_t* w, const float* scale, fl
   return 0;
 #else
   (void)x, (void)w, (void)scale, (void)y, (void)M, (void)N, (void)K, (void)team;
+  return -1;
+#endif
+}
+
+// The same for MXFP4 weights (codes [N, K / 2], scales [N, K / 32], K a multiple of 32),
+// each 32-row panel decoded to exact bf16 on the way in.
+int64_t linear_amx_mxfp4w(const float* x, const uint8_t* codes, const uint8_t* scales, float* y,
+                          int64_t M, int64_t N, int64_t K, int64_t team) {
+#if defined(KDASERVE_AMX)
+  if (!granted() || K % 32 != 0) return -1;
+  if (team != 0)
+    linear_amx(x, Mxfp4{codes, scales}, y, M, N, K);
+  else
+    block_amx(x, Mxfp4{codes, scales}, y, M, N, K);
+  return 0;
+#else
+  (void)x, (void)codes, (void)scales, (void)y, (void)M, (void)N, (void)K, (void)team;
   return -1;
 #endif
 }

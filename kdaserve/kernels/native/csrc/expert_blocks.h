@@ -101,6 +101,27 @@ inline void scatter_t(const float* yt, int64_t M, int64_t Mp, int64_t D, const f
       ys[m * D + d] = yt[d * Mp + m] * wt[m] * (scale != nullptr ? scale[d] : 1.0f);
 }
 
+// A block on AMX tiles (amx_cpu.cpp), row-major throughout where the broadcast tiles are
+// transposed: the scratch's buffers hold x [M, D], h [M, 2I], a [M, I] and y [M, D]. The
+// caller's products (gate_up(x, h), down(a, y): its weight format's AMX entry point, on this
+// thread) run between the gather, the GLU and the weighted store shared by every format.
+template <typename GateUp, typename Down>
+inline void amx_block(const float* x, const int64_t* order, const float* weights, float* ys,
+                      int64_t s0, int64_t s1, int64_t k, int64_t I, int64_t D, BlockScratch& b,
+                      const Glu& act, GateUp gate_up, Down down) {
+  const int64_t M = s1 - s0;
+  float *xr = b.xt.get(), *hr = b.ht.get(), *ar = b.at.get(), *yr = b.yt.get();
+  for (int64_t m = 0; m < M; ++m)
+    std::copy(x + (order[s0 + m] / k) * D, x + (order[s0 + m] / k + 1) * D, xr + m * D);
+  gate_up(xr, hr);
+  for (int64_t m = 0; m < M; ++m) glu_row(act, hr + m * 2 * I, hr + m * 2 * I + I, ar + m * I, I);
+  down(ar, yr);
+  for (int64_t m = 0; m < M; ++m) {
+    const float wt = weights[order[s0 + m]];
+    for (int64_t d = 0; d < D; ++d) ys[(s0 + m) * D + d] = yr[m * D + d] * wt;
+  }
+}
+
 // Inside a team: the plan's token blocks, taken as threads free up (blocks differ in size and
 // in where their weights come from), each given this thread's scratch. No barrier after: the
 // caller's streamed-expert loops that follow end in one.

@@ -45,26 +45,23 @@ void expert_block(const float* x, const int64_t* order, const float* weights, co
   const int64_t M = s1 - s0, Mp = round_up(M, kLanes);
   float *xt = b.xt.get(), *ht = b.ht.get(), *at = b.at.get(), *yt = b.yt.get();
   if constexpr (std::is_same_v<W, bf16> || std::is_same_v<W, int8_t>) {
-    // bf16 (and int8, as exact bf16 panels) weights on AMX tiles where the host has them
-    // (amx_cpu.cpp), row-major throughout: the scratch's buffers hold x [M, D], h [M, 2I],
-    // a [M, I] and y [M, D]; int8 row scales applied to h and y as they come out
+    // bf16 (and int8, as exact bf16 panels) weights on AMX tiles where the host has them;
+    // int8 row scales applied to h and y as they come out
     if (linear_amx_ready() == 1) {
-      for (int64_t m = 0; m < M; ++m)
-        std::copy(x + (order[s0 + m] / k) * D, x + (order[s0 + m] / k + 1) * D, xt + m * D);
-      if constexpr (std::is_same_v<W, bf16>)
-        linear_amx_bf16w(xt, w13 + e * 2 * I * D, ht, M, 2 * I, D, 0);
-      else
-        linear_amx_int8w(xt, w13 + e * 2 * I * D, s13 + e * 2 * I, ht, M, 2 * I, D, 0);
-      for (int64_t m = 0; m < M; ++m)
-        glu_row(act, ht + m * 2 * I, ht + m * 2 * I + I, at + m * I, I);
-      if constexpr (std::is_same_v<W, bf16>)
-        linear_amx_bf16w(at, w2 + e * D * I, yt, M, D, I, 0);
-      else
-        linear_amx_int8w(at, w2 + e * D * I, s2 + e * D, yt, M, D, I, 0);
-      for (int64_t m = 0; m < M; ++m) {
-        const float wt = weights[order[s0 + m]];
-        for (int64_t d = 0; d < D; ++d) ys[(s0 + m) * D + d] = yt[m * D + d] * wt;
-      }
+      amx_block(x, order, weights, ys, s0, s1, k, I, D, b, act,
+                [&](const float* xr, float* hr) {
+                  if constexpr (std::is_same_v<W, bf16>)
+                    linear_amx_bf16w(xr, w13 + e * 2 * I * D, hr, M, 2 * I, D, 0);
+                  else
+                    linear_amx_int8w(xr, w13 + e * 2 * I * D, s13 + e * 2 * I, hr, M, 2 * I,
+                                     D, 0);
+                },
+                [&](const float* ar, float* yr) {
+                  if constexpr (std::is_same_v<W, bf16>)
+                    linear_amx_bf16w(ar, w2 + e * D * I, yr, M, D, I, 0);
+                  else
+                    linear_amx_int8w(ar, w2 + e * D * I, s2 + e * D, yr, M, D, I, 0);
+                });
       return;
     }
   }

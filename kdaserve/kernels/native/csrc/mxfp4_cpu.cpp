@@ -12,7 +12,8 @@
 // tokens go kStreamRows at a time over each block of 32 weight rows (in L2 after the first).
 // An expert with kBlockedFrom tokens or more runs as token blocks on the broadcast tiles
 // instead (expert_blocks.h, as bf16 experts do), each panel of 8 weight rows decoded to fp32
-// once per block.
+// once per block; on AMX hosts on the tiles (amx_cpu.cpp), from 32-row panels decoded to bf16
+// (mxfp4_rows_bf16: exact).
 
 #include <algorithm>
 #include <array>
@@ -26,6 +27,13 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+
+extern "C" {
+// amx_cpu.cpp
+int64_t linear_amx_ready();
+int64_t linear_amx_mxfp4w(const float* x, const uint8_t* codes, const uint8_t* scales, float* y,
+                          int64_t M, int64_t N, int64_t K, int64_t team);
+}
 
 namespace {
 
@@ -248,38 +256,33 @@ inline void expert_rows(const uint8_t* w, const uint8_t* s, const float* xs, con
                       std::min(kStreamRows, M - m0), K, y + m0 * ldy, ldy, r0, r1);
 }
 
-// Rows [p, p + tn) of an MXFP4 weight [N, K] (codes w, scales s) decoded into wide [tn, K],
-// in order: each group's 16 bytes give its even elements (low nibbles) and odd ones (high),
-// interleaved back. Every value is its E2M1 magnitude times the group's scale, exact in fp32.
+// One group's 16 bytes as its 32 values in order: the even elements (low nibbles) and the odd
+// ones (high) interleaved back, each its E2M1 magnitude times the group's scale, exact in fp32.
+inline void decode_group(const uint8_t* codes, float scale, float* out) {
+#if defined(__AVX512F__)
+  const __m512 table = _mm512_loadu_ps(kE2M1), sc = _mm512_set1_ps(scale);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table);
+  const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+  const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutex2var_ps(even, first, odd), sc));
+  _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, second, odd), sc));
+#else
+  for (int64_t j = 0; j < kGroup / 2; ++j) {
+    out[2 * j] = kE2M1[codes[j] & 15] * scale;
+    out[2 * j + 1] = kE2M1[codes[j] >> 4] * scale;
+  }
+#endif
+}
+
+// Rows [p, p + tn) of an MXFP4 weight [N, K] (codes w, scales s) decoded into wide [tn, K].
 inline void decode_rows(const uint8_t* w, const uint8_t* s, int64_t p, int64_t tn, int64_t K,
                         float* wide) {
-  for (int64_t i = 0; i < tn; ++i) {
-    const uint8_t* wr = w + (p + i) * (K / 2);
-    const uint8_t* sr = s + (p + i) * (K / kGroup);
-    float* out = wide + i * K;
-    for (int64_t g = 0; g < K / kGroup; ++g) {
-      const float scale = kScale.v[sr[g]];
-#if defined(__AVX512F__)
-      const __m512 table = _mm512_loadu_ps(kE2M1), sc = _mm512_set1_ps(scale);
-      const __m512i v = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wr + g * 16)));
-      const __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)), table);
-      const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-      const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-      const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-      _mm512_storeu_ps(out + g * kGroup,
-                       _mm512_mul_ps(_mm512_permutex2var_ps(even, first, odd), sc));
-      _mm512_storeu_ps(out + g * kGroup + 16,
-                       _mm512_mul_ps(_mm512_permutex2var_ps(even, second, odd), sc));
-#else
-      for (int64_t j = 0; j < kGroup / 2; ++j) {
-        const uint8_t b = wr[g * 16 + j];
-        out[g * kGroup + 2 * j] = kE2M1[b & 15] * scale;
-        out[g * kGroup + 2 * j + 1] = kE2M1[b >> 4] * scale;
-      }
-#endif
-    }
-  }
+  for (int64_t i = 0; i < tn; ++i)
+    for (int64_t g = 0; g < K / kGroup; ++g)
+      decode_group(w + (p + i) * (K / 2) + g * 16, kScale.v[s[(p + i) * (K / kGroup) + g]],
+                   wide + i * K + g * kGroup);
 }
 
 // Tokens [s0, s1) of expert e (sorted order; order[s] / k is the token) into ys rows s0..s1,
@@ -289,14 +292,22 @@ void mxfp4_block(const float* x, const int64_t* order, const float* weights, con
                  const uint8_t* s13, const uint8_t* w2, const uint8_t* s2, float* ys, int64_t e,
                  int64_t s0, int64_t s1, int64_t k, int64_t I, int64_t D, BlockScratch& b,
                  const Glu& act) {
+  const uint8_t *c13 = w13 + e * 2 * I * (D / 2), *g13 = s13 + e * 2 * I * (D / kGroup);
+  const uint8_t *c2 = w2 + e * D * (I / 2), *g2 = s2 + e * D * (I / kGroup);
   const int64_t M = s1 - s0, Mp = round_up(M, kLanes);
+  if (linear_amx_ready() == 1) {  // bf16 panels decoded exactly on the tiles' way in
+    amx_block(x, order, weights, ys, s0, s1, k, I, D, b, act,
+              [&](const float* xr, float* hr) {
+                linear_amx_mxfp4w(xr, c13, g13, hr, M, 2 * I, D, 0);
+              },
+              [&](const float* ar, float* yr) { linear_amx_mxfp4w(ar, c2, g2, yr, M, D, I, 0); });
+    return;
+  }
   float *xt = b.xt.get(), *ht = b.ht.get(), *at = b.at.get(), *yt = b.yt.get();
   float* wide = b.wide.get();
   int32_t row[kBlockRows];  // the block's tokens' x rows, as offsets from x
   for (int64_t m = 0; m < M; ++m) row[m] = static_cast<int32_t>((order[s0 + m] / k) * D);
   gather_t(x, row, M, Mp, D, xt);
-  const uint8_t *c13 = w13 + e * 2 * I * (D / 2), *g13 = s13 + e * 2 * I * (D / kGroup);
-  const uint8_t *c2 = w2 + e * D * (I / 2), *g2 = s2 + e * D * (I / kGroup);
   bcast_panels([&](int64_t p, int64_t tn) {
     decode_rows(c13, g13, p, tn, D, wide);
     return static_cast<const float*>(wide);
@@ -314,6 +325,26 @@ void mxfp4_block(const float* x, const int64_t* order, const float* weights, con
 }  // namespace
 
 extern "C" {
+
+// Rows [p, p + tn) of an MXFP4 weight [N, K] as bf16 into out (row stride ldo >= K): exact,
+// as an E2M1 value times a power of two has at most two significant bits, so the fp32
+// decode's low 16 bits are zero (infinity stays infinity). AMX's panels (amx_cpu.cpp) come
+// from here; tested against the reference's decode on every host.
+void mxfp4_rows_bf16(const uint8_t* w, const uint8_t* s, int64_t p, int64_t tn, int64_t K,
+                     uint16_t* out, int64_t ldo) {
+  alignas(64) float group[kGroup];
+  for (int64_t i = 0; i < tn; ++i)
+    for (int64_t g = 0; g < K / kGroup; ++g) {
+      decode_group(w + (p + i) * (K / 2) + g * 16, kScale.v[s[(p + i) * (K / kGroup) + g]],
+                   group);
+      uint16_t* dst = out + i * ldo + g * kGroup;
+      for (int64_t j = 0; j < kGroup; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, &group[j], 4);
+        dst[j] = static_cast<uint16_t>(bits >> 16);
+      }
+    }
+}
 
 // `moe_experts_ref`'s contract with MXFP4 experts: x [T, D]; ids, weights [T, k];
 // w13 [E, 2I, D / 2] and s13 [E, 2I, D / 32]; w2 [E, D, I / 2] and s2 [E, D, I / 32];
