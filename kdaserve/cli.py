@@ -45,10 +45,17 @@ def _make_block_drafter(args: argparse.Namespace) -> None:
     from kdaserve.speculative.block import make_block_drafter
 
     target = ModelConfig.from_pretrained(resolve_model_path(args.target))
-    path = make_block_drafter(args.out, target, block_size=args.block_size,
-                              hidden_size=args.hidden_size, num_layers=args.num_layers,
-                              seed=args.seed)
-    print(f"wrote random-weight block drafter for {args.target} to {path}")
+    if args.format == "block":
+        path = make_block_drafter(args.out, target, block_size=args.block_size or 4,
+                                  hidden_size=args.hidden_size, num_layers=args.num_layers,
+                                  seed=args.seed)
+    else:  # one of K3's published formats
+        from kdaserve.speculative.context_drafter import make_context_drafter
+
+        path = make_context_drafter(args.out, target, args.format, seed=args.seed,
+                                    block_size=args.block_size, hidden_size=args.hidden_size,
+                                    num_layers=args.num_layers)
+    print(f"wrote a random-weight {args.format} drafter for {args.target} to {path}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,10 +97,14 @@ def main(argv: list[str] | None = None) -> None:
     m.set_defaults(func=_make_checkpoint)
 
     d = sub.add_parser("make-block-drafter",
-                       help="write a random-weight block drafter (speculative_algorithm=block)")
+                       help="write a random-weight block drafter: ours (speculative_algorithm "
+                            "block) or one of K3's published formats (dspark, dflash)")
     d.add_argument("--target", default="bench", help="target checkpoint folder or preset")
     d.add_argument("--out", required=True)
-    d.add_argument("--block-size", type=int, default=4, help="tokens drafted per forward")
+    d.add_argument("--format", default="block",
+                   choices=["block", "k3-dspark-mla", "k3-dspark-gqa", "dflash"])
+    d.add_argument("--block-size", type=int, default=None,
+                   help="the block's rows (block: 4; DSpark: 7; DFlash: 8)")
     d.add_argument("--hidden-size", type=int, default=64)
     d.add_argument("--num-layers", type=int, default=1)
     d.add_argument("--seed", type=int, default=0)

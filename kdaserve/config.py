@@ -243,6 +243,9 @@ class ModelConfig:
         return ", ".join(f"{k}={v}" for k, v in d.items() if k not in ("layer_types", "mlp_types"))
 
 
+DEFAULT_DRAFTS = 4  # speculative_num_draft_tokens where unset (ours: drafts a step)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Engine knobs (one CLI flag each in the server). Pool sizes not given are derived from
@@ -285,10 +288,16 @@ class EngineConfig:
     prefill_snapshot_stride: int | None = None
     num_snapshot_slots: int | None = None  # KDA state snapshots the prefix cache may hold
     # "ngram" (prompt lookup), "draft" (a smaller checkpoint with the same vocabulary),
-    # "block" (a block drafter on the final hidden state) or "dspark" (DSpark: tapped target
-    # layers, Markov head, confidence head); the last three load speculative_draft_model
+    # "block" (a block drafter on the final hidden state), "dspark" (DSpark: tapped target
+    # layers, Markov head, confidence head; ours, or K3's published ones by their config.json)
+    # or "dflash" (K3's DFlash); all but ngram load speculative_draft_model. Any case, as
+    # SGLang's DSPARK / DFLASH
     speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 4
+    # drafts a step (4 unless set); for K3's published drafters what SGLang means by it: the
+    # verify width, gamma + 1 for DSpark, the block size for DFlash (their config's unless set)
+    speculative_num_draft_tokens: int | None = None
+    # gamma of a published DSpark drafter: its block's rows (its config's block_size unless set)
+    speculative_dspark_block_size: int | None = None
     speculative_draft_model: str | None = None  # checkpoint folder (or preset, for "draft")
     # hot-token map (.pt/.json ids, speculative/token_map.py): block/dspark heads cut to them
     speculative_token_map: str | None = None
@@ -357,15 +366,22 @@ class EngineConfig:
                 or self.prefill_snapshot_stride % self.snapshot_interval):
             raise ValueError(f"prefill_snapshot_stride={self.prefill_snapshot_stride} must be 0 "
                              f"or a multiple of snapshot_interval={self.snapshot_interval}")
-        if self.speculative_algorithm not in (None, "ngram", "draft", "block", "dspark"):
+        if self.speculative_algorithm is not None:  # frozen: set once, here
+            object.__setattr__(self, "speculative_algorithm", self.speculative_algorithm.lower())
+        if self.speculative_algorithm not in (None, "ngram", "draft", "block", "dspark",
+                                              "dflash"):
             raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} is not "
-                             "supported (ngram, draft, block or dspark)")
-        if self.speculative_algorithm in ("draft", "block", "dspark") and \
+                             "supported (ngram, draft, block, dspark or dflash)")
+        if self.speculative_algorithm in ("draft", "block", "dspark", "dflash") and \
                 not self.speculative_draft_model:
             raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} needs "
                              "speculative_draft_model (a checkpoint folder)")
-        if self.speculative_num_draft_tokens < 1:
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
             raise ValueError("speculative_num_draft_tokens must be >= 1")
+        if self.speculative_dspark_block_size is not None and (
+                self.speculative_algorithm != "dspark" or self.speculative_dspark_block_size < 1):
+            raise ValueError("speculative_dspark_block_size (>= 1) applies to "
+                             "speculative_algorithm='dspark'")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
             raise ValueError(f"need 1 <= speculative_ngram_min ({self.speculative_ngram_min}) "
                              f"<= speculative_ngram_max ({self.speculative_ngram_max})")

@@ -42,8 +42,14 @@ class ForwardBatch:
     # rollout routing replay: when a list, each MoE layer appends its chosen experts [T, k]
     routing: list[torch.Tensor] | None = None
     # a DSpark drafter's tap layers: the forward keeps the residual stream after each of them
-    # at the logits rows, concatenated, in `tapped` [L, len(taps) * D]
+    # at the logits rows, concatenated, in `tapped` [L, len(taps) * D]; at every row with
+    # `tap_all_rows` (a drafter that keeps the context's taps: [T, len(taps) * D]). K3's
+    # `tap_stream`: "partial", the block's partial sum after the layer, or "aggregated", the
+    # mix the next layer's attention-side AttnRes forms from it (the output-side one after
+    # the last layer), before its norm; one residual stream in a model without AttnRes
     taps: tuple[int, ...] = ()
+    tap_all_rows: bool = False
+    tap_stream: str = "partial"
     tapped: torch.Tensor | None = None
 
     @property

@@ -121,10 +121,11 @@ class LLM:
         return self.prefill_taps(token_ids, ())[0]
 
     @torch.inference_mode()
-    def prefill_taps(self, token_ids: list[int],
-                     taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def prefill_taps(self, token_ids: list[int], taps: tuple[int, ...],
+                     stream: str = "partial") -> tuple[torch.Tensor, torch.Tensor | None]:
         """`prefill_hidden`, and the residual streams after layers `taps` [T, len(taps) * D]
-        (what a DSpark drafter reads; None without taps)."""
+        (what a DSpark drafter reads; None without taps); K3's `stream` as
+        `ForwardBatch.tap_stream`."""
         e = self.engine
         if e.config.tp_size > 1:  # the other ranks would have to run this forward too
             raise ValueError("prefill_logits is a single-process oracle (tp_size 1)")
@@ -134,5 +135,5 @@ class LLM:
         batch = ForwardBatch.build([list(token_ids)], [0], [states.allocate()],
                                    [blocks.allocate(blocks.num_blocks)], bs, all_logits=True,
                                    device=e.device)
-        batch.taps = taps
+        batch.taps, batch.tap_stream = taps, stream
         return e.model.forward_hidden(batch, states, blocks), batch.tapped

@@ -36,7 +36,7 @@ import torch
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.config import EngineConfig
+from kdaserve.config import DEFAULT_DRAFTS, EngineConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels, graph_verify_tokens
 from kdaserve.kernels.registry import GRAPH_SAFE
@@ -73,7 +73,9 @@ def verify_tokens(config: EngineConfig, model: KimiLinearForCausalLM, block_size
     step and the absorbed MLA kernel, whose fla fallbacks read lengths back); else 1."""
     if config.speculative_algorithm is None:
         return 1
-    q = 1 + config.speculative_num_draft_tokens
+    # (K3's published drafters, whose width differs, verify eagerly: their taps are every
+    # row's, which no graph keeps)
+    q = 1 + (config.speculative_num_draft_tokens or DEFAULT_DRAFTS)
     kernels = graph_verify_tokens(m.head_dim for m in model.modules()
                                   if isinstance(m, KDAttention))
     return q if q <= min(block_size, FUSED_MAX_TOKENS, kernels) else 1

@@ -101,7 +101,7 @@ class LLMEngine:
                 draft = config.speculative_draft_model
                 self.spec = build_speculator(
                     config, Path(resolve_model_path(draft)) if draft else None,
-                    self.model_config, self.kernels, self.dtype, self.device, self.states,
+                    self.model, self.kernels, self.dtype, self.device, self.states,
                     self.blocks, self.cache, self.scheduler.max_num_seqs)
                 self.scheduler.hooks = self.spec
             # nothing runs ahead of the first request: CUDA graphs are captured on first use
@@ -352,7 +352,8 @@ class LLMEngine:
         # Grammar masks are computed after the forward, not beside it on a thread: the closing
         # estimate is Python, and GIL hand-offs (5 ms switch interval) against the model's
         # Python-level op dispatch made tests/model/test_grammar.py 5x slower (160 s vs 32 s).
-        run = self.runner.run(batch, hidden_rows, record)
+        run = self.runner.run(batch, hidden_rows, record, context_stream=None
+                              if self.spec is None else self.spec.drafter.context_stream)
         if isinstance(self.pd, PrefillSide):
             self.pd.after_forward(batch)
         self.out.after_forward(batch, run.prompt)

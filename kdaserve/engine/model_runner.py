@@ -118,25 +118,29 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, return_hidden: tuple[int, ...] | None = None,
             record: StepRecord | None = None, future: torch.Tensor | None = None,
-            ) -> StepOutput:
+            context_stream: str | None = None) -> StepOutput:
         """One forward. Logits are computed here only for the rows that sample; prompt-logprob
         rows come back as hidden states, whose logits the caller computes in slices (a long
         chunk's full [T, vocab] logits would not fit). With `record`, the KDA layers fill it
         with their step inputs. return_hidden: None, or the sampling rows' hidden states
         to return: () the final-normed ones, layer indices those layers' (a drafter's taps).
         future: the sampled tokens of the step in flight, which placeholder inputs stand for
-        (engine/overlap.py)."""
+        (engine/overlap.py). context_stream: a context drafter's (`Drafter.context_stream`):
+        the taps of every new row in that stream, not the sampling rows'."""
         fb, to_sample, layout = self.prepare(batch)
         if future is not None:
             fb.input_ids = resolve_inputs(fb.input_ids, future)
         fb.record = record
         fb.taps = return_hidden or ()
+        if context_stream is not None:
+            fb.tap_all_rows, fb.tap_stream = True, context_stream
         if any(r.options.return_routed_experts for r in batch.reqs):
             fb.routing = []
         # every row samples (a prompt-logprob row of a one-token chunk is a decode-shaped
         # row that does not) and nothing but the logits (and a drafter's rows) comes back
         key = self.graphs.key(fb, return_hidden) if self.graphs is not None \
-            and len(to_sample) == fb.num_seqs and not any(x.prompt_k for x in layout) \
+            and context_stream is None and len(to_sample) == fb.num_seqs \
+            and not any(x.prompt_k for x in layout) \
             and not any(r.options.return_hidden_states for r in batch.reqs) else None
         # the graph's own buffers (and, for a verify, the record's): read before the next step
         replayed = self.graphs.run(fb, key) if self.graphs is not None and key is not None \
@@ -165,7 +169,7 @@ class ModelRunner:
                 keep.extend(range(row + x.size - x.sampled, row + x.size))
                 row += x.size
             hidden = hidden[keep]
-            if fb.tapped is not None:
+            if fb.tapped is not None and not fb.tap_all_rows:
                 fb.tapped = fb.tapped[keep]
         logits = self.model.compute_logits(hidden)
         if fb.routing:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kdaserve.kernels import Kernels
+from kdaserve.kernels.ref.attn_res import attn_res_mix_ref
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.layers.parallel import Destination
 
@@ -37,8 +38,14 @@ class AttnResSite(nn.Module):
         """bank: [NB, T, D]; partial: [T, D] -> `norm` of the mix [T, D] (every site is
         followed by an RMSNorm: the kernel does both in one pass)."""
         # recomputed each call (D multiplies): an RL weight update then needs no hook
-        w_eff = self.norm_weight.float() * self.proj_weight.float().view(-1)
-        return self.mix_norm(bank, partial, w_eff, self.eps, norm.weight, norm.eps)
+        return self.mix_norm(bank, partial, self.w_eff(), self.eps, norm.weight, norm.eps)
+
+    def mix(self, bank: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+        """The mix alone, before the norm (a drafter's aggregated tap: a few rows a step)."""
+        return attn_res_mix_ref(bank, partial, self.w_eff(), self.eps)
+
+    def w_eff(self) -> torch.Tensor:
+        return self.norm_weight.float() * self.proj_weight.float().view(-1)
 
 
 class Bank:

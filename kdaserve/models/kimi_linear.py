@@ -152,7 +152,7 @@ class KimiLinearForCausalLM(nn.Module):
                 h = h + self._mixer(i, layer.input_layernorm(h), batch, states, blocks)
                 h = h + self._ffn(i, layer.post_attention_layernorm(h), batch)
                 if i in batch.taps:
-                    tapped.append(h[batch.logits_indices])
+                    tapped.append(h if batch.tap_all_rows else h[batch.logits_indices])
             h = self.norm(h[batch.logits_indices])
         if tapped:
             batch.tapped = torch.cat(tapped, dim=-1)
@@ -194,10 +194,21 @@ class KimiLinearForCausalLM(nn.Module):
             x = layer.mlp_res(bank.filled(), partial, layer.post_attention_layernorm)
             partial = partial + self._ffn(i, x, batch)
             if i in batch.taps:
-                tapped.append(partial[batch.logits_indices])
+                tapped.append(self._tap(i, bank, partial, batch))
         assert partial is not None
         rows = batch.logits_indices
         return self.output_attn_res(bank.filled()[:, rows], partial[rows], self.norm)
+
+    def _tap(self, i: int, bank: Bank, partial: torch.Tensor,
+             batch: ForwardBatch) -> torch.Tensor:
+        """Layer i's tap (`ForwardBatch.tap_stream`) at the batch's tapped rows: the bank and
+        partial sum after layer i are what layer i + 1's attention-side site mixes."""
+        rows = slice(None) if batch.tap_all_rows else batch.logits_indices
+        if batch.tap_stream == "partial":
+            return partial[rows]
+        site = self.layers[i + 1].attn_res if i + 1 < len(self.layers) else self.output_attn_res
+        assert site is not None
+        return site.mix(bank.filled()[:, rows], partial[rows])
 
     def idle_forward(self) -> None:
         """An expert-parallel rank with no tokens this step: only the MoE layers'

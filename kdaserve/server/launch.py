@@ -20,18 +20,22 @@ from kdaserve.server.serving import Limits
 logger = logging.getLogger("kdaserve")
 
 
+# SGLang's names for a field, where ours differs
+ALIASES = {"speculative_draft_model": ["--speculative-draft-model-path"]}
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (--max-num-seqs, --block-size, ...)."""
     for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *ALIASES.get(f.name, [])]
         default = f.default
         if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", default=default)
+            p.add_argument(*flags, action="store_true", default=default)
         else:
             kind = {int: int, float: float}.get(type(default), str)
             if default is None:  # `int | None` and the like: the annotation says
                 kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-            p.add_argument(flag, type=kind, default=default)
+            p.add_argument(*flags, type=kind, default=default)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

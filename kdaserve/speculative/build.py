@@ -3,6 +3,7 @@ target, and the adaptive policy."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -10,10 +11,13 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.config import EngineConfig, ModelConfig
+from kdaserve.config import DEFAULT_DRAFTS, EngineConfig
 from kdaserve.kernels import Kernels
+from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.speculative.adaptive import AdaptiveSpeculation
 from kdaserve.speculative.block import BlockDrafter
+from kdaserve.speculative.context_drafter import ContextDrafter
+from kdaserve.speculative.context_net import BY_ARCHITECTURE
 from kdaserve.speculative.draft_model import DraftModelDrafter
 from kdaserve.speculative.drafter import Drafter
 from kdaserve.speculative.dspark import DSparkDrafter
@@ -23,17 +27,31 @@ from kdaserve.speculative.token_map import load_token_map
 from kdaserve.speculative.verify import Speculator
 
 
-def build_speculator(c: EngineConfig, draft_path: Path | None, target: ModelConfig,
+def build_speculator(c: EngineConfig, draft_path: Path | None, model: KimiLinearForCausalLM,
                      kernels: Kernels, dtype: torch.dtype, device: torch.device,
                      states: StatePool, blocks: BlockPool, cache: RadixCache | None,
                      max_running: int) -> Speculator:
     """draft_path: speculative_draft_model resolved to a folder (None for n-gram)."""
-    k = c.speculative_num_draft_tokens
+    target = model.config
+    k = c.speculative_num_draft_tokens or DEFAULT_DRAFTS
     drafter: Drafter
+    published = draft_path is not None and published_format(draft_path)
+    if c.speculative_algorithm == "dflash" and published != "DFlashDraftModel":
+        raise ValueError(f"speculative_algorithm='dflash' needs a DFlash drafter; "
+                         f"{draft_path} is {published or 'not one of K3s published drafters'}")
+    if c.speculative_algorithm != "dspark" and c.speculative_dspark_block_size is not None:
+        raise ValueError("speculative_dspark_block_size applies to DSpark drafters")
     if c.speculative_algorithm == "ngram":
         drafter = NgramDrafter(k, c.speculative_ngram_max, c.speculative_ngram_min)
+    elif published and c.speculative_algorithm in ("dspark", "dflash"):
+        assert draft_path is not None
+        drafter = ContextDrafter.load(draft_path, model, dtype, device)
+        drafter.configure(c.speculative_num_draft_tokens, c.speculative_dspark_block_size)
     else:
         assert draft_path is not None  # EngineConfig checks
+        if c.speculative_dspark_block_size is not None:
+            raise ValueError("speculative_dspark_block_size applies to K3's published DSpark "
+                             "drafters (ours has its block in its config.json)")
         if c.speculative_algorithm in ("block", "dspark"):
             drafter = BlockDrafter.load(draft_path, target, k, dtype, device) \
                 if c.speculative_algorithm == "block" else \
@@ -45,5 +63,16 @@ def build_speculator(c: EngineConfig, draft_path: Path | None, target: ModelConf
             drafter = DraftModelDrafter.load(
                 draft_path, target, kernels, dtype, device, k, max_running,
                 blocks.num_blocks * blocks.block_size, c.block_size, c.max_num_batched_tokens)
+    if published and c.speculative_token_map is not None:
+        raise ValueError("speculative_token_map applies to our block and DSpark drafters")
     return Speculator(drafter, states, cache, AdaptiveSpeculation(
         c.speculative_min_acceptance_rate, c.speculative_disable_by_batch_size), StepCost())
+
+
+def published_format(path: Path) -> str | None:
+    """The architecture of one of K3's published drafters at path, else None."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return None
+    arch = (json.loads(f.read_text()).get("architectures") or [None])[0]
+    return arch if arch in BY_ARCHITECTURE else None

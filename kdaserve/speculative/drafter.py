@@ -25,6 +25,10 @@ class Drafter:
     # with wants_hidden: () passes the final-normed row (what the LM head sees); layer indices
     # pass instead the residual stream after each of those target layers, concatenated
     taps: tuple[int, ...] = ()
+    # a drafter that keeps a context of taps (every committed position, not the newest only):
+    # the target stream it reads (ForwardBatch.tap_stream), and the Speculator then hands
+    # each request's committed rows to on_context after every forward
+    context_stream: str | None = None
     # the schedule's cap on this step's drafts per request (None: k); drafts past it would
     # not be verified, so a drafter whose cost grows with the block drafts no further
     limit: int | None = None
@@ -55,6 +59,11 @@ class Drafter:
         one target token. hidden: [D] target final hidden state at the last computed position
         (the one whose logits gave the newest token), or [len(taps) * D] its tapped rows,
         when `wants_hidden`."""
+
+    def on_context(self, req: Request, rows: torch.Tensor, start: int) -> None:
+        """With `context_stream`: the taps [m, len(taps) * D] of req's positions start ..
+        start + m - 1, which this step committed (a prefill chunk's, or a verify's anchor and
+        accepted drafts)."""
 
     def on_finish(self, req: Request) -> None:
         """req finished (stop or length): release its drafter state."""

@@ -27,6 +27,7 @@ class ScriptedDrafter(Drafter):
         self.futures, self.corrupt, self.min_survival = futures, corrupt, min_survival
         self.wants_hidden = inner is not None and inner.wants_hidden  # type: ignore[misc]
         self.taps = inner.taps if inner is not None else ()
+        self.context_stream = inner.context_stream if inner is not None else None
         self.proposed: dict[int, list[int]] = {}
         self.log: list[tuple[int, int]] = []
         self.drafted: list[list[int]] = []  # every proposal, in order
@@ -64,6 +65,10 @@ class ScriptedDrafter(Drafter):
         self.log.append((len(self.proposed.pop(id(req), [])), num_accepted))
         if self.inner is not None:
             self.inner.on_accept(req, num_accepted, hidden)
+
+    def on_context(self, req: Request, rows: torch.Tensor, start: int) -> None:
+        if self.inner is not None:
+            self.inner.on_context(req, rows, start)
 
     def on_admit(self, req: Request) -> None:
         if self.inner is not None:

@@ -14,6 +14,7 @@ later tokens overwrite them.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -160,6 +161,8 @@ class Speculator:
         # estimate and of the outcome (1 if kept): its calibration
         self.predicted_sum: list[float] = []
         self.kept_sum: list[float] = []
+        # a context drafter's step: (request, its first row in the forward, its position)
+        self.context: list[tuple[Request, int, int]] = []
 
     def propose(self, running: list[Request]) -> None:
         """Drafts for decoding requests. Requests with penalties or logprobs decode normally
@@ -413,6 +416,10 @@ class Speculator:
         verified, the scratch slots freed whatever happens."""
         decode_only = all(n == 1 + len(r.draft_ids)
                           for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True))
+        if self.drafter.context_stream is not None:  # each request's rows and first position
+            offsets = [0, *itertools.accumulate(batch.num_new_tokens)]
+            self.context = [(r, offsets[i], r.num_computed_tokens)
+                            for i, r in enumerate(batch.reqs)]
         saved = self.save(batch)
         try:
             record = self.record(batch, saved, device) if saved else None
@@ -431,6 +438,14 @@ class Speculator:
                    seconds: float) -> None:
         """The step's tokens are sampled: each drafter follows what its request kept, and
         the schedule's cost model sees the step's size and time."""
+        if self.drafter.context_stream is not None:
+            assert hidden is not None, "a context drafter's forward returns its taps"
+            for req, row, start in self.context:  # the rows each request committed
+                if not req.is_finished and req.num_computed_tokens > start:
+                    self.drafter.on_context(
+                        req, hidden[row:row + req.num_computed_tokens - start], start)
+            self.context = []
+            hidden = None  # not the sampling rows: on_accept gets none
         for req, j, r in verified.accepted:
             if not req.is_finished:
                 self.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)

@@ -1,0 +1,285 @@
+"""The drafter for K3's published block drafters (`context_net.py`): loaded by path from their
+config.json and tensors, with a context cache per request.
+
+The target taps every position it commits (prefill chunks, the accepted part of a verify:
+`Drafter.context_stream`), and `on_context` turns those rows into the drafter's per-layer
+cache entries at once: GQA keys and values, or MLA's normed latent and roped k_pe. A position
+whose taps never came (a prefix-cache hit's tokens, a request that arrived from a prefill
+server) is simply not in the context: the cache holds positions [start, start + n), and
+drafts stay lossless, only less often accepted. A preempted request drops its cache and
+rebuilds it as it is recomputed. Verification is greedy against point-mass drafts, as for
+every drafter (`speculative/verify.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kdaserve.config import ModelConfig
+from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+from kdaserve.request import Request
+from kdaserve.speculative.context_net import (
+    BY_ARCHITECTURE,
+    FORMATS,
+    ContextDraftNet,
+    DrafterFormat,
+    NetConfig,
+    config_dict,
+    random_weights,
+)
+from kdaserve.speculative.drafter import Drafter
+
+# what the target shares with its drafter: skipped where a checkpoint holds a copy
+SHARED = ("embed_tokens.", "lm_head.")
+
+
+def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
+    """A key from dflash_config (SGLang's place for it), else the top level."""
+    inner = cfg.get("dflash_config") or {}
+    return inner.get(key, cfg.get(key, default))
+
+
+def read_config(cfg: dict[str, Any], target: ModelConfig, where: str = "drafter") -> NetConfig:
+    """A published drafter's config.json, checked against the target; what we do not
+    implement is refused by name."""
+    arch = (cfg.get("architectures") or [None])[0]
+    fmt = BY_ARCHITECTURE.get(arch)
+    if fmt is None:
+        raise ValueError(f"{where}: architectures {cfg.get('architectures')!r} is none of "
+                         f"{sorted(BY_ARCHITECTURE)}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {cfg['hidden_act']!r} (only silu)")
+    for key in ("rope_parameters", "rope_scaling"):  # either may carry a scaling
+        kind = (cfg.get(key) or {}).get("rope_type", (cfg.get(key) or {}).get("type"))
+        if kind not in (None, "default"):
+            raise ValueError(f"{where}: {key} type {kind!r} is not implemented (only "
+                             "default RoPE)")
+    rope = cfg.get("rope_parameters") or {}
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta",
+                                                 50000.0 if fmt.attention == "mla" else 10000.0)))
+    for key in ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor",
+                "attention_bias", "sliding_window", "final_logit_softcapping"):
+        if cfg.get(key):
+            raise ValueError(f"{where}: {key}={cfg[key]!r} is not implemented")
+    if any(t != "full_attention" for t in cfg.get("layer_types") or []):
+        raise ValueError(f"{where}: layer_types {cfg['layer_types']!r} (only full_attention)")
+    if fmt.attention == "gqa" and cfg.get("rope_is_neox_style", True) is False:
+        raise ValueError(f"{where}: interleaved RoPE for GQA layers is not implemented")
+    if fmt.dspark and cfg.get("markov_head_type", "vanilla") != "vanilla":
+        raise ValueError(f"{where}: markov_head_type {cfg['markov_head_type']!r} (only vanilla)")
+    taps = _get(cfg, "target_layer_ids")
+    H, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    if not isinstance(taps, list) or not taps or not isinstance(H, int) or not heads:
+        raise ValueError(f"{where}: needs target_layer_ids, hidden_size, num_attention_heads")
+    c = NetConfig(
+        fmt=fmt, hidden_size=H, target_hidden_size=cfg.get("target_hidden_size", H),
+        num_layers=cfg["num_hidden_layers"], num_heads=heads,
+        intermediate_size=cfg["intermediate_size"], eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, block_size=int(_get(cfg, "block_size", 7 if fmt.dspark else 16)),
+        mask_token_id=_get(cfg, "mask_token_id"), taps=tuple(taps),
+        vocab_size=cfg.get("vocab_size", target.vocab_size),
+        markov_rank=cfg.get("markov_rank", 0),
+        confidence=bool(cfg.get("enable_confidence_head")),
+        logit_scale=float(cfg.get("logit_scale", 1.0)),
+        num_kv_heads=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim", H // heads),
+        q_lora_rank=cfg.get("q_lora_rank") or 0, kv_lora_rank=cfg.get("kv_lora_rank") or 0,
+        qk_nope_head_dim=cfg.get("qk_nope_head_dim", 0),
+        qk_rope_head_dim=cfg.get("qk_rope_head_dim", 0), v_head_dim=cfg.get("v_head_dim", 0))
+    _check(c, target, where)
+    return c
+
+
+def _check(c: NetConfig, target: ModelConfig, where: str) -> None:
+    if c.target_hidden_size != target.hidden_size or c.vocab_size != target.vocab_size:
+        raise ValueError(f"{where}: made for hidden {c.target_hidden_size} and vocabulary "
+                         f"{c.vocab_size}; the target has {target.hidden_size} and "
+                         f"{target.vocab_size}")
+    if list(c.taps) != sorted(set(c.taps)) or not all(
+            0 <= t < target.num_hidden_layers for t in c.taps):
+        raise ValueError(f"{where}: target_layer_ids {list(c.taps)} must increase within the "
+                         f"target's {target.num_hidden_layers} layers")
+    if not isinstance(c.mask_token_id, int) or not 0 <= c.mask_token_id < target.vocab_size:
+        raise ValueError(f"{where}: mask_token_id {c.mask_token_id!r} is not a target token")
+    if c.block_size < 1 + c.fmt.first_draft_row:
+        raise ValueError(f"{where}: block_size {c.block_size} drafts nothing")
+    if c.fmt.dspark and c.markov_rank < 1:
+        raise ValueError(f"{where}: a DSpark drafter needs markov_rank >= 1")
+    if c.fmt.attention == "mla" and not (c.q_lora_rank and c.kv_lora_rank
+                                         and c.qk_rope_head_dim and c.v_head_dim):
+        raise ValueError(f"{where}: an MLA drafter needs q_lora_rank, kv_lora_rank, "
+                         "qk_rope_head_dim and v_head_dim")
+    if c.fmt.attention == "gqa" and c.num_heads % c.num_kv_heads:
+        raise ValueError(f"{where}: {c.num_heads} heads over {c.num_kv_heads} KV heads")
+
+
+def load_net(path: Path, target: ModelConfig, dtype: torch.dtype,
+             device: torch.device) -> ContextDraftNet:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise ValueError(f"{path} has no config.json: not a drafter checkpoint")
+    c = read_config(json.loads(f.read_text()), target, str(path))
+    with torch.device("meta"):
+        net = ContextDraftNet(c)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        for name, t in load_file(file).items():
+            name = name.removeprefix("model.")
+            if not name.startswith(SHARED):
+                tensors[name] = t
+    want = {n: tuple(p.shape) for n, p in net.state_dict().items()}
+    got = {n: tuple(t.shape) for n, t in tensors.items()}
+    if want != got:
+        bad = sorted(set(want) ^ set(got)) or sorted(n for n in want if want[n] != got[n])
+        raise ValueError(f"{path}: tensors do not match its config.json (first: {bad[0]}: "
+                         f"want {want.get(bad[0])}, file {got.get(bad[0])})")
+    net.load_state_dict(tensors, assign=True)
+    return net.to(device=device, dtype=dtype).eval()
+
+
+def make_context_drafter(out: str | Path, target: ModelConfig, fmt: str, seed: int = 0,
+                         block_size: int | None = None, hidden_size: int = 64,
+                         num_layers: int = 1, taps: list[int] | None = None) -> Path:
+    """Writes a random-weight drafter in a published format for `target` (its tensors and
+    config.json as the format's loaders read them), for tests and benchmarks."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown drafter format {fmt!r}; choose from {sorted(FORMATS)}")
+    L = target.num_hidden_layers
+    taps = taps or sorted({0, max(L // 2 - 1, 0), L - 1})
+    f = FORMATS[fmt]
+    heads = 4
+    c = NetConfig(
+        fmt=f, hidden_size=hidden_size, target_hidden_size=target.hidden_size,
+        num_layers=num_layers, num_heads=heads, intermediate_size=2 * hidden_size, eps=1e-5,
+        rope_theta=50000.0 if f.attention == "mla" else 10000.0,
+        block_size=block_size or (7 if f.dspark else 8), mask_token_id=target.vocab_size - 1,
+        taps=tuple(taps), vocab_size=target.vocab_size, markov_rank=16 if f.dspark else 0,
+        confidence=f.dspark, num_kv_heads=2, head_dim=hidden_size // heads,
+        q_lora_rank=hidden_size // 2, kv_lora_rank=hidden_size // 2, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16)
+    _check(c, target, "make_context_drafter")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(random_weights(ContextDraftNet(c), seed), out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(config_dict(c), indent=2))
+    return out
+
+
+@dataclass
+class ContextCache:
+    """A request's drafter context: positions [start, start + n), per layer [capacity, ...]."""
+
+    start: int
+    layers: list[torch.Tensor] = field(default_factory=list)
+    n: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+    def append(self, entries: list[torch.Tensor]) -> None:
+        m = entries[0].shape[0]
+        if not self.layers or self.n + m > self.layers[0].shape[0]:  # grow by doubling
+            cap = max(2 * (self.n + m), 16)
+            grown = [e.new_empty(cap, *e.shape[1:]) for e in entries]
+            for g, old in zip(grown, self.layers, strict=False):
+                g[:self.n] = old[:self.n]
+            self.layers = grown
+        for layer, e in zip(self.layers, entries, strict=True):
+            layer[self.n:self.n + m] = e
+        self.n += m
+
+
+class ContextDrafter(Drafter):
+    wants_hidden = True
+
+    def __init__(self, net: ContextDraftNet, target: KimiLinearForCausalLM,
+                 device: torch.device) -> None:
+        self.net, self.target, self.device = net, target, device
+        self.fmt: DrafterFormat = net.c.fmt
+        self.taps = net.c.taps
+        self.context_stream = net.c.fmt.tap_stream
+        self.caches: dict[int, ContextCache] = {}  # id(req) -> its context
+        self._survival: dict[int, list[float]] = {}
+        self.configure(None, None)
+
+    @classmethod
+    def load(cls, path: Path, target: KimiLinearForCausalLM, dtype: torch.dtype,
+             device: torch.device) -> ContextDrafter:
+        return cls(load_net(path, target.config, dtype, device), target, device)
+
+    def configure(self, num_draft_tokens: int | None, dspark_block_size: int | None) -> None:
+        """SGLang's meaning of the flags: DSpark's block has gamma rows
+        (`dspark_block_size`, else its config's), each a draft, and num_draft_tokens is the
+        verify width gamma + 1; DFlash's block is num_draft_tokens rows (else its config's),
+        the anchor's then one draft each."""
+        if self.fmt.dspark:
+            self.block_size = dspark_block_size or self.net.c.block_size
+            if num_draft_tokens not in (None, self.block_size + 1):
+                raise ValueError(f"speculative_num_draft_tokens={num_draft_tokens}: for DSpark "
+                                 f"it is gamma + 1 = {self.block_size + 1} (its block of "
+                                 f"{self.block_size} and the anchor)")
+        else:
+            self.block_size = num_draft_tokens or self.net.c.block_size
+            if self.block_size < 2:
+                raise ValueError("speculative_num_draft_tokens: DFlash's block needs at least "
+                                 "the anchor and one mask")
+        self.k = self.block_size - self.fmt.first_draft_row
+
+    @torch.inference_mode()
+    def on_context(self, req: Request, rows: torch.Tensor, start: int) -> None:
+        cache = self.caches.get(id(req))
+        if cache is None or cache.end != start:  # new, or after a gap: from here on
+            cache = self.caches[id(req)] = ContextCache(start)
+        pos = torch.arange(start, start + rows.shape[0], device=self.device)
+        cache.append(self.net.context(rows, pos))
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request]) -> None:
+        self._survival.clear()
+        for req in reqs:
+            req.draft_ids = []
+        k = max((self.max_draft_tokens(r) for r in reqs), default=0)
+        if k == 0:
+            return
+        B, N, S = len(reqs), self.block_size, max(
+            (c.n for c in (self.caches.get(id(r)) for r in reqs) if c), default=0)
+        widths = self.net.c.cache_width
+        dtype = next(self.net.parameters()).dtype
+        ctx = [torch.zeros(B, S, *widths, dtype=dtype, device=self.device)
+               for _ in range(self.net.c.num_layers)]
+        mask = torch.zeros(B, S, dtype=torch.bool, device=self.device)
+        for b, req in enumerate(reqs):
+            cache = self.caches.get(id(req))
+            if cache is not None and cache.n:
+                for dst, src in zip(ctx, cache.layers, strict=True):
+                    dst[b, :cache.n] = src[:cache.n]
+                mask[b, :cache.n] = True
+        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.device)
+        ids = torch.full((B, N), self.net.c.mask_token_id, device=self.device)
+        ids[:, 0] = anchors
+        pos = torch.tensor([r.num_computed_tokens for r in reqs], device=self.device)[:, None] \
+            + torch.arange(N, device=self.device)
+        h = self.net.block(self.target.embed_tokens(ids).to(dtype), pos, ctx, mask)
+        drafts, conf = self.net.draft(h, anchors, k, self.target.compute_logits)
+        survival = conf.double().cumprod(-1).tolist() if conf is not None else None
+        for b, req in enumerate(reqs):
+            n = self.max_draft_tokens(req)
+            req.draft_ids = drafts[b, :n].tolist()
+            if survival is not None:
+                self._survival[id(req)] = survival[b][:n]
+
+    def survival(self, req: Request) -> list[float] | None:
+        return self._survival.get(id(req))
+
+    def on_finish(self, req: Request) -> None:
+        self.caches.pop(id(req), None)
+
+    def check_integrity(self, idle: bool = False) -> None:
+        assert not (idle and self.caches), "drafter contexts of finished requests not released"

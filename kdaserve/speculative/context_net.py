@@ -1,0 +1,331 @@
+"""Kimi K3's published block drafters, as networks: Inferact's DSpark (MLA draft attention,
+vLLM's `K3DSparkModel`), RadixArk's DSpark (GQA, SGLang's `DSparkDraftModel`) and DFlash
+(`DFlashDraftModel`). k3_spec.md 7, and the notes from vLLM's and SGLang's loaders in
+docs/speculative.md, "K3's drafters".
+
+All three read the target's hidden states at a few layers ("taps") for every committed
+position, project them once, c = norm(fc([tap_1; ...; tap_n])), and give each draft layer keys
+and values from c: the context enters attention only (no query, no MLP). A draft step runs a
+block of N rows, the pending token (the "anchor") then N - 1 mask tokens, embedded by the
+target's embedding at positions P..P+N-1 (P: the context's length). Every block row attends to
+the whole context and to the whole block (non-causal); pre-norm layers, SiLU-GLU MLPs; the
+drafter's own final norm; the target's lm_head gives the logits.
+
+- DSpark: row i predicts the token after position P + i (N drafts); a sequential Markov head
+  adds markov_w2 markov_w1[prev] to row i's logits (prev: the anchor, then the last draft), and
+  a confidence head sigmoid(proj([h_i; markov_w1[prev_i]])) predicts each draft's survival.
+- DFlash: row i >= 1 predicts the token at its own position (N - 1 drafts), no heads.
+
+Layers (tensor names as the checkpoints store them, no `model.` prefix):
+- GQA (RadixArk's DSpark, DFlash; Qwen3-style): self_attn.{q,k,v,o}_proj, per-head RMSNorms
+  q_norm / k_norm before RoPE (NeoX halves), scale head_dim^-1/2.
+- MLA (Inferact's DSpark; DeepSeek-style, no output gate): q_a_proj -> q_a_layernorm -> q_b_proj
+  ([nope | rope] per head); kv_a_proj_with_mqa -> [latent | k_pe], kv_a_layernorm on the
+  latent, kv_b_proj -> [k_nope | v] per head; RoPE interleaved (GPT-J pairs) on q_pe and k_pe,
+  scale (nope + rope)^-1/2. The cache holds [normed latent | roped k_pe] per position.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kdaserve.kernels import silu_mul_ref
+from kdaserve.layers.norm import RMSNorm
+
+
+@dataclass(frozen=True)
+class DrafterFormat:
+    """What tells the published formats apart."""
+
+    name: str  # make-block-drafter --format
+    architecture: str  # config.json architectures[0]
+    attention: str  # "mla" or "gqa"
+    dspark: bool  # a Markov head and a confidence head; rows predict the next position
+    tap_stream: str  # ForwardBatch.tap_stream of the target: "partial" or "aggregated"
+    fc: str  # the taps' projection and its norm, the final norm: their tensor names
+    fc_norm: str
+    final_norm: str
+
+    @property
+    def first_draft_row(self) -> int:
+        """DSpark's row 0 (the anchor) predicts the next token; DFlash's row i its own."""
+        return 0 if self.dspark else 1
+
+
+FORMATS = {f.name: f for f in (
+    # vLLM taps the raw AttnRes partial sums for Inferact's drafter (k3_spec.md 7.1)
+    DrafterFormat("k3-dspark-mla", "K3DSparkModel", "mla", True, "partial",
+                  "context_proj", "context_norm", "final_norm"),
+    # SGLang taps the aggregated stream for RadixArk's (k3_spec.md 7.2) and, with its open
+    # DFlash-on-K3 change, for DFlash too (an alias of the DSpark capture)
+    DrafterFormat("k3-dspark-gqa", "DSparkDraftModel", "gqa", True, "aggregated",
+                  "fc", "hidden_norm", "norm"),
+    DrafterFormat("dflash", "DFlashDraftModel", "gqa", False, "aggregated",
+                  "fc", "hidden_norm", "norm"),
+)}
+BY_ARCHITECTURE = {f.architecture: f for f in FORMATS.values()}
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, theta: float, interleaved: bool) -> torch.Tensor:
+    """RoPE over x's last dim (even) at positions pos (x's leading shape, less any head dim
+    between): GPT-J pairs (2i, 2i + 1) when interleaved, else NeoX halves (i, i + d/2)."""
+    d = x.shape[-1]
+    inv = theta ** -(torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
+    ang = pos.to(torch.float32)[..., None] * inv  # [..., d/2]
+    while ang.dim() < x.dim():  # broadcast over the head dim
+        ang = ang.unsqueeze(-2)
+    cos, sin = ang.cos(), ang.sin()
+    xf = x.float()
+    if interleaved:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+    else:
+        a, b = xf[..., : d // 2], xf[..., d // 2:]
+        out = torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+    return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """A drafter's config.json, read for its format (`read_config`)."""
+
+    fmt: DrafterFormat
+    hidden_size: int
+    target_hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    eps: float
+    rope_theta: float
+    block_size: int
+    mask_token_id: int
+    taps: tuple[int, ...]
+    vocab_size: int
+    markov_rank: int = 0
+    confidence: bool = False
+    logit_scale: float = 1.0
+    num_kv_heads: int = 0  # GQA
+    head_dim: int = 0
+    q_lora_rank: int = 0  # MLA
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def cache_width(self) -> tuple[int, ...]:
+        """One position's cache entry per layer: [2, kv heads, head dim] (k, v) for GQA,
+        [latent + rope] for MLA."""
+        if self.fmt.attention == "gqa":
+            return (2, self.num_kv_heads, self.head_dim)
+        return (self.kv_lora_rank + self.qk_rope_head_dim,)
+
+
+class Mlp(nn.Module):
+    def __init__(self, H: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(H, inter, bias=False)
+        self.up_proj = nn.Linear(H, inter, bias=False)
+        self.down_proj = nn.Linear(inter, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul_ref(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """q [B, N, h, d], k [B, S, h, d], v [B, S, h, dv], mask [B, S] (True: a key to read;
+    every query reads the same keys) -> [B, N, h * dv] in fp32 softmax."""
+    s = torch.einsum("bnhd,bshd->bhns", q.float(), k.float()) * scale
+    s = s.masked_fill(~mask[:, None, None, :], float("-inf"))
+    o = torch.einsum("bhns,bshd->bnhd", s.softmax(-1), v.float())
+    return o.flatten(2).to(q.dtype)
+
+
+class GqaAttention(nn.Module):
+    def __init__(self, c: NetConfig) -> None:
+        super().__init__()
+        H, h, kvh, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.c = c
+        self.q_proj = nn.Linear(H, h * d, bias=False)
+        self.k_proj = nn.Linear(H, kvh * d, bias=False)
+        self.v_proj = nn.Linear(H, kvh * d, bias=False)
+        self.o_proj = nn.Linear(h * d, H, bias=False)
+        self.q_norm = RMSNorm(d, c.eps)
+        self.k_norm = RMSNorm(d, c.eps)
+
+    def entries(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Cache entries [..., 2, kv heads, d] of rows x [..., H] at positions pos [...]."""
+        c = self.c
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim)))
+        k = rotate(k, pos, c.rope_theta, interleaved=False)
+        v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
+        return torch.stack([k, v], -3)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """x [B, N, H] the block, pos [B, N]; ctx [B, S, 2, kvh, d] with mask [B, S]."""
+        c = self.c
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (c.num_heads, c.head_dim)))
+        q = rotate(q, pos, c.rope_theta, interleaved=False)
+        kv = torch.cat([ctx, self.entries(x, pos)], 1)
+        group = c.num_heads // c.num_kv_heads
+        k = kv[:, :, 0].repeat_interleave(group, 2)
+        v = kv[:, :, 1].repeat_interleave(group, 2)
+        full = torch.cat([mask, mask.new_ones(x.shape[:2])], 1)
+        return self.o_proj(attend(q, k, v, full, c.head_dim ** -0.5))
+
+
+class MlaAttention(nn.Module):
+    def __init__(self, c: NetConfig) -> None:
+        super().__init__()
+        H, h = c.hidden_size, c.num_heads
+        self.c = c
+        self.q_a_proj = nn.Linear(H, c.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, h * (c.qk_nope_head_dim + c.qk_rope_head_dim),
+                                  bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(h * c.v_head_dim, H, bias=False)
+
+    def entries(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Cache entries [..., latent + rope]: the normed latent and the roped k_pe."""
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.c.kv_lora_rank, self.c.qk_rope_head_dim], -1)
+        return torch.cat([self.kv_a_layernorm(latent),
+                          rotate(k_pe, pos, self.c.rope_theta, interleaved=True)], -1)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        c, h = self.c, self.c.num_heads
+        nope, rope = c.qk_nope_head_dim, c.qk_rope_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).unflatten(-1, (h, nope + rope))
+        q = torch.cat([q[..., :nope], rotate(q[..., nope:], pos, c.rope_theta, True)], -1)
+        e = torch.cat([ctx, self.entries(x, pos)], 1)  # [B, S + N, latent + rope]
+        latent, k_pe = e.split([c.kv_lora_rank, rope], -1)
+        kv = self.kv_b_proj(latent).unflatten(-1, (h, nope + c.v_head_dim))
+        k = torch.cat([kv[..., :nope], k_pe[:, :, None].expand(-1, -1, h, -1)], -1)
+        full = torch.cat([mask, mask.new_ones(x.shape[:2])], 1)
+        return self.o_proj(attend(q, k, kv[..., nope:], full, (nope + rope) ** -0.5))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: NetConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.eps)
+        self.self_attn: GqaAttention | MlaAttention = \
+            GqaAttention(c) if c.fmt.attention == "gqa" else MlaAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.eps)
+        self.mlp = Mlp(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), pos, ctx, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ContextDraftNet(nn.Module):
+    """The drafter's own parameters; the target's embedding and lm_head are passed in."""
+
+    def __init__(self, c: NetConfig) -> None:
+        super().__init__()
+        self.c = c
+        setattr(self, c.fmt.fc, nn.Linear(len(c.taps) * c.target_hidden_size, c.hidden_size,
+                                          bias=False))
+        setattr(self, c.fmt.fc_norm, RMSNorm(c.hidden_size, c.eps))
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        setattr(self, c.fmt.final_norm, RMSNorm(c.hidden_size, c.eps))
+        if c.fmt.dspark:
+            self.markov_head = nn.Module()
+            self.markov_head.markov_w1 = nn.Embedding(c.vocab_size, c.markov_rank)
+            self.markov_head.markov_w2 = nn.Linear(c.markov_rank, c.vocab_size, bias=False)
+            if c.confidence:
+                self.confidence_head = nn.Module()
+                self.confidence_head.proj = nn.Linear(c.hidden_size + c.markov_rank, 1)
+
+    def context(self, taps: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
+        """taps [T, n * D] of T committed positions pos [T] -> each layer's cache entries."""
+        fc, norm = getattr(self, self.c.fmt.fc), getattr(self, self.c.fmt.fc_norm)
+        ctx = norm(fc(taps.to(fc.weight.dtype)))
+        return [layer.self_attn.entries(ctx, pos) for layer in self.layers]
+
+    def block(self, x: torch.Tensor, pos: torch.Tensor, ctx: list[torch.Tensor],
+              mask: torch.Tensor) -> torch.Tensor:
+        """x [B, N, H] the block's embeddings at pos [B, N]; ctx per layer [B, S, ...] with
+        mask [B, S] -> final-normed rows [B, N, H]."""
+        for layer, entries in zip(self.layers, ctx, strict=True):
+            x = layer(x, pos, entries, mask)
+        return getattr(self, self.c.fmt.final_norm)(x)
+
+    def draft(self, h: torch.Tensor, anchors: torch.Tensor, k: int,
+              lm_head: Callable[[torch.Tensor], torch.Tensor],
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy drafts [B, k] from the block's rows h [B, N, H], and DSpark's confidences
+        [B, k] (None without the head): each draft's chance given the ones before it."""
+        c = self.c
+        rows = h[:, c.fmt.first_draft_row:c.fmt.first_draft_row + k]
+        base = lm_head(rows.flatten(0, 1)).view(*rows.shape[:2], -1).float() * c.logit_scale
+        if not c.fmt.dspark:
+            return base.argmax(-1), None
+        w1, w2 = self.markov_head.markov_w1, self.markov_head.markov_w2
+        prev, drafts, embeds = anchors, [], []
+        for i in range(k):
+            e = w1(prev)
+            embeds.append(e)
+            prev = (base[:, i] + w2(e).float() * c.logit_scale).argmax(-1)
+            drafts.append(prev)
+        if not c.confidence:
+            return torch.stack(drafts, 1), None
+        feats = torch.cat([rows, torch.stack(embeds, 1).to(rows.dtype)], -1)
+        proj = self.confidence_head.proj
+        return torch.stack(drafts, 1), torch.sigmoid(F.linear(
+            feats.float(), proj.weight.float(), proj.bias.float()).squeeze(-1))
+
+
+def random_weights(net: ContextDraftNet, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random parameters (norm weights near 1), for tests and benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in net.state_dict().items():
+        if name.endswith("norm.weight"):
+            out[name] = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        else:
+            fan_in = 1 if "markov_w1" in name or p.dim() == 1 else p.shape[-1]
+            out[name] = torch.randn(p.shape, generator=g) / math.sqrt(fan_in)
+    return out
+
+
+def config_dict(c: NetConfig) -> dict[str, Any]:
+    """config.json as the format's own loader reads it (`read_config` reads it back)."""
+    d: dict[str, Any] = {
+        "architectures": [c.fmt.architecture], "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
+        "intermediate_size": c.intermediate_size, "hidden_act": "silu",
+        "rms_norm_eps": c.eps, "vocab_size": c.vocab_size, "block_size": c.block_size,
+        "num_target_layers": len(c.taps), "target_hidden_size": c.target_hidden_size}
+    if c.fmt.attention == "mla":
+        d.update(model_type="k3_dspark", q_lora_rank=c.q_lora_rank,
+                 kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
+                 qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
+                 rope_theta=c.rope_theta, target_layer_ids=list(c.taps),
+                 mask_token_id=c.mask_token_id, logit_scale=c.logit_scale)
+    else:
+        d.update(model_type="qwen3", num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                 rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                 layer_types=["full_attention"] * c.num_layers,
+                 dflash_config={"mask_token_id": c.mask_token_id,
+                                "target_layer_ids": list(c.taps)})
+    if c.fmt.dspark:
+        d.update(markov_rank=c.markov_rank, markov_head_type="vanilla",
+                 enable_confidence_head=c.confidence, confidence_head_with_markov=c.confidence)
+    return d

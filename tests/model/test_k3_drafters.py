@@ -1,0 +1,322 @@
+"""K3's published block drafters (speculative/context_net.py, context_drafter.py): Inferact's
+DSpark (MLA), RadixArk's DSpark (GQA) and DFlash, written with random weights in their released
+layouts and loaded by path. The engine hands each drafter the taps a plain forward computes at
+every committed position (chunked, after verifies that kept all, some or no drafts), in the
+stream the format reads; tokens stay plain decoding's on every engine path; the batched,
+padded, incremental draft pass equals one request's pass in one piece; broken checkpoints are
+refused by name."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kdaserve import LLM, SamplingParams
+from kdaserve.checkpoint import preset_config
+from kdaserve.request import Request
+from kdaserve.speculative.context_drafter import (
+    ContextCache,
+    ContextDrafter,
+    load_net,
+    make_context_drafter,
+)
+from kdaserve.speculative.context_net import FORMATS, rotate
+from kdaserve.speculative.schedule import StepCost
+from kdaserve.speculative.scripted import ScriptedDrafter
+
+from .conftest import clear_prompt
+
+NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+ALGORITHM = {"k3-dspark-mla": "DSPARK", "k3-dspark-gqa": "DSPARK", "dflash": "DFLASH"}
+
+
+@pytest.fixture(scope="module")
+def plain(k3_ckpt: Path) -> LLM:
+    return LLM(k3_ckpt, disable_prefix_cache=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain: LLM) -> list[list[int]]:
+    return [clear_prompt(plain, n, seed=700 + n, continuation=NEW) for n in (3, 17, 40)]
+
+
+@pytest.fixture(scope="module")
+def want(plain: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def drafters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root, config = tmp_path_factory.mktemp("k3-drafters"), preset_config("k3-tiny")
+    return {f: make_context_drafter(root / f, config, f, seed=11) for f in FORMATS}
+
+
+def engine(k3_ckpt: Path, path: Path, fmt: str, **kw) -> LLM:
+    llm = LLM(k3_ckpt, speculative_algorithm=ALGORITHM[fmt], speculative_draft_model=str(path),
+              **kw)
+    # every draft verified whatever the timings (random drafts would rightly be stopped)
+    llm.engine.spec.cost = StepCost(fitted=False, prior_tokens=math.inf)  # type: ignore
+    return llm
+
+
+def test_rope_is_the_complex_rotation() -> None:
+    """Both layouts against x * e^{i pos theta^(-2j/d)} on complex pairs: GPT-J's adjacent
+    pairs (MLA) and NeoX's halves (GQA)."""
+    g = torch.Generator().manual_seed(0)
+    x, pos = torch.randn(5, 3, 8, generator=g), torch.tensor([0, 1, 7, 30, 1000])
+    angle = pos[:, None, None] * 500.0 ** -(torch.arange(0, 8, 2) / 8)
+    turn = torch.polar(torch.ones_like(angle), angle.float())
+    pairs = torch.view_as_complex(x.view(5, 3, 4, 2).contiguous())
+    torch.testing.assert_close(rotate(x, pos, 500.0, interleaved=True),
+                               torch.view_as_real(pairs * turn).flatten(-2))
+    halves = torch.complex(x[..., :4], x[..., 4:]) * turn
+    torch.testing.assert_close(rotate(x, pos, 500.0, interleaved=False),
+                               torch.cat([halves.real, halves.imag], -1))
+
+
+LAYER_TENSORS = {
+    "mla": ["self_attn.q_a_proj", "self_attn.q_a_layernorm", "self_attn.q_b_proj",
+            "self_attn.kv_a_proj_with_mqa", "self_attn.kv_a_layernorm", "self_attn.kv_b_proj",
+            "self_attn.o_proj"],
+    "gqa": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "self_attn.q_norm", "self_attn.k_norm"],
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_written_in_the_released_layout(drafters: dict[str, Path], fmt: str) -> None:
+    """The tensor names vLLM's and SGLang's loaders read (no `model.` prefix; the target's
+    embedding and lm_head not included), and the config keys where they look for them."""
+    f = FORMATS[fmt]
+    names = set(load_file(drafters[fmt] / "model.safetensors"))
+    layer = {f"layers.0.{n}.weight" for n in LAYER_TENSORS[f.attention]
+             + ["input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                "mlp.down_proj"]}
+    heads = {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+             "confidence_head.proj.weight", "confidence_head.proj.bias"} if f.dspark else set()
+    assert names == layer | heads | {f"{f.fc}.weight", f"{f.fc_norm}.weight",
+                                     f"{f.final_norm}.weight"}
+    cfg = json.loads((drafters[fmt] / "config.json").read_text())
+    assert cfg["architectures"] == [f.architecture]
+    where = cfg if f.attention == "mla" else cfg["dflash_config"]
+    assert {"mask_token_id", "target_layer_ids"} <= set(where)
+
+
+class Recording(ContextDrafter):
+    """Keeps every context row the engine hands over: (prompt, first position, rows)."""
+
+    def __init__(self, inner: ContextDrafter) -> None:
+        super().__init__(inner.net, inner.target, inner.device)
+        self.seen: list[tuple[tuple[int, ...], int, torch.Tensor]] = []
+
+    def on_context(self, req: Request, rows: torch.Tensor, start: int) -> None:
+        self.seen.append((tuple(req.prompt_ids), start, rows.clone()))
+        super().on_context(req, rows, start)
+
+
+@pytest.mark.parametrize("corrupt", [set(), {0}, {2}], ids=["all", "none", "some"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_context_is_the_plain_forwards_taps(k3_ckpt: Path, drafters: dict[str, Path],
+                                            plain: LLM, prompts: list[list[int]],
+                                            want: list[list[int]], fmt: str,
+                                            corrupt: set[int]) -> None:
+    """Chunked prefill and verifies whose drafts (the real drafter's pass, then replaced by
+    the target's own tokens, corrupted at a known position) are all, none or some kept: every
+    position of every sequence reaches the drafter once, in order, with the taps one plain
+    forward computes there in the format's stream; tokens stay plain decoding's."""
+    llm = engine(k3_ckpt, drafters[fmt], fmt, max_num_batched_tokens=16)
+    spec = llm.engine.spec
+    assert spec is not None and isinstance(spec.drafter, ContextDrafter)
+    rec = Recording(spec.drafter)
+    futures = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
+    spec.drafter = ScriptedDrafter(rec, rec.k, llm.config.vocab_size, futures, corrupt,
+                                   min_survival=0.0)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == want
+    m = llm.get_metrics()
+    rate = m["spec_num_accepted"] / m["spec_num_drafted"]
+    assert rate == 1.0 if not corrupt else (rate == 0 if 0 in corrupt else 0 < rate < 1)
+    stream = FORMATS[fmt].tap_stream
+    for prompt, out in zip(prompts, want, strict=True):
+        parts = [(s, r) for p, s, r in rec.seen if p == tuple(prompt)]
+        assert [s for s, _ in parts] == list(tiling_starts(parts))
+        got = torch.cat([r for _, r in parts])
+        ids = prompt + out[:-1]  # every position the target computed (the last never runs)
+        _, taps = plain.prefill_taps(ids, rec.taps, stream)
+        assert taps is not None and got.shape[0] <= taps.shape[0]
+        torch.testing.assert_close(got, taps[:got.shape[0]], atol=2e-4, rtol=1e-4)
+        assert got.shape[0] >= len(ids) - 1 - rec.k  # within one verify of the end
+    llm.check_integrity()
+
+
+def tiling_starts(parts: list[tuple[int, torch.Tensor]]) -> list[int]:
+    """Where each part should start if the parts tile the sequence from position 0."""
+    starts, at = [], 0
+    for _, rows in parts:
+        starts.append(at)
+        at += rows.shape[0]
+    return starts
+
+
+def test_aggregated_tap_is_what_the_next_site_reads(k3_ckpt: Path, plain: LLM,
+                                                    prompts: list[list[int]]) -> None:
+    """The aggregated stream after layer i, normed by layer i + 1's input norm, is that
+    layer's attention input; after the last layer, the final norm of it is what the lm_head
+    reads. The partial stream is the block's partial sum: not the same thing."""
+    model = plain.engine.model
+    L, ids = len(model.layers), prompts[1]
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [model.layers[i].self_attn.register_forward_pre_hook(
+        lambda mod, args, i=i: seen.__setitem__(i, args[0].clone())) for i in range(L)]
+    try:
+        hidden, agg = plain.prefill_taps(ids, tuple(range(L)), "aggregated")
+    finally:
+        for h in hooks:
+            h.remove()
+    _, partial = plain.prefill_taps(ids, tuple(range(L)), "partial")
+    assert agg is not None and partial is not None
+    D = model.config.hidden_size
+    for i in range(L - 1):
+        norm = model.layers[i + 1].input_layernorm
+        torch.testing.assert_close(norm(agg[:, i * D:(i + 1) * D]), seen[i + 1],
+                                   atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.norm(agg[:, -D:]), hidden, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(agg, partial)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_engine_paths_keep_plain_tokens(k3_ckpt: Path, drafters: dict[str, Path],
+                                        prompts: list[list[int]], want: list[list[int]],
+                                        fmt: str) -> None:
+    """Prefix-cache hits (the second pass: the hit tokens' taps never come, the drafter's
+    context starts after them) and preemption with recompute (a pool for about one long
+    request), batched: tokens stay plain decoding's, nothing leaks."""
+    llm = engine(k3_ckpt, drafters[fmt], fmt)
+    for _ in range(2):
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == want
+    assert llm.get_metrics()["prefix_cache_hit_tokens"] > 0
+    llm.check_integrity()
+    tight = engine(k3_ckpt, drafters[fmt], fmt, max_num_batched_tokens=16, block_size=4,
+                   snapshot_interval=8, max_total_tokens=64)
+    outs = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == want
+    m = tight.get_metrics()
+    assert m["num_preemptions"] > 0 and m["spec_num_drafted"] > 0
+    tight.check_integrity()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_batched_padded_incremental_pass_equals_one_piece(k3_ckpt: Path, plain: LLM,
+                                                          drafters: dict[str, Path],
+                                                          prompts: list[list[int]],
+                                                          fmt: str) -> None:
+    """Two requests of different context lengths drafted together (padded keys masked), their
+    contexts appended in chunks, equal each drafted alone from its whole context at once."""
+    drafter = ContextDrafter.load(drafters[fmt], plain.engine.model, torch.float32,
+                                  torch.device("cpu"))
+    reqs = []
+    for n, p in enumerate(prompts[1:]):
+        req = Request(f"r{n}", p, SamplingParams(temperature=0.0, max_tokens=8))
+        req.num_computed_tokens = len(p) - 1
+        _, taps = plain.prefill_taps(p[:-1], drafter.taps, drafter.context_stream)
+        assert taps is not None
+        for a in range(0, len(p) - 1, 5):  # in chunks of 5
+            drafter.on_context(req, taps[a:a + 5], a)
+        reqs.append(req)
+    drafter.propose(reqs)
+    together = [(r.draft_ids, drafter.survival(r)) for r in reqs]
+    assert all(len(d) == drafter.k for d, _ in together)
+    caches = dict(drafter.caches)
+    for req, (drafts, survival) in zip(reqs, together, strict=True):
+        cache = caches[id(req)]
+        whole = ContextCache(0)
+        whole.append([layer[:cache.n] for layer in cache.layers])
+        drafter.caches = {id(req): whole}
+        drafter.propose([req])
+        assert req.draft_ids == drafts
+        if FORMATS[fmt].dspark:
+            torch.testing.assert_close(torch.tensor(drafter.survival(req)),
+                                       torch.tensor(survival), atol=1e-6, rtol=1e-5)
+        else:
+            assert drafter.survival(req) is None
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_released_variants_load_and_faults_are_named(k3_ckpt: Path, plain: LLM,
+                                                     drafters: dict[str, Path], fmt: str,
+                                                     tmp_path: Path) -> None:
+    """A `model.` prefix and the target's embedding stored beside the drafter (Inferact's
+    file holds one) load as the same network; a missing tensor, YaRN RoPE, another target's
+    width and a DFlash algorithm on a DSpark drafter are refused by name."""
+    src, config = drafters[fmt], preset_config("k3-tiny")
+    tensors = load_file(src / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+
+    def write(name: str, t: dict[str, torch.Tensor], c: dict) -> Path:
+        (tmp_path / name).mkdir()
+        save_file(t, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text(json.dumps(c))
+        return tmp_path / name
+
+    prefixed = {"model." + n: t for n, t in tensors.items()}
+    prefixed["embed_tokens.weight"] = torch.zeros(config.vocab_size, config.hidden_size)
+    a = load_net(src, config, torch.float32, torch.device("cpu"))
+    b = load_net(write("prefixed", prefixed, cfg), config, torch.float32, torch.device("cpu"))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values(), strict=True))
+    missing = dict(tensors)
+    gone = sorted(missing)[0]
+    del missing[gone]
+    with pytest.raises(ValueError, match=gone):
+        load_net(write("missing", missing, cfg), config, torch.float32, torch.device("cpu"))
+    yarn = dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 32})
+    with pytest.raises(ValueError, match="yarn"):
+        load_net(write("yarn", tensors, yarn), config, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="hidden"):
+        load_net(src, preset_config("k3-small"), torch.float32, torch.device("cpu"))
+    if FORMATS[fmt].dspark:
+        with pytest.raises(ValueError, match="DFlash"):
+            LLM(k3_ckpt, speculative_algorithm="dflash", speculative_draft_model=str(src))
+        with pytest.raises(ValueError, match="gamma"):
+            LLM(k3_ckpt, speculative_algorithm="dspark", speculative_draft_model=str(src),
+                speculative_num_draft_tokens=3)
+
+
+def test_sglang_flags_and_the_writer_command(k3_ckpt: Path, tmp_path: Path,
+                                             prompts: list[list[int]],
+                                             want: list[list[int]]) -> None:
+    """`make-block-drafter --format k3-dspark-gqa` writes a drafter that the server's flags,
+    spelled as SGLang's (`--speculative-algorithm DSPARK --speculative-draft-model-path
+    --speculative-dspark-block-size`), load; gamma 5 drafts 5 tokens a step."""
+    import argparse
+
+    from kdaserve.cli import main
+    from kdaserve.server.launch import add_engine_args, engine_config
+
+    main(["make-block-drafter", "--format", "k3-dspark-gqa", "--target", str(k3_ckpt),
+          "--out", str(tmp_path / "d"), "--seed", "2"])
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    config = engine_config(p.parse_args([
+        "--model", str(k3_ckpt), "--speculative-algorithm", "DSPARK",
+        "--speculative-draft-model-path", str(tmp_path / "d"),
+        "--speculative-dspark-block-size", "5"]))
+    assert config.speculative_algorithm == "dspark"
+    llm = LLM(k3_ckpt, **{f: getattr(config, f) for f in (
+        "speculative_algorithm", "speculative_draft_model", "speculative_dspark_block_size")})
+    spec = llm.engine.spec
+    assert spec is not None and isinstance(spec.drafter, ContextDrafter)
+    assert spec.drafter.k == 5 and spec.drafter.fmt.name == "k3-dspark-gqa"
+    spec.cost = StepCost(fitted=False, prior_tokens=math.inf)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == want
+    m = llm.get_metrics()
+    assert m["spec_num_drafted"] == 5 * m["spec_num_verifies"] > 0
+    llm.check_integrity()
