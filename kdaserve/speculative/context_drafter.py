@@ -30,6 +30,7 @@ from kdaserve.speculative.context_net import (
     ContextDraftNet,
     DrafterFormat,
     NetConfig,
+    Rope,
     config_dict,
     random_weights,
 )
@@ -55,14 +56,7 @@ def read_config(cfg: dict[str, Any], target: ModelConfig, where: str = "drafter"
                          f"{sorted(BY_ARCHITECTURE)}")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {cfg['hidden_act']!r} (only silu)")
-    for key in ("rope_parameters", "rope_scaling"):  # either may carry a scaling
-        kind = (cfg.get(key) or {}).get("rope_type", (cfg.get(key) or {}).get("type"))
-        if kind not in (None, "default"):
-            raise ValueError(f"{where}: {key} type {kind!r} is not implemented (only "
-                             "default RoPE)")
-    rope = cfg.get("rope_parameters") or {}
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta",
-                                                 50000.0 if fmt.attention == "mla" else 10000.0)))
+    rope = read_rope(cfg, fmt, where)
     for key in ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor",
                 "attention_bias", "sliding_window", "final_logit_softcapping"):
         if cfg.get(key):
@@ -81,7 +75,7 @@ def read_config(cfg: dict[str, Any], target: ModelConfig, where: str = "drafter"
         fmt=fmt, hidden_size=H, target_hidden_size=cfg.get("target_hidden_size", H),
         num_layers=cfg["num_hidden_layers"], num_heads=heads,
         intermediate_size=cfg["intermediate_size"], eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta, block_size=int(_get(cfg, "block_size", 7 if fmt.dspark else 16)),
+        rope=rope, block_size=int(_get(cfg, "block_size", 7 if fmt.dspark else 16)),
         mask_token_id=_get(cfg, "mask_token_id"), taps=tuple(taps),
         vocab_size=cfg.get("vocab_size", target.vocab_size),
         markov_rank=cfg.get("markov_rank", 0),
@@ -94,6 +88,29 @@ def read_config(cfg: dict[str, Any], target: ModelConfig, where: str = "drafter"
         qk_rope_head_dim=cfg.get("qk_rope_head_dim", 0), v_head_dim=cfg.get("v_head_dim", 0))
     _check(c, target, where)
     return c
+
+
+def read_rope(cfg: dict[str, Any], fmt: DrafterFormat, where: str) -> Rope:
+    """The default RoPE, or (MLA, as vLLM's DeepSeek scaling) YaRN; from `rope_parameters`
+    or `rope_scaling` (theta defaults: 50000 for Inferact's, 10000 for SGLang's)."""
+    kinds = {key: (cfg.get(key) or {}).get("rope_type", (cfg.get(key) or {}).get("type"))
+             for key in ("rope_parameters", "rope_scaling")}
+    scaled = {k: v for k, v in kinds.items() if v not in (None, "default")}
+    r = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    theta = float(r.get("rope_theta", cfg.get("rope_theta",
+                                              50000.0 if fmt.attention == "mla" else 10000.0)))
+    if not scaled:
+        return Rope(theta)
+    key, kind = next(iter(scaled.items()))
+    if kind not in ("yarn", "deepseek_yarn") or fmt.attention != "mla":
+        raise ValueError(f"{where}: {key} type {kind!r} is not implemented (default RoPE; "
+                         "YaRN for MLA drafters)")
+    r = cfg[key]
+    if "factor" not in r or "original_max_position_embeddings" not in r:
+        raise ValueError(f"{where}: YaRN needs factor and original_max_position_embeddings")
+    return Rope(theta, float(r["factor"]), int(r["original_max_position_embeddings"]),
+                float(r.get("beta_fast") or 32), float(r.get("beta_slow") or 1),
+                float(r.get("mscale", 1.0)), float(r.get("mscale_all_dim", 0.0)))
 
 
 def _check(c: NetConfig, target: ModelConfig, where: str) -> None:
@@ -157,7 +174,7 @@ def make_context_drafter(out: str | Path, target: ModelConfig, fmt: str, seed: i
     c = NetConfig(
         fmt=f, hidden_size=hidden_size, target_hidden_size=target.hidden_size,
         num_layers=num_layers, num_heads=heads, intermediate_size=2 * hidden_size, eps=1e-5,
-        rope_theta=50000.0 if f.attention == "mla" else 10000.0,
+        rope=Rope(50000.0 if f.attention == "mla" else 10000.0),
         block_size=block_size or (7 if f.dspark else 8), mask_token_id=target.vocab_size - 1,
         taps=tuple(taps), vocab_size=target.vocab_size, markov_rank=16 if f.dspark else 0,
         confidence=f.dspark, num_kv_heads=2, head_dim=hidden_size // heads,

@@ -73,15 +73,57 @@ FORMATS = {f.name: f for f in (
 BY_ARCHITECTURE = {f.architecture: f for f in FORMATS.values()}
 
 
-def rotate(x: torch.Tensor, pos: torch.Tensor, theta: float, interleaved: bool) -> torch.Tensor:
+@dataclass(frozen=True)
+class Rope:
+    """RoPE's frequencies: the default (theta^(-2i/d)), or DeepSeek's YaRN as vLLM applies it
+    to MLA (`factor` > 1): frequencies blended between interpolated and extrapolated by a ramp
+    over [beta_fast, beta_slow] rotations of the original context, cos and sin scaled by
+    m(mscale) / m(mscale_all_dim), the attention scale by m(mscale_all_dim)^2, where
+    m(s) = 0.1 s ln(factor) + 1."""
+
+    theta: float
+    factor: float = 1.0
+    original_max_position: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    def _m(self, s: float) -> float:
+        return 0.1 * s * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    def inv_freq(self, d: int) -> torch.Tensor:
+        base = self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        if self.factor <= 1:
+            return 1.0 / base
+
+        def dim_of(rotations: float) -> float:
+            return d * math.log(self.original_max_position / (rotations * 2 * math.pi)) \
+                / (2 * math.log(self.theta))
+
+        lo = max(math.floor(dim_of(self.beta_fast)), 0)
+        hi = min(math.ceil(dim_of(self.beta_slow)), d - 1)
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - lo) / max(hi - lo, 0.001)).clamp(0, 1)
+        keep = 1 - ramp  # 1: extrapolated (high frequencies), 0: interpolated
+        return (1.0 / (self.factor * base)) * (1 - keep) + (1.0 / base) * keep
+
+    @property
+    def cos_sin_scale(self) -> float:
+        return self._m(self.mscale) / self._m(self.mscale_all_dim)
+
+    @property
+    def attention_scale(self) -> float:
+        return self._m(self.mscale_all_dim) ** 2
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, rope: Rope, interleaved: bool) -> torch.Tensor:
     """RoPE over x's last dim (even) at positions pos (x's leading shape, less any head dim
     between): GPT-J pairs (2i, 2i + 1) when interleaved, else NeoX halves (i, i + d/2)."""
     d = x.shape[-1]
-    inv = theta ** -(torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
-    ang = pos.to(torch.float32)[..., None] * inv  # [..., d/2]
+    ang = pos.to(torch.float32)[..., None] * rope.inv_freq(d).to(x.device)  # [..., d/2]
     while ang.dim() < x.dim():  # broadcast over the head dim
         ang = ang.unsqueeze(-2)
-    cos, sin = ang.cos(), ang.sin()
+    cos, sin = ang.cos() * rope.cos_sin_scale, ang.sin() * rope.cos_sin_scale
     xf = x.float()
     if interleaved:
         a, b = xf[..., 0::2], xf[..., 1::2]
@@ -103,7 +145,7 @@ class NetConfig:
     num_heads: int
     intermediate_size: int
     eps: float
-    rope_theta: float
+    rope: Rope
     block_size: int
     mask_token_id: int
     taps: tuple[int, ...]
@@ -165,7 +207,7 @@ class GqaAttention(nn.Module):
         """Cache entries [..., 2, kv heads, d] of rows x [..., H] at positions pos [...]."""
         c = self.c
         k = self.k_norm(self.k_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim)))
-        k = rotate(k, pos, c.rope_theta, interleaved=False)
+        k = rotate(k, pos, c.rope, interleaved=False)
         v = self.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
         return torch.stack([k, v], -3)
 
@@ -174,7 +216,7 @@ class GqaAttention(nn.Module):
         """x [B, N, H] the block, pos [B, N]; ctx [B, S, 2, kvh, d] with mask [B, S]."""
         c = self.c
         q = self.q_norm(self.q_proj(x).unflatten(-1, (c.num_heads, c.head_dim)))
-        q = rotate(q, pos, c.rope_theta, interleaved=False)
+        q = rotate(q, pos, c.rope, interleaved=False)
         kv = torch.cat([ctx, self.entries(x, pos)], 1)
         group = c.num_heads // c.num_kv_heads
         k = kv[:, :, 0].repeat_interleave(group, 2)
@@ -203,20 +245,21 @@ class MlaAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split(
             [self.c.kv_lora_rank, self.c.qk_rope_head_dim], -1)
         return torch.cat([self.kv_a_layernorm(latent),
-                          rotate(k_pe, pos, self.c.rope_theta, interleaved=True)], -1)
+                          rotate(k_pe, pos, self.c.rope, interleaved=True)], -1)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
         c, h = self.c, self.c.num_heads
         nope, rope = c.qk_nope_head_dim, c.qk_rope_head_dim
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).unflatten(-1, (h, nope + rope))
-        q = torch.cat([q[..., :nope], rotate(q[..., nope:], pos, c.rope_theta, True)], -1)
+        q = torch.cat([q[..., :nope], rotate(q[..., nope:], pos, c.rope, True)], -1)
         e = torch.cat([ctx, self.entries(x, pos)], 1)  # [B, S + N, latent + rope]
         latent, k_pe = e.split([c.kv_lora_rank, rope], -1)
         kv = self.kv_b_proj(latent).unflatten(-1, (h, nope + c.v_head_dim))
         k = torch.cat([kv[..., :nope], k_pe[:, :, None].expand(-1, -1, h, -1)], -1)
         full = torch.cat([mask, mask.new_ones(x.shape[:2])], 1)
-        return self.o_proj(attend(q, k, kv[..., nope:], full, (nope + rope) ** -0.5))
+        scale = (nope + rope) ** -0.5 * c.rope.attention_scale
+        return self.o_proj(attend(q, k, kv[..., nope:], full, scale))
 
 
 class DraftLayer(nn.Module):
@@ -317,11 +360,11 @@ def config_dict(c: NetConfig) -> dict[str, Any]:
         d.update(model_type="k3_dspark", q_lora_rank=c.q_lora_rank,
                  kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
                  qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim,
-                 rope_theta=c.rope_theta, target_layer_ids=list(c.taps),
+                 rope_theta=c.rope.theta, target_layer_ids=list(c.taps),
                  mask_token_id=c.mask_token_id, logit_scale=c.logit_scale)
     else:
         d.update(model_type="qwen3", num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-                 rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+                 rope_parameters={"rope_type": "default", "rope_theta": c.rope.theta},
                  layer_types=["full_attention"] * c.num_layers,
                  dflash_config={"mask_token_id": c.mask_token_id,
                                 "target_layer_ids": list(c.taps)})

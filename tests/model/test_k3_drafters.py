@@ -25,7 +25,7 @@ from kdaserve.speculative.context_drafter import (
     load_net,
     make_context_drafter,
 )
-from kdaserve.speculative.context_net import FORMATS, rotate
+from kdaserve.speculative.context_net import FORMATS, Rope, rotate
 from kdaserve.speculative.schedule import StepCost
 from kdaserve.speculative.scripted import ScriptedDrafter
 
@@ -73,11 +73,35 @@ def test_rope_is_the_complex_rotation() -> None:
     angle = pos[:, None, None] * 500.0 ** -(torch.arange(0, 8, 2) / 8)
     turn = torch.polar(torch.ones_like(angle), angle.float())
     pairs = torch.view_as_complex(x.view(5, 3, 4, 2).contiguous())
-    torch.testing.assert_close(rotate(x, pos, 500.0, interleaved=True),
-                               torch.view_as_real(pairs * turn).flatten(-2))
+    # (fp32 angles at position 1000 round differently by how the frequency is formed)
+    torch.testing.assert_close(rotate(x, pos, Rope(500.0), interleaved=True),
+                               torch.view_as_real(pairs * turn).flatten(-2), atol=1e-4, rtol=0)
     halves = torch.complex(x[..., :4], x[..., 4:]) * turn
-    torch.testing.assert_close(rotate(x, pos, 500.0, interleaved=False),
-                               torch.cat([halves.real, halves.imag], -1))
+    torch.testing.assert_close(rotate(x, pos, Rope(500.0), interleaved=False),
+                               torch.cat([halves.real, halves.imag], -1), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mscales", [{}, {"mscale": 1.0, "mscale_all_dim": 1.0},
+                                     {"mscale": 0.707, "mscale_all_dim": 0.707}])
+def test_yarn_is_transformers_yarn(mscales: dict) -> None:
+    """The MLA drafter's YaRN frequencies and cos/sin scale against transformers'
+    `_compute_yarn_parameters` (DeepSeek's rope_parameters with and without mscales); the
+    attention scale is m(mscale_all_dim)^2, 1 without it (vLLM's DeepSeek scaling)."""
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import _compute_yarn_parameters
+
+    params = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+              "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+              **mscales}
+    hf = PretrainedConfig(hidden_size=64 * 4, num_attention_heads=4, head_dim=64,
+                          max_position_embeddings=131072, rope_parameters=params)
+    inv, factor = _compute_yarn_parameters(hf)
+    rope = Rope(50000.0, 32.0, 4096, 32, 1, mscales.get("mscale", 1.0),
+                mscales.get("mscale_all_dim", 0.0))
+    torch.testing.assert_close(rope.inv_freq(64), inv.float())
+    assert rope.cos_sin_scale == pytest.approx(factor)
+    m = 0.1 * mscales.get("mscale_all_dim", 0.0) * math.log(32.0) + 1
+    assert rope.attention_scale == pytest.approx(m * m)
 
 
 LAYER_TENSORS = {
@@ -253,8 +277,9 @@ def test_released_variants_load_and_faults_are_named(k3_ckpt: Path, plain: LLM,
                                                      drafters: dict[str, Path], fmt: str,
                                                      tmp_path: Path) -> None:
     """A `model.` prefix and the target's embedding stored beside the drafter (Inferact's
-    file holds one) load as the same network; a missing tensor, YaRN RoPE, another target's
-    width and a DFlash algorithm on a DSpark drafter are refused by name."""
+    file holds one) load as the same network, and so does YaRN on an MLA drafter; a missing
+    tensor, an incomplete YaRN, YaRN on GQA layers, another target's width and a DFlash
+    algorithm on a DSpark drafter are refused by name."""
     src, config = drafters[fmt], preset_config("k3-tiny")
     tensors = load_file(src / "model.safetensors")
     cfg = json.loads((src / "config.json").read_text())
@@ -276,9 +301,17 @@ def test_released_variants_load_and_faults_are_named(k3_ckpt: Path, plain: LLM,
     del missing[gone]
     with pytest.raises(ValueError, match=gone):
         load_net(write("missing", missing, cfg), config, torch.float32, torch.device("cpu"))
-    yarn = dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 32})
-    with pytest.raises(ValueError, match="yarn"):
-        load_net(write("yarn", tensors, yarn), config, torch.float32, torch.device("cpu"))
+    yarn = dict(cfg, rope_scaling={"rope_type": "yarn", "factor": 32,
+                                   "original_max_position_embeddings": 32768})
+    if FORMATS[fmt].attention == "mla":  # YaRN as vLLM's DeepSeek scaling; incomplete: refused
+        assert load_net(write("yarn", tensors, yarn), config, torch.float32,
+                        torch.device("cpu")).c.rope.factor == 32
+        del yarn["rope_scaling"]["original_max_position_embeddings"]
+        with pytest.raises(ValueError, match="original_max_position_embeddings"):
+            load_net(write("yarn2", tensors, yarn), config, torch.float32, torch.device("cpu"))
+    else:
+        with pytest.raises(ValueError, match="yarn"):
+            load_net(write("yarn", tensors, yarn), config, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="hidden"):
         load_net(src, preset_config("k3-small"), torch.float32, torch.device("cpu"))
     if FORMATS[fmt].dspark:
