@@ -47,14 +47,16 @@ def _make_block_drafter(args: argparse.Namespace) -> None:
     target = ModelConfig.from_pretrained(resolve_model_path(args.target))
     if args.format == "block":
         path = make_block_drafter(args.out, target, block_size=args.block_size or 4,
-                                  hidden_size=args.hidden_size, num_layers=args.num_layers,
-                                  seed=args.seed)
-    else:  # one of K3's published formats
+                                  hidden_size=args.hidden_size or 64,
+                                  num_layers=args.num_layers, seed=args.seed)
+    else:  # one of K3's published formats: the target's width (shared embedding, lm_head)
         from kdaserve.speculative.context_drafter import make_context_drafter
 
+        if args.hidden_size not in (None, target.hidden_size):
+            raise SystemExit(f"--hidden-size: a {args.format} drafter has the target's "
+                             f"width ({target.hidden_size})")
         path = make_context_drafter(args.out, target, args.format, seed=args.seed,
-                                    block_size=args.block_size, hidden_size=args.hidden_size,
-                                    num_layers=args.num_layers)
+                                    block_size=args.block_size, num_layers=args.num_layers)
     print(f"wrote a random-weight {args.format} drafter for {args.target} to {path}")
 
 
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
                    choices=["block", "k3-dspark-mla", "k3-dspark-gqa", "dflash"])
     d.add_argument("--block-size", type=int, default=None,
                    help="the block's rows (block: 4; DSpark: 7; DFlash: 8)")
-    d.add_argument("--hidden-size", type=int, default=64)
+    d.add_argument("--hidden-size", type=int, default=None,
+                   help="block: 64 unless set; the K3 formats take the target's")
     d.add_argument("--num-layers", type=int, default=1)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=_make_block_drafter)

@@ -17,7 +17,16 @@ drafter, `--block-drafter`) and `dspark` (taps + Markov + confidence heads,
 `--dspark-drafter`), both from `train-drafter`. Mechanism ceilings: `self`, the target's own
 recorded greedy tokens as drafts (all accepted, drafting free); `self-half`, the same with the
 drafts after the first ceil(K/2) corrupted (a rollback every verify); `draft-self`, the
-target as its own draft model (all accepted, paying a real draft model).
+target as its own draft model (all accepted, paying a real draft model). K3's published
+formats (`k3-dspark-mla`, `k3-dspark-gqa`, `dflash`) come from `--k3-drafters DIR/NAME`, or
+are written there with random weights (their drafts are never kept: rows that measure what a
+draft step costs, and that speculation which does not pay is stopped); K is their drafts a
+step (DSpark's gamma, DFlash's block less one).
+
+Each row also gives the Speculator's cost split (`Speculator.seconds`): ms per step of
+drafting (proposals and a context drafter's context writes, over all steps), of a verify
+forward and of a plain one, and of bookkeeping (saves, acceptance, rollback, hooks), with the
+share of steps that drafted.
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ from kdaserve.bench import write_result
 from kdaserve.bench.gsm8k import build_prompts, load_data
 from kdaserve.speculative.drafter import TokenDrafter
 
-DRAFTERS = ("ngram", "draft", "block", "dspark", "self", "self-half", "draft-self")
+K3_FORMATS = ("k3-dspark-mla", "k3-dspark-gqa", "dflash")  # K3's published drafters
+DRAFTERS = ("ngram", "draft", "block", "dspark", "self", "self-half", "draft-self", *K3_FORMATS)
 
 
 class SelfDrafter(TokenDrafter):
@@ -151,16 +161,38 @@ def best_of_paired(llm: Any, plain: Any, prompts: list[list[int]], params: Any, 
     return max(runs, key=lambda r: r[1]), (best[0], best[1]), pairs
 
 
-def _drafter_kwargs(name: str, args: argparse.Namespace, target: Path) -> dict[str, Any]:
+def _k3_drafter_kwargs(name: str, k: int, args: argparse.Namespace,
+                       target: Path) -> dict[str, Any]:
+    """One of K3's published formats, from `--k3-drafters DIR`/NAME, or written there with
+    random weights (for the cost of a draft step: random drafts are never kept); K drafts:
+    DSpark's gamma, DFlash's block of K + 1."""
+    from kdaserve.config import ModelConfig
+    from kdaserve.speculative.context_drafter import make_context_drafter
+
+    path = Path(args.k3_drafters or f"{target}.k3-drafters") / name
+    if not (path / "config.json").is_file():
+        make_context_drafter(path, ModelConfig.from_pretrained(target), name, seed=0,
+                             num_layers=args.k3_drafter_layers)
+    width = {"speculative_dspark_block_size": k} if name != "dflash" else \
+        {"speculative_num_draft_tokens": k + 1}
+    return {"speculative_algorithm": "dflash" if name == "dflash" else "dspark",
+            "speculative_draft_model": str(path), **width}
+
+
+def _drafter_kwargs(name: str, k: int, args: argparse.Namespace,
+                    target: Path) -> dict[str, Any]:
     from kdaserve.training.lm import cached_path
 
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r} ({', '.join(DRAFTERS)})")
+    if name in K3_FORMATS:
+        return _k3_drafter_kwargs(name, k, args, target)
     if name in ("ngram", "self", "self-half"):
         return {"speculative_algorithm": "ngram", "speculative_ngram_max": args.ngram_max,
-                "speculative_ngram_min": args.ngram_min}
+                "speculative_ngram_min": args.ngram_min, "speculative_num_draft_tokens": k}
     if name == "draft-self":
-        return {"speculative_algorithm": "draft", "speculative_draft_model": str(target)}
+        return {"speculative_algorithm": "draft", "speculative_draft_model": str(target),
+                "speculative_num_draft_tokens": k}
     path = {"draft": args.draft_model or cached_path("draft"),
             "block": args.block_drafter or Path(f"{target}.block"),
             "dspark": args.dspark_drafter or Path(f"{target}.dspark")}[name]
@@ -171,7 +203,7 @@ def _drafter_kwargs(name: str, args: argparse.Namespace, target: Path) -> dict[s
     hot = {"speculative_token_map": args.token_map} \
         if args.token_map and name in ("block", "dspark") else {}
     return {"speculative_algorithm": "draft" if name == "draft" else name,
-            "speculative_draft_model": str(path), **hot}
+            "speculative_draft_model": str(path), "speculative_num_draft_tokens": k, **hot}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -208,10 +240,10 @@ def main(args: argparse.Namespace) -> None:
             ngram_rows = tuned
         for k in [int(x) for x in args.k.split(",")]:
             for name in args.drafters.split(","):
-                llm = LLM(target, disable_prefix_cache=True, speculative_num_draft_tokens=k,
+                llm = LLM(target, disable_prefix_cache=True,
                           speculative_disable_by_batch_size=args.disable_by_batch_size,
                           speculative_min_acceptance_rate=args.min_acceptance_rate,
-                          **_drafter_kwargs(name, args, target))
+                          **_drafter_kwargs(name, k, args, target))
                 spec = llm.engine.spec
                 assert spec is not None
                 if name in ("self", "self-half"):
@@ -237,7 +269,10 @@ def main(args: argparse.Namespace) -> None:
                     / max(spec.lengths.total(), 1),
                     "kept_by_position": [a / d if d else 0.0 for a, d in
                                          zip(spec.accepted_at, spec.drafted_at, strict=True)],
-                    "drafted_by_position": list(spec.drafted_at)})
+                    "drafted_by_position": list(spec.drafted_at),
+                    # the cost split: ms per step of each kind (draft and bookkeeping per
+                    # step of either kind), and how many steps drafted
+                    "ms_per_step": cost_split(m)})
                 _row(results[-1])
     write_result(args.out, {"model": str(target), "max_tokens": args.max_tokens,
                             "token_map": args.token_map,
@@ -248,14 +283,28 @@ def main(args: argparse.Namespace) -> None:
         plot(results, Path(args.plot))
 
 
+def cost_split(m: dict[str, float]) -> dict[str, float]:
+    """The Speculator's time split (its metrics) as ms per step."""
+    steps = m["spec_steps_verify"] + m["spec_steps_plain"]
+    return {"draft": 1e3 * m["spec_seconds_draft"] / max(steps, 1),
+            "verify": 1e3 * m["spec_seconds_verify"] / max(m["spec_steps_verify"], 1),
+            "plain": 1e3 * m["spec_seconds_plain"] / max(m["spec_steps_plain"], 1),
+            "bookkeeping": 1e3 * m["spec_seconds_bookkeeping"] / max(steps, 1),
+            "drafted_share": m["spec_steps_verify"] / max(steps, 1)}
+
+
 def _row(r: dict[str, Any]) -> None:
     kept = " ".join(f"{x:.2f}" for x in r["kept_by_position"])
     pairs = sorted(r.get("paired_decode_speedups", []))
     spread = f"  pairs {pairs[0]:.2f}-{pairs[-1]:.2f}x, median " \
         f"{statistics.median(pairs):.2f}x" if len(pairs) > 1 else ""
+    c = r.get("ms_per_step")
+    cost = f"  ms/step: draft {c['draft']:.2f}, verify {c['verify']:.2f}, plain " \
+        f"{c['plain']:.2f}, bookkeeping {c['bookkeeping']:.2f}; drafted " \
+        f"{100 * c['drafted_share']:.0f}% of steps" if c else ""
     print(f"{r['batch']:>3} {r['drafter']:>10} {r['k']:>2} {r['tok_s']:>7.1f} "
           f"{r['speedup']:>7.2f}x {r['decode_tok_s']:>13.1f} {r['decode_speedup']:>7.2f}x "
-          f"{r['acceptance_length']:>11.2f}  {kept}{spread}", flush=True)
+          f"{r['acceptance_length']:>11.2f}  {kept}{spread}{cost}", flush=True)
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -306,6 +355,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--k", default="2,4,7", help="draft lengths")
     p.add_argument("--batch-sizes", default="1", help="concurrent requests, e.g. 1,4,16")
     p.add_argument("--repeats", type=int, default=2, help="runs per row, the fastest kept")
+    p.add_argument("--k3-drafters", default=None,
+                   help="folder of K3-format drafters by format name (default: TARGET."
+                        "k3-drafters, random ones written there when missing)")
+    p.add_argument("--k3-drafter-layers", type=int, default=1,
+                   help="layers of the random K3-format drafters written (K3's: 5)")
     p.add_argument("--drafters", default="ngram,draft,block,dspark",
                    help=f"comma-separated, from {','.join(DRAFTERS)}")
     p.add_argument("--disable-by-batch-size", type=int, default=None,

@@ -352,8 +352,10 @@ class LLMEngine:
         # Grammar masks are computed after the forward, not beside it on a thread: the closing
         # estimate is Python, and GIL hand-offs (5 ms switch interval) against the model's
         # Python-level op dispatch made tests/model/test_grammar.py 5x slower (160 s vs 32 s).
+        # a context drafter's taps are every row's (the Speculator asks for them, or none)
         run = self.runner.run(batch, hidden_rows, record, context_stream=None
-                              if self.spec is None else self.spec.drafter.context_stream)
+                              if self.spec is None or hidden_rows is None
+                              else self.spec.drafter.context_stream)
         if isinstance(self.pd, PrefillSide):
             self.pd.after_forward(batch)
         self.out.after_forward(batch, run.prompt)

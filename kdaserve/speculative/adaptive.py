@@ -39,16 +39,22 @@ class AdaptiveSpeculation:
         self.num_switched_off = 0  # times a request stopped drafting for low acceptance
         self.num_batch_skips = 0  # steps a large batch did not draft
 
-    def batch_allows(self, running: list[Request]) -> bool:
+    def batch_allows(self, running: list[Request], count: bool = True) -> bool:
+        """count: a step skipped for its size is counted (not when merely asked)."""
         if self.max_batch is not None and \
                 sum(not r.is_prefilling for r in running) > self.max_batch:
-            self.num_batch_skips += 1
+            self.num_batch_skips += count
             return False
         return True
 
     def allows(self, req: Request) -> bool:
         t = self.tracks.get(id(req))
         return t is None or len(req.output_ids) >= t.off_until
+
+    def resumes_within(self, req: Request, tokens: int) -> bool:
+        """Whether req may draft again within `tokens` tokens."""
+        t = self.tracks.get(id(req))
+        return t is None or t.off_until - len(req.output_ids) <= tokens
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         if self.min_rate <= 0 or drafted == 0:

@@ -118,6 +118,9 @@ def _check(c: NetConfig, target: ModelConfig, where: str) -> None:
         raise ValueError(f"{where}: made for hidden {c.target_hidden_size} and vocabulary "
                          f"{c.vocab_size}; the target has {target.hidden_size} and "
                          f"{target.vocab_size}")
+    if c.hidden_size != target.hidden_size:  # the block starts from the target's embedding
+        raise ValueError(f"{where}: hidden_size {c.hidden_size} is not the target's "
+                         f"{target.hidden_size} (its embedding and lm_head are shared)")
     if list(c.taps) != sorted(set(c.taps)) or not all(
             0 <= t < target.num_hidden_layers for t in c.taps):
         raise ValueError(f"{where}: target_layer_ids {list(c.taps)} must increase within the "
@@ -161,25 +164,29 @@ def load_net(path: Path, target: ModelConfig, dtype: torch.dtype,
 
 
 def make_context_drafter(out: str | Path, target: ModelConfig, fmt: str, seed: int = 0,
-                         block_size: int | None = None, hidden_size: int = 64,
-                         num_layers: int = 1, taps: list[int] | None = None) -> Path:
+                         block_size: int | None = None, num_layers: int = 1,
+                         intermediate_size: int | None = None,
+                         taps: list[int] | None = None) -> Path:
     """Writes a random-weight drafter in a published format for `target` (its tensors and
-    config.json as the format's loaders read them), for tests and benchmarks."""
+    config.json as the format's loaders read them), for tests and benchmarks. Its width is
+    the target's, as the shared embedding and lm_head require; heads of 16 (hidden <= 128)
+    or 64."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown drafter format {fmt!r}; choose from {sorted(FORMATS)}")
-    L = target.num_hidden_layers
+    L, H = target.num_hidden_layers, target.hidden_size
     taps = taps or sorted({0, max(L // 2 - 1, 0), L - 1})
     f = FORMATS[fmt]
-    heads = 4
+    heads = 4 if H <= 128 else H // 128
+    head_dim = H // heads if H <= 128 else 64
     c = NetConfig(
-        fmt=f, hidden_size=hidden_size, target_hidden_size=target.hidden_size,
-        num_layers=num_layers, num_heads=heads, intermediate_size=2 * hidden_size, eps=1e-5,
+        fmt=f, hidden_size=H, target_hidden_size=H, num_layers=num_layers, num_heads=heads,
+        intermediate_size=intermediate_size or 2 * H, eps=1e-5,
         rope=Rope(50000.0 if f.attention == "mla" else 10000.0),
         block_size=block_size or (7 if f.dspark else 8), mask_token_id=target.vocab_size - 1,
         taps=tuple(taps), vocab_size=target.vocab_size, markov_rank=16 if f.dspark else 0,
-        confidence=f.dspark, num_kv_heads=2, head_dim=hidden_size // heads,
-        q_lora_rank=hidden_size // 2, kv_lora_rank=hidden_size // 2, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=16)
+        confidence=f.dspark, num_kv_heads=max(heads // 2, 1), head_dim=head_dim,
+        q_lora_rank=H // 2, kv_lora_rank=H // 2, qk_nope_head_dim=head_dim,
+        qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim)
     _check(c, target, "make_context_drafter")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,17 +195,29 @@ def make_context_drafter(out: str | Path, target: ModelConfig, fmt: str, seed: i
     return out
 
 
+# A context's taps wait unprojected until the request drafts (or this many rows wait: K3's
+# five taps are 72 KB a position in bf16, the projected entries 5.8 KB): a request that never
+# drafts (its drafts stopped, a batch too large to pay) costs copies, not projections.
+# Measured on k3-bench at batch 16 (16 five-shot prompts a wave): projecting every prompt row
+# as it came cost 16-31 ms a step.
+FLUSH_ROWS = 4096
+
+
 @dataclass
 class ContextCache:
-    """A request's drafter context: positions [start, start + n), per layer [capacity, ...]."""
+    """A request's drafter context: positions [start, start + n) as per-layer entries
+    ([capacity, ...] each), then `pending` taps not projected yet."""
 
     start: int
     layers: list[torch.Tensor] = field(default_factory=list)
     n: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)
+    num_pending: int = 0
 
     @property
     def end(self) -> int:
-        return self.start + self.n
+        """The next position the context expects."""
+        return self.start + self.n + self.num_pending
 
     def append(self, entries: list[torch.Tensor]) -> None:
         m = entries[0].shape[0]
@@ -249,13 +268,30 @@ class ContextDrafter(Drafter):
                                  "the anchor and one mask")
         self.k = self.block_size - self.fmt.first_draft_row
 
-    @torch.inference_mode()
     def on_context(self, req: Request, rows: torch.Tensor, start: int) -> None:
         cache = self.caches.get(id(req))
         if cache is None or cache.end != start:  # new, or after a gap: from here on
             cache = self.caches[id(req)] = ContextCache(start)
-        pos = torch.arange(start, start + rows.shape[0], device=self.device)
-        cache.append(self.net.context(rows, pos))
+        cache.pending.append(rows.clone())  # not a view that keeps the whole forward's taps
+        cache.num_pending += rows.shape[0]
+        if cache.num_pending >= FLUSH_ROWS:
+            self.project([cache])
+
+    @torch.inference_mode()
+    def project(self, caches: list[ContextCache]) -> None:
+        """The caches' pending taps into context entries, in one pass for all of them."""
+        waiting = [c for c in caches if c.num_pending]
+        if not waiting:
+            return
+        rows = torch.cat([r for c in waiting for r in c.pending])
+        pos = torch.cat([torch.arange(c.start + c.n, c.end, device=self.device)
+                         for c in waiting])
+        entries = self.net.context(rows, pos)
+        at = 0
+        for c in waiting:
+            c.append([e[at:at + c.num_pending] for e in entries])
+            at += c.num_pending
+            c.pending, c.num_pending = [], 0
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request]) -> None:
@@ -265,6 +301,7 @@ class ContextDrafter(Drafter):
         k = max((self.max_draft_tokens(r) for r in reqs), default=0)
         if k == 0:
             return
+        self.project([c for c in (self.caches.get(id(r)) for r in reqs) if c is not None])
         B, N, S = len(reqs), self.block_size, max(
             (c.n for c in (self.caches.get(id(r)) for r in reqs) if c), default=0)
         widths = self.net.c.cache_width

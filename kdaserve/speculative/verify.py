@@ -57,6 +57,15 @@ DRAFT_EMA = 0.2  # weight of the newest drafting pass in its typical wall time
 EXPLORE_AFTER = 32
 EXPLORE_AFTER_MAX = 1024
 EXPLORE_STEPS = 4
+# A context drafter (K3's published ones) needs the target's taps at every position, which
+# cost a decode step its one-call native path and the drafter a context write: measured on
+# k3-bench at batch 1, 71.7 tok/s plain against 53.5 with a drafter that drafted 1% of steps.
+# So the taps stop once no request will draft soon (the schedule has skipped TAPS_OFF_AFTER
+# steps in a row, or every request is switched off for longer than TAPS_WARMUP tokens) and
+# come back TAPS_WARMUP steps before drafting may: the context then restarts there (a gap
+# costs acceptance, never correctness). Prefill chunks are always tapped.
+TAPS_OFF_AFTER = 8
+TAPS_WARMUP = 16
 # A drafter's own survival estimates are calibrated against what verification keeps: by
 # position, (kept + CALIBRATION_PRIOR) / (predicted + CALIBRATION_PRIOR) over recent verified
 # drafts (each past one weighted CALIBRATION_DECAY per new one: ~500 of memory). The trained
@@ -145,6 +154,7 @@ class Speculator:
         self.lengths: Counter[int] = Counter()
         self.typical: list[float] = []  # recent proposals' mean survival by position
         self.draft_seconds = 0.0  # recent drafting passes' wall time
+        self.context_seconds = 0.0  # a context drafter's recent context writes, per step
         self.skipped_in_row = 0
         self.exploring = 0  # steps left to draft at the prior
         self.explore_after = EXPLORE_AFTER  # skipped steps in a row before exploring
@@ -163,6 +173,12 @@ class Speculator:
         self.kept_sum: list[float] = []
         # a context drafter's step: (request, its first row in the forward, its position)
         self.context: list[tuple[Request, int, int]] = []
+        # where a step's time goes (bench spec's cost split): "draft" (proposals and a context
+        # drafter's context writes), "verify" / "plain" (the forward of a step with drafts /
+        # without), "bookkeeping" (saves, acceptance, rollback, the drafter's hooks); and
+        # how many steps of each kind
+        self.seconds: Counter[str] = Counter()
+        self.steps: Counter[str] = Counter()
 
     def propose(self, running: list[Request]) -> None:
         """Drafts for decoding requests. Requests with penalties or logprobs decode normally
@@ -187,9 +203,15 @@ class Speculator:
         ratio = self.cost.slope_ratio()
         if self.typical:  # drafting itself costs: draft only what typically pays for it
             fit = self.cost.fit()
-            draft_cost = self.draft_seconds / fit[0] if fit is not None and fit[0] > 0 else 0.0
+            # a context drafter's context writes are a cost of drafting too
+            spent = self.draft_seconds + self.context_seconds
+            draft_cost = spent / fit[0] if fit is not None and fit[0] > 0 else 0.0
             planned = plan_drafting(self.typical, len(eligible), ratio, decoding, draft_cost)
-            if self.cost.fitted and self.skipped_in_row >= self.explore_after:
+            # explored in decode steps only: a step with a prefill chunk is not what the
+            # fit measures, and its drafts would be verified at the chunk's cost (k3-bench,
+            # batch 16: such verify steps took 0.9-1.8 s)
+            if self.cost.fitted and self.skipped_in_row >= self.explore_after \
+                    and not any(r.is_prefilling for r in running):
                 self.exploring = EXPLORE_STEPS
                 self.explore_after = min(2 * self.explore_after, EXPLORE_AFTER_MAX)
             if self.exploring:
@@ -209,6 +231,7 @@ class Speculator:
         started = time.perf_counter()
         self.drafter.propose(eligible)
         seconds = time.perf_counter() - started
+        self.seconds["draft"] += seconds
         self.draft_seconds = seconds if not self.typical else \
             (1 - DRAFT_EMA) * self.draft_seconds + DRAFT_EMA * seconds
         for req in eligible:  # a drafter's contract, enforced: never past max_tokens
@@ -416,14 +439,21 @@ class Speculator:
         verified, the scratch slots freed whatever happens."""
         decode_only = all(n == 1 + len(r.draft_ids)
                           for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True))
-        if self.drafter.context_stream is not None:  # each request's rows and first position
-            offsets = [0, *itertools.accumulate(batch.num_new_tokens)]
-            self.context = [(r, offsets[i], r.num_computed_tokens)
-                            for i, r in enumerate(batch.reqs)]
+        taps: tuple[int, ...] | None = self.drafter.taps if self.drafter.wants_hidden else None
+        if self.drafter.context_stream is not None:
+            if self.tapping(batch):  # each request's rows and first position
+                offsets = [0, *itertools.accumulate(batch.num_new_tokens)]
+                self.context = [(r, offsets[i], r.num_computed_tokens)
+                                for i, r in enumerate(batch.reqs)]
+            else:
+                taps = None
+        started = time.perf_counter()
         saved = self.save(batch)
         try:
             record = self.record(batch, saved, device) if saved else None
-            out = forward(self.drafter.taps if self.drafter.wants_hidden else None, record)
+            before = time.perf_counter()
+            out = forward(taps, record)
+            after = time.perf_counter()
             if record is None:
                 verified = Verified.nothing_drafted(out.to_sample)
             else:
@@ -431,6 +461,10 @@ class Speculator:
                                        lambda steps: replay(record, steps))
         finally:
             self.release(saved)
+        kind = "verify" if saved else "plain"
+        self.seconds[kind] += after - before
+        self.steps[kind] += 1
+        self.seconds["bookkeeping"] += time.perf_counter() - started - (after - before)
         verified.decode_only, verified.drafted = decode_only, bool(saved)
         return out, verified
 
@@ -438,19 +472,40 @@ class Speculator:
                    seconds: float) -> None:
         """The step's tokens are sampled: each drafter follows what its request kept, and
         the schedule's cost model sees the step's size and time."""
+        started = time.perf_counter()
         if self.drafter.context_stream is not None:
-            assert hidden is not None, "a context drafter's forward returns its taps"
+            assert hidden is not None or not self.context, "a tapped forward returns its taps"
             for req, row, start in self.context:  # the rows each request committed
                 if not req.is_finished and req.num_computed_tokens > start:
                     self.drafter.on_context(
                         req, hidden[row:row + req.num_computed_tokens - start], start)
-            self.context = []
             hidden = None  # not the sampling rows: on_accept gets none
+            if self.context:
+                seconds = time.perf_counter() - started
+                self.context_seconds = (1 - DRAFT_EMA) * self.context_seconds \
+                    + DRAFT_EMA * seconds
+            self.context = []
+        self.seconds["draft"] += time.perf_counter() - started  # the drafter's context
+        started = time.perf_counter()
         for req, j, r in verified.accepted:
             if not req.is_finished:
                 self.drafter.on_accept(req, j, hidden[r] if hidden is not None else None)
+        self.seconds["bookkeeping"] += time.perf_counter() - started
         if verified.decode_only:
             self.observe_step(tokens, seconds, verified.drafted)
+
+    def tapping(self, batch: ScheduledBatch) -> bool:
+        """Whether this step's forward taps the target for a context drafter (see
+        TAPS_OFF_AFTER): a prefill chunk always; else only while some request may draft
+        within TAPS_WARMUP steps."""
+        if any(r.is_prefilling for r in batch.reqs):
+            return True
+        if not self.adaptive.batch_allows(batch.reqs, count=False):
+            return False
+        soon = self.explore_after - self.skipped_in_row <= TAPS_WARMUP
+        if not (self.exploring or self.skipped_in_row < TAPS_OFF_AFTER or soon):
+            return False
+        return any(self.adaptive.resumes_within(r, TAPS_WARMUP) for r in batch.reqs)
 
     def restore(self, restores: list[tuple[Request, int]]) -> None:
         """Back to the KDA states before the verify forward, ready to replay the accepted
@@ -473,4 +528,7 @@ class Speculator:
                 "spec_num_schedule_skips": self.num_schedule_skips,
                 "spec_num_explorations": self.num_explorations,
                 "spec_mean_acceptance_length": (self.num_accepted + self.num_verifies)
-                / self.num_verifies if self.num_verifies else 0.0}
+                / self.num_verifies if self.num_verifies else 0.0,
+                **{f"spec_seconds_{k}": self.seconds[k]
+                   for k in ("draft", "verify", "plain", "bookkeeping")},
+                "spec_steps_verify": self.steps["verify"], "spec_steps_plain": self.steps["plain"]}

@@ -393,3 +393,28 @@ def test_sampled_tokens_keep_the_target_distribution(k3_ckpt: Path, plain: LLM,
     m = llm.get_metrics()
     assert 0 < m["spec_num_accepted"] < m["spec_num_drafted"]
     llm.check_integrity()
+
+
+def test_taps_stop_while_no_request_will_draft(k3_ckpt: Path, drafters: dict[str, Path],
+                                               plain: LLM, prompts: list[list[int]]) -> None:
+    """Random drafts are never kept, so the adaptive policy switches each request off for
+    longer each time; once no request will draft within TAPS_WARMUP tokens the forwards stop
+    tapping (the one-call decode path is back, no context writes) and resume before drafting
+    does: the context then has gaps, and the tokens are still plain decoding's."""
+    long = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+    want = plain.generate(prompt_token_ids=prompts[:2], sampling_params=long)
+    llm = engine(k3_ckpt, drafters["k3-dspark-gqa"], "k3-dspark-gqa",
+                 speculative_min_acceptance_rate=0.5)
+    spec = llm.engine.spec
+    assert spec is not None and isinstance(spec.drafter, ContextDrafter)
+    rec = spec.drafter = Recording(spec.drafter)
+    outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=long)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    assert llm.get_metrics()["spec_num_switched_off"] >= 2
+    for prompt, out in zip(prompts[:2], want, strict=True):
+        parts = [(s, r.shape[0]) for p, s, r in rec.seen if p == tuple(prompt)]
+        covered = sum(n for _, n in parts)
+        ends = [s + n for s, n in parts]
+        gaps = sum(s > e for (s, _), e in zip(parts[1:], ends, strict=False))
+        assert gaps >= 1 and covered < len(prompt) + len(out.token_ids) - 1
+    llm.check_integrity()
