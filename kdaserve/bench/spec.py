@@ -246,6 +246,10 @@ def main(args: argparse.Namespace) -> None:
                           **_drafter_kwargs(name, k, args, target))
                 spec = llm.engine.spec
                 assert spec is not None
+                if args.force_drafts:  # every draft verified: the cost of a drafted step
+                    from kdaserve.speculative.schedule import StepCost
+
+                    spec.cost = StepCost(fitted=False, prior_tokens=float("inf"))
                 if name in ("self", "self-half"):
                     accept = -(-k // 2) if name == "self-half" else None
                     spec.drafter = SelfDrafter(k, futures, accept, plain.config.vocab_size)
@@ -273,6 +277,11 @@ def main(args: argparse.Namespace) -> None:
                     # the cost split: ms per step of each kind (draft and bookkeeping per
                     # step of either kind), and how many steps drafted
                     "ms_per_step": cost_split(m)})
+                if args.force_drafts:  # what acceptance such a step needs to pay
+                    c, plain_ms = results[-1]["ms_per_step"], 1e3 * b / base_dec
+                    step = c["draft_per_verify"] + c["verify"] + c["bookkeeping"]
+                    results[-1]["plain_decode_step_ms"] = plain_ms
+                    results[-1]["break_even_acceptance_length"] = step / plain_ms
                 _row(results[-1])
     write_result(args.out, {"model": str(target), "max_tokens": args.max_tokens,
                             "token_map": args.token_map,
@@ -290,6 +299,7 @@ def cost_split(m: dict[str, float]) -> dict[str, float]:
             "verify": 1e3 * m["spec_seconds_verify"] / max(m["spec_steps_verify"], 1),
             "plain": 1e3 * m["spec_seconds_plain"] / max(m["spec_steps_plain"], 1),
             "bookkeeping": 1e3 * m["spec_seconds_bookkeeping"] / max(steps, 1),
+            "draft_per_verify": 1e3 * m["spec_seconds_draft"] / max(m["spec_steps_verify"], 1),
             "drafted_share": m["spec_steps_verify"] / max(steps, 1)}
 
 
@@ -302,6 +312,9 @@ def _row(r: dict[str, Any]) -> None:
     cost = f"  ms/step: draft {c['draft']:.2f}, verify {c['verify']:.2f}, plain " \
         f"{c['plain']:.2f}, bookkeeping {c['bookkeeping']:.2f}; drafted " \
         f"{100 * c['drafted_share']:.0f}% of steps" if c else ""
+    if "break_even_acceptance_length" in r:
+        cost += f"; a drafted step is {r['break_even_acceptance_length']:.2f} plain decode " \
+            f"steps ({r['plain_decode_step_ms']:.1f} ms): the acceptance length it needs"
     print(f"{r['batch']:>3} {r['drafter']:>10} {r['k']:>2} {r['tok_s']:>7.1f} "
           f"{r['speedup']:>7.2f}x {r['decode_tok_s']:>13.1f} {r['decode_speedup']:>7.2f}x "
           f"{r['acceptance_length']:>11.2f}  {kept}{spread}{cost}", flush=True)
@@ -364,6 +377,10 @@ def add_parser(sub: Any) -> None:
                    help=f"comma-separated, from {','.join(DRAFTERS)}")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
                    help="the engine's speculative_disable_by_batch_size for every drafter")
+    p.add_argument("--force-drafts", action="store_true",
+                   help="verify every draft (no schedule; pair with --min-acceptance-rate 0): "
+                        "rows then give what a drafted step costs and the acceptance length "
+                        "it needs to pay")
     p.add_argument("--min-acceptance-rate", type=float, default=0.1,
                    help="the engine's speculative_min_acceptance_rate (0: never switch off)")
     p.add_argument("--ngram-max", type=int, default=4)

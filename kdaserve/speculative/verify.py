@@ -200,6 +200,9 @@ class Speculator:
         if not eligible:
             return
         decoding = sum(not r.is_prefilling for r in running)
+        prefilling = decoding < len(running)
+        if not self.typical and prefilling and self.cost.fitted:
+            return  # a first try waits for a decode step too (see the exploration below)
         ratio = self.cost.slope_ratio()
         if self.typical:  # drafting itself costs: draft only what typically pays for it
             fit = self.cost.fit()
@@ -211,7 +214,7 @@ class Speculator:
             # fit measures, and its drafts would be verified at the chunk's cost (k3-bench,
             # batch 16: such verify steps took 0.9-1.8 s)
             if self.cost.fitted and self.skipped_in_row >= self.explore_after \
-                    and not any(r.is_prefilling for r in running):
+                    and not prefilling:
                 self.exploring = EXPLORE_STEPS
                 self.explore_after = min(2 * self.explore_after, EXPLORE_AFTER_MAX)
             if self.exploring:

@@ -100,6 +100,25 @@ def test_bench_spec_smoke(tiny_ckpt: Path, tmp_path: Path, gsm8k_file: Path) -> 
     assert (tmp_path / "s.png").stat().st_size > 0
 
 
+def test_bench_spec_k3_formats_force_drafts(k3_ckpt: Path, tmp_path: Path,
+                                           gsm8k_file: Path) -> None:
+    """K3's published formats, written with random weights for the target, every draft
+    verified: each row has the cost split and the acceptance length a drafted step needs."""
+    out = tmp_path / "s.json"
+    cli_main(["bench", "spec", "--model", str(k3_ckpt), "--data", str(gsm8k_file),
+              "--num-shots", "1", "--num-prompts", "1", "--max-tokens", "8", "--k", "3",
+              "--batch-sizes", "1", "--repeats", "1", "--drafters",
+              "k3-dspark-mla,k3-dspark-gqa,dflash", "--k3-drafters", str(tmp_path / "d"),
+              "--force-drafts", "--min-acceptance-rate", "0", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"][1:]
+    assert [r["drafter"] for r in rows] == ["k3-dspark-mla", "k3-dspark-gqa", "dflash"]
+    for r in rows:
+        c = r["ms_per_step"]
+        assert c["drafted_share"] > 0.5 and c["verify"] > 0 and c["draft_per_verify"] > 0
+        assert r["break_even_acceptance_length"] > 1
+    assert (tmp_path / "d" / "dflash" / "config.json").is_file()
+
+
 def test_bench_kernels_smoke(tiny_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "k.json"
     cli_main(["bench", "kernels", "--model", str(tiny_ckpt), "--batch-sizes", "1,2",
