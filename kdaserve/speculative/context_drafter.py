@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kdaserve.config import ModelConfig
+from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.request import Request
 from kdaserve.speculative.context_net import (
@@ -30,6 +31,7 @@ from kdaserve.speculative.context_net import (
     ContextDraftNet,
     DrafterFormat,
     NetConfig,
+    Proj,
     Rope,
     config_dict,
     random_weights,
@@ -248,7 +250,15 @@ class ContextDrafter(Drafter):
     @classmethod
     def load(cls, path: Path, target: KimiLinearForCausalLM, dtype: torch.dtype,
              device: torch.device) -> ContextDrafter:
-        return cls(load_net(path, target.config, dtype, device), target, device)
+        """The projections and norms run the target's kernels (its `linear` and
+        `rms_norm` ops, chosen at its build)."""
+        net = load_net(path, target.config, dtype, device)
+        for m in net.modules():
+            if isinstance(m, Proj):
+                m.op = target.kernels.linear
+            elif isinstance(m, RMSNorm):
+                m.op = target.kernels.rms_norm
+        return cls(net, target, device)
 
     def configure(self, num_draft_tokens: int | None, dspark_block_size: int | None) -> None:
         """SGLang's meaning of the flags: DSpark's block has gamma rows

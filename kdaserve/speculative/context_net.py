@@ -170,12 +170,31 @@ class NetConfig:
         return (self.kv_lora_rank + self.qk_rope_head_dim,)
 
 
+def torch_linear(x: torch.Tensor, weight: torch.Tensor,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+class Proj(nn.Module):
+    """A bias-free projection whose product is `op`: torch's until the drafter is given the
+    engine's `linear` kernel (decode-sized rows stream the weight; torch's sgemm repacked the
+    whole weight every call: a step's Markov head and 35 projections took 15 ms of 42)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in))
+        self.op: Callable[..., torch.Tensor] = torch_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.weight, None)
+
+
 class Mlp(nn.Module):
     def __init__(self, H: int, inter: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(H, inter, bias=False)
-        self.up_proj = nn.Linear(H, inter, bias=False)
-        self.down_proj = nn.Linear(inter, H, bias=False)
+        self.gate_proj = Proj(H, inter)
+        self.up_proj = Proj(H, inter)
+        self.down_proj = Proj(inter, H)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul_ref(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
@@ -196,10 +215,10 @@ class GqaAttention(nn.Module):
         super().__init__()
         H, h, kvh, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         self.c = c
-        self.q_proj = nn.Linear(H, h * d, bias=False)
-        self.k_proj = nn.Linear(H, kvh * d, bias=False)
-        self.v_proj = nn.Linear(H, kvh * d, bias=False)
-        self.o_proj = nn.Linear(h * d, H, bias=False)
+        self.q_proj = Proj(H, h * d)
+        self.k_proj = Proj(H, kvh * d)
+        self.v_proj = Proj(H, kvh * d)
+        self.o_proj = Proj(h * d, H)
         self.q_norm = RMSNorm(d, c.eps)
         self.k_norm = RMSNorm(d, c.eps)
 
@@ -230,15 +249,13 @@ class MlaAttention(nn.Module):
         super().__init__()
         H, h = c.hidden_size, c.num_heads
         self.c = c
-        self.q_a_proj = nn.Linear(H, c.q_lora_rank, bias=False)
+        self.q_a_proj = Proj(H, c.q_lora_rank)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.eps)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, h * (c.qk_nope_head_dim + c.qk_rope_head_dim),
-                                  bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(H, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
+        self.q_b_proj = Proj(c.q_lora_rank, h * (c.qk_nope_head_dim + c.qk_rope_head_dim))
+        self.kv_a_proj_with_mqa = Proj(H, c.kv_lora_rank + c.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.eps)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim),
-                                   bias=False)
-        self.o_proj = nn.Linear(h * c.v_head_dim, H, bias=False)
+        self.kv_b_proj = Proj(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim))
+        self.o_proj = Proj(h * c.v_head_dim, H)
 
     def entries(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Cache entries [..., latent + rope]: the normed latent and the roped k_pe."""
@@ -283,15 +300,14 @@ class ContextDraftNet(nn.Module):
     def __init__(self, c: NetConfig) -> None:
         super().__init__()
         self.c = c
-        setattr(self, c.fmt.fc, nn.Linear(len(c.taps) * c.target_hidden_size, c.hidden_size,
-                                          bias=False))
+        setattr(self, c.fmt.fc, Proj(len(c.taps) * c.target_hidden_size, c.hidden_size))
         setattr(self, c.fmt.fc_norm, RMSNorm(c.hidden_size, c.eps))
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         setattr(self, c.fmt.final_norm, RMSNorm(c.hidden_size, c.eps))
         if c.fmt.dspark:
             self.markov_head = nn.Module()
             self.markov_head.markov_w1 = nn.Embedding(c.vocab_size, c.markov_rank)
-            self.markov_head.markov_w2 = nn.Linear(c.markov_rank, c.vocab_size, bias=False)
+            self.markov_head.markov_w2 = Proj(c.markov_rank, c.vocab_size)
             if c.confidence:
                 self.confidence_head = nn.Module()
                 self.confidence_head.proj = nn.Linear(c.hidden_size + c.markov_rank, 1)
