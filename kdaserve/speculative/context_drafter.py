@@ -316,15 +316,20 @@ class ContextDrafter(Drafter):
             (c.n for c in (self.caches.get(id(r)) for r in reqs) if c), default=0)
         widths = self.net.c.cache_width
         dtype = next(self.net.parameters()).dtype
-        ctx = [torch.zeros(B, S, *widths, dtype=dtype, device=self.device)
-               for _ in range(self.net.c.num_layers)]
         mask = torch.zeros(B, S, dtype=torch.bool, device=self.device)
-        for b, req in enumerate(reqs):
-            cache = self.caches.get(id(req))
-            if cache is not None and cache.n:
-                for dst, src in zip(ctx, cache.layers, strict=True):
-                    dst[b, :cache.n] = src[:cache.n]
-                mask[b, :cache.n] = True
+        one = self.caches.get(id(reqs[0])) if B == 1 and S else None
+        if one is not None:  # one request: its cache as it is, no padded copy
+            ctx = [layer[None, :one.n] for layer in one.layers]
+            mask[:] = True
+        else:
+            ctx = [torch.zeros(B, S, *widths, dtype=dtype, device=self.device)
+                   for _ in range(self.net.c.num_layers)]
+            for b, req in enumerate(reqs):
+                cache = self.caches.get(id(req))
+                if cache is not None and cache.n:
+                    for dst, src in zip(ctx, cache.layers, strict=True):
+                        dst[b, :cache.n] = src[:cache.n]
+                    mask[b, :cache.n] = True
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.device)
         ids = torch.full((B, N), self.net.c.mask_token_id, device=self.device)
         ids[:, 0] = anchors

@@ -27,6 +27,7 @@ Layers (tensor names as the checkpoints store them, no `model.` prefix):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,11 +117,17 @@ class Rope:
         return self._m(self.mscale_all_dim) ** 2
 
 
+@functools.cache
+def _inv_freq(rope: Rope, d: int) -> torch.Tensor:
+    """Rope.inv_freq, once per drafter and width (every layer's q and k rotate each step)."""
+    return rope.inv_freq(d)
+
+
 def rotate(x: torch.Tensor, pos: torch.Tensor, rope: Rope, interleaved: bool) -> torch.Tensor:
     """RoPE over x's last dim (even) at positions pos (x's leading shape, less any head dim
     between): GPT-J pairs (2i, 2i + 1) when interleaved, else NeoX halves (i, i + d/2)."""
     d = x.shape[-1]
-    ang = pos.to(torch.float32)[..., None] * rope.inv_freq(d).to(x.device)  # [..., d/2]
+    ang = pos.to(torch.float32)[..., None] * _inv_freq(rope, d).to(x.device)  # [..., d/2]
     while ang.dim() < x.dim():  # broadcast over the head dim
         ang = ang.unsqueeze(-2)
     cos, sin = ang.cos() * rope.cos_sin_scale, ang.sin() * rope.cos_sin_scale

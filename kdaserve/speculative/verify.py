@@ -14,7 +14,6 @@ later tokens overwrite them.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from kdaserve.request import Request
 from kdaserve.sampling_filters import apply_filters
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.adaptive import AdaptiveSpeculation
+from kdaserve.speculative.context_taps import ContextTaps
 from kdaserve.speculative.drafter import Drafter
 from kdaserve.speculative.schedule import StepCost, choose_lengths, plan_drafting
 from kdaserve.step_record import StepRecord
@@ -57,15 +57,6 @@ DRAFT_EMA = 0.2  # weight of the newest drafting pass in its typical wall time
 EXPLORE_AFTER = 32
 EXPLORE_AFTER_MAX = 1024
 EXPLORE_STEPS = 4
-# A context drafter (K3's published ones) needs the target's taps at every position, which
-# cost a decode step its one-call native path and the drafter a context write: measured on
-# k3-bench at batch 1, 71.7 tok/s plain against 53.5 with a drafter that drafted 1% of steps.
-# So the taps stop once no request will draft soon (the schedule has skipped TAPS_OFF_AFTER
-# steps in a row, or every request is switched off for longer than TAPS_WARMUP tokens) and
-# come back TAPS_WARMUP steps before drafting may: the context then restarts there (a gap
-# costs acceptance, never correctness). Prefill chunks are always tapped.
-TAPS_OFF_AFTER = 8
-TAPS_WARMUP = 16
 # A drafter's own survival estimates are calibrated against what verification keeps: by
 # position, (kept + CALIBRATION_PRIOR) / (predicted + CALIBRATION_PRIOR) over recent verified
 # drafts (each past one weighted CALIBRATION_DECAY per new one: ~500 of memory). The trained
@@ -154,7 +145,6 @@ class Speculator:
         self.lengths: Counter[int] = Counter()
         self.typical: list[float] = []  # recent proposals' mean survival by position
         self.draft_seconds = 0.0  # recent drafting passes' wall time
-        self.context_seconds = 0.0  # a context drafter's recent context writes, per step
         self.skipped_in_row = 0
         self.exploring = 0  # steps left to draft at the prior
         self.explore_after = EXPLORE_AFTER  # skipped steps in a row before exploring
@@ -171,12 +161,11 @@ class Speculator:
         # estimate and of the outcome (1 if kept): its calibration
         self.predicted_sum: list[float] = []
         self.kept_sum: list[float] = []
-        # a context drafter's step: (request, its first row in the forward, its position)
-        self.context: list[tuple[Request, int, int]] = []
-        # where a step's time goes (bench spec's cost split): "draft" (proposals and a context
-        # drafter's context writes), "verify" / "plain" (the forward of a step with drafts /
-        # without), "bookkeeping" (saves, acceptance, rollback, the drafter's hooks); and
-        # how many steps of each kind
+        # a context drafter's taps (speculative/context_taps.py)
+        self.context = ContextTaps(self.adaptive) \
+            if drafter.context_stream is not None else None
+        # a step's time (bench spec's split): "draft" (proposals, context writes), "verify" /
+        # "plain" (the forward with / without drafts), "bookkeeping"; and steps of each kind
         self.seconds: Counter[str] = Counter()
         self.steps: Counter[str] = Counter()
 
@@ -207,7 +196,7 @@ class Speculator:
         if self.typical:  # drafting itself costs: draft only what typically pays for it
             fit = self.cost.fit()
             # a context drafter's context writes are a cost of drafting too
-            spent = self.draft_seconds + self.context_seconds
+            spent = self.draft_seconds + (self.context.seconds if self.context else 0.0)
             draft_cost = spent / fit[0] if fit is not None and fit[0] > 0 else 0.0
             planned = plan_drafting(self.typical, len(eligible), ratio, decoding, draft_cost)
             # explored in decode steps only: a step with a prefill chunk is not what the
@@ -443,11 +432,10 @@ class Speculator:
         decode_only = all(n == 1 + len(r.draft_ids)
                           for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True))
         taps: tuple[int, ...] | None = self.drafter.taps if self.drafter.wants_hidden else None
-        if self.drafter.context_stream is not None:
-            if self.tapping(batch):  # each request's rows and first position
-                offsets = [0, *itertools.accumulate(batch.num_new_tokens)]
-                self.context = [(r, offsets[i], r.num_computed_tokens)
-                                for i, r in enumerate(batch.reqs)]
+        if self.context is not None:
+            if self.context.tapping(batch, self.skipped_in_row, self.explore_after,
+                                    bool(self.exploring)):
+                self.context.start(batch)
             else:
                 taps = None
         started = time.perf_counter()
@@ -475,20 +463,9 @@ class Speculator:
                    seconds: float) -> None:
         """The step's tokens are sampled: each drafter follows what its request kept, and
         the schedule's cost model sees the step's size and time."""
-        started = time.perf_counter()
-        if self.drafter.context_stream is not None:
-            assert hidden is not None or not self.context, "a tapped forward returns its taps"
-            for req, row, start in self.context:  # the rows each request committed
-                if not req.is_finished and req.num_computed_tokens > start:
-                    self.drafter.on_context(
-                        req, hidden[row:row + req.num_computed_tokens - start], start)
+        if self.context is not None:  # the drafter's context: a cost of drafting
+            self.seconds["draft"] += self.context.hand_over(self.drafter, hidden)
             hidden = None  # not the sampling rows: on_accept gets none
-            if self.context:
-                seconds = time.perf_counter() - started
-                self.context_seconds = (1 - DRAFT_EMA) * self.context_seconds \
-                    + DRAFT_EMA * seconds
-            self.context = []
-        self.seconds["draft"] += time.perf_counter() - started  # the drafter's context
         started = time.perf_counter()
         for req, j, r in verified.accepted:
             if not req.is_finished:
@@ -496,19 +473,6 @@ class Speculator:
         self.seconds["bookkeeping"] += time.perf_counter() - started
         if verified.decode_only:
             self.observe_step(tokens, seconds, verified.drafted)
-
-    def tapping(self, batch: ScheduledBatch) -> bool:
-        """Whether this step's forward taps the target for a context drafter (see
-        TAPS_OFF_AFTER): a prefill chunk always; else only while some request may draft
-        within TAPS_WARMUP steps."""
-        if any(r.is_prefilling for r in batch.reqs):
-            return True
-        if not self.adaptive.batch_allows(batch.reqs, count=False):
-            return False
-        soon = self.explore_after - self.skipped_in_row <= TAPS_WARMUP
-        if not (self.exploring or self.skipped_in_row < TAPS_OFF_AFTER or soon):
-            return False
-        return any(self.adaptive.resumes_within(r, TAPS_WARMUP) for r in batch.reqs)
 
     def restore(self, restores: list[tuple[Request, int]]) -> None:
         """Back to the KDA states before the verify forward, ready to replay the accepted
