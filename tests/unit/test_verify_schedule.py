@@ -151,7 +151,7 @@ def test_drafter_confidences_are_calibrated_by_what_verification_keeps() -> None
     from kdaserve.speculative import verify
 
     own = [0.9, 0.72]
-    drafter = SimpleNamespace(survival=lambda req: own)
+    drafter = SimpleNamespace(survival=lambda req: own, context_stream=None)
     spec = verify.Speculator(drafter, None, None)  # type: ignore[arg-type]
     req = SimpleNamespace(draft_ids=[5, 6])
     assert spec._survival(req) == own  # type: ignore[arg-type]
