@@ -40,7 +40,7 @@ def _layers(n: int) -> tuple[str, ...]:
     return tuple(MLA if (i + 1) % 4 == 0 or i == n - 1 else KDA for i in range(n))
 
 
-def _k3_layers(n: int) -> tuple[str, ...]:
+def k3_layer_types(n: int) -> tuple[str, ...]:
     # K3's 1-based lists: MLA every 4th layer, and the last two layers both MLA
     return tuple(MLA if (i + 1) % 4 == 0 or i >= n - 2 else KDA for i in range(n))
 
@@ -48,7 +48,7 @@ def _k3_layers(n: int) -> tuple[str, ...]:
 def _k3_preset(num_base: int, layers: int, hidden: int, **kw: Any) -> dict[str, Any]:
     """K3's text model (k3_spec.md 3.2) scaled down: its fields and ratios (latent = hidden
     / 2, two shared experts run as one MLP, scaling 1.0, the gate bound, SiTU's betas)."""
-    return _preset(num_base, layers, hidden_size=hidden, layer_types=_k3_layers(layers),
+    return _preset(num_base, layers, hidden_size=hidden, layer_types=k3_layer_types(layers),
                    num_shared_experts=2, routed_scaling_factor=1.0, hidden_act="situ",
                    situ_beta=4.0, situ_linear_beta=25.0, routed_expert_hidden_size=hidden // 2,
                    latent_moe_use_norm=True, mla_use_output_gate=True,

@@ -165,14 +165,11 @@ def load_net(path: Path, target: ModelConfig, dtype: torch.dtype,
     return net.to(device=device, dtype=dtype).eval()
 
 
-def make_context_drafter(out: str | Path, target: ModelConfig, fmt: str, seed: int = 0,
-                         block_size: int | None = None, num_layers: int = 1,
-                         intermediate_size: int | None = None,
-                         taps: list[int] | None = None) -> Path:
-    """Writes a random-weight drafter in a published format for `target` (its tensors and
-    config.json as the format's loaders read them), for tests and benchmarks. Its width is
-    the target's, as the shared embedding and lm_head require; heads of 16 (hidden <= 128)
-    or 64."""
+def new_net_config(target: ModelConfig, fmt: str, block_size: int | None = None,
+                   num_layers: int = 1, intermediate_size: int | None = None,
+                   taps: list[int] | None = None, markov_rank: int = 16) -> NetConfig:
+    """A drafter in a published format for `target`: its width is the target's, as the
+    shared embedding and lm_head require; heads of 16 (hidden <= 128) or 64."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown drafter format {fmt!r}; choose from {sorted(FORMATS)}")
     L, H = target.num_hidden_layers, target.hidden_size
@@ -185,16 +182,33 @@ def make_context_drafter(out: str | Path, target: ModelConfig, fmt: str, seed: i
         intermediate_size=intermediate_size or 2 * H, eps=1e-5,
         rope=Rope(50000.0 if f.attention == "mla" else 10000.0),
         block_size=block_size or (7 if f.dspark else 8), mask_token_id=target.vocab_size - 1,
-        taps=tuple(taps), vocab_size=target.vocab_size, markov_rank=16 if f.dspark else 0,
-        confidence=f.dspark, num_kv_heads=max(heads // 2, 1), head_dim=head_dim,
-        q_lora_rank=H // 2, kv_lora_rank=H // 2, qk_nope_head_dim=head_dim,
-        qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim)
-    _check(c, target, "make_context_drafter")
+        taps=tuple(taps), vocab_size=target.vocab_size,
+        markov_rank=markov_rank if f.dspark else 0, confidence=f.dspark,
+        num_kv_heads=max(heads // 2, 1), head_dim=head_dim, q_lora_rank=H // 2,
+        kv_lora_rank=H // 2, qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2,
+        v_head_dim=head_dim)
+    _check(c, target, "new_net_config")
+    return c
+
+
+def save_net(c: NetConfig, weights: dict[str, torch.Tensor], out: str | Path) -> Path:
+    """A drafter's tensors and config.json, as the format's own loaders read them."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(random_weights(ContextDraftNet(c), seed), out / "model.safetensors")
+    save_file({n: t.detach().contiguous() for n, t in weights.items()},
+              out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(config_dict(c), indent=2))
     return out
+
+
+def make_context_drafter(out: str | Path, target: ModelConfig, fmt: str, seed: int = 0,
+                         block_size: int | None = None, num_layers: int = 1,
+                         intermediate_size: int | None = None,
+                         taps: list[int] | None = None) -> Path:
+    """Writes a random-weight drafter in a published format for `target`, for tests and
+    benchmarks."""
+    c = new_net_config(target, fmt, block_size, num_layers, intermediate_size, taps)
+    return save_net(c, random_weights(ContextDraftNet(c), seed), out)
 
 
 # A context's taps wait unprojected until the request drafts (or this many rows wait: K3's

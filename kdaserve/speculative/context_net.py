@@ -338,24 +338,40 @@ class ContextDraftNet(nn.Module):
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy drafts [B, k] from the block's rows h [B, N, H], and DSpark's confidences
         [B, k] (None without the head): each draft's chance given the ones before it."""
-        c = self.c
-        rows = h[:, c.fmt.first_draft_row:c.fmt.first_draft_row + k]
-        base = lm_head(rows.flatten(0, 1)).view(*rows.shape[:2], -1).float() * c.logit_scale
-        if not c.fmt.dspark:
+        rows, base = self.base_logits(h, k, lm_head)
+        if not self.c.fmt.dspark:
             return base.argmax(-1), None
-        w1, w2 = self.markov_head.markov_w1, self.markov_head.markov_w2
-        prev, drafts, embeds = anchors, [], []
-        for i in range(k):
-            e = w1(prev)
-            embeds.append(e)
-            prev = (base[:, i] + w2(e).float() * c.logit_scale).argmax(-1)
+        prev, drafts = anchors, []
+        for i in range(k):  # sequential: each row's Markov term reads the draft before it
+            prev = self.markov_logits(base[:, i:i + 1], prev[:, None])[:, 0].argmax(-1)
             drafts.append(prev)
-        if not c.confidence:
-            return torch.stack(drafts, 1), None
-        feats = torch.cat([rows, torch.stack(embeds, 1).to(rows.dtype)], -1)
+        out = torch.stack(drafts, 1)
+        if not self.c.confidence:
+            return out, None
+        before = torch.cat([anchors[:, None], out[:, :-1]], 1)
+        return out, torch.sigmoid(self.confidence_logits(rows, before))
+
+    def base_logits(self, h: torch.Tensor, k: int,
+                    lm_head: Callable[[torch.Tensor], torch.Tensor],
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k drafting rows of h [B, N, H] and their fp32 lm_head logits [B, k, V]."""
+        first = self.c.fmt.first_draft_row
+        rows = h[:, first:first + k]
+        base = lm_head(rows.flatten(0, 1)).view(*rows.shape[:2], -1).float()
+        return rows, base * self.c.logit_scale
+
+    def markov_logits(self, base: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """DSpark's logits [B, k, V]: base plus the Markov term of each row's previous
+        token prev [B, k] (the anchor, then the draft before; the labels when training)."""
+        head = self.markov_head
+        return base + head.markov_w2(head.markov_w1(prev)).float() * self.c.logit_scale
+
+    def confidence_logits(self, rows: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """The confidence head's logits [B, k] (sigmoid: each draft's survival given the
+        ones before it) from the drafting rows and their previous tokens."""
+        feats = torch.cat([rows, self.markov_head.markov_w1(prev).to(rows.dtype)], -1)
         proj = self.confidence_head.proj
-        return torch.stack(drafts, 1), torch.sigmoid(F.linear(
-            feats.float(), proj.weight.float(), proj.bias.float()).squeeze(-1))
+        return F.linear(feats.float(), proj.weight.float(), proj.bias.float()).squeeze(-1)
 
 
 def random_weights(net: ContextDraftNet, seed: int) -> dict[str, torch.Tensor]:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from kdaserve.speculative.context_net import FORMATS
 from kdaserve.training.data import gsm8k_rows, record
 
 log = logging.getLogger("kdaserve")
@@ -168,22 +169,10 @@ def train_drafter(args: argparse.Namespace) -> dict[str, Any]:
     start = acceptance(args.kind, net, held, args.block_size)
     curve = []
     for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step /
-                                                                         args.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
         batch = data.take(torch.randint(0, len(data), (args.batch_size,), generator=gen))
         loss, drafts = losses(args.kind, net, batch, args.soft)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-        opt.step()
-        if step % 50 == 0 or step == args.steps - 1:
-            first = (drafts[:, 0] == batch.labels[:, 0]).float().mean().item()
-            curve.append({"step": step, "loss": loss.item(), "first_draft_right": first,
-                          "seconds": time.perf_counter() - t0})
-            log.info("step %d/%d loss %.3f first draft right %.2f", step, args.steps,
-                     loss.item(), first)
+        optimize(net, opt, loss, step, args)
+        log_step(curve, step, args, loss, drafts[:, 0] == batch.labels[:, 0], t0)
     final = acceptance(args.kind, net, held, args.block_size)
     out = Path(args.out)
     if args.kind == "dspark":
@@ -204,6 +193,29 @@ def train_drafter(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def optimize(net: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, step: int,
+             args: argparse.Namespace) -> None:
+    """One step at the schedule's learning rate (50 warm-up steps, then a cosine to 0)."""
+    lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+    opt.step()
+
+
+def log_step(curve: list[dict[str, float]], step: int, args: argparse.Namespace,
+             loss: torch.Tensor, first_right: torch.Tensor, t0: float) -> None:
+    """Every 50 steps and the last: the loss and how often the first draft was right."""
+    if step % 50 == 0 or step == args.steps - 1:
+        first = first_right.float().mean().item()
+        curve.append({"step": step, "loss": loss.item(), "first_draft_right": first,
+                      "seconds": time.perf_counter() - t0})
+        log.info("step %d/%d loss %.3f first draft right %.2f", step, args.steps,
+                 loss.item(), first)
+
+
 def default_taps(num_layers: int) -> tuple[int, ...]:
     """Spread over the depth, the last layer included (K3's drafters tap 2/23/47/71/89 of
     93): an early, a middle and the last layer."""
@@ -222,9 +234,17 @@ def init(net: torch.nn.Module, seed: int) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    result = train_drafter(args)
-    print(json.dumps({k: result[k] for k in ("kind", "samples", "seconds", "held_out")},
-                     indent=1))
+    if args.format:  # K3's published formats: training/context_drafter.py
+        from kdaserve.training.context_drafter import train_context_drafter
+
+        result = train_context_drafter(args)
+        keys: tuple[str, ...] = ("format", "samples", "seconds", "held_out")
+    else:
+        args.block_size = args.block_size or 7
+        args.hidden_size = args.hidden_size or 256
+        result = train_drafter(args)
+        keys = ("kind", "samples", "seconds", "held_out")
+    print(json.dumps({k: result[k] for k in keys}, indent=1))
 
 
 def add_parser(sub: Any) -> None:
@@ -232,9 +252,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--target", required=True, help="the target checkpoint (train-lm's)")
     p.add_argument("--out", required=True)
     p.add_argument("--kind", default="dspark", choices=["dspark", "block"])
+    p.add_argument("--format", default=None, choices=sorted(FORMATS),
+                   help="one of K3's published drafter formats (a K3 target; instead of "
+                        "--kind)")
     p.add_argument("--taps", default=None, help="target layers, e.g. 1,3,5 (default: spread)")
-    p.add_argument("--block-size", type=int, default=7)
-    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="drafts per block (default 7; --format: its block, 7 drafts)")
+    p.add_argument("--hidden-size", type=int, default=None,
+                   help="default 256 (--format: the target's, which it must be)")
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--markov-rank", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=768)
@@ -242,6 +267,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--sequences-per-step", type=int, default=16,
+                   help="--format: sequences whose contexts a step's anchors share")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--soft", type=float, default=0.5, help="weight of the top-16 soft loss")
     p.add_argument("--seed", type=int, default=0)
