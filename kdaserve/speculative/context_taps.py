@@ -5,8 +5,9 @@ position, which cost a decode step its one-call native path and the drafter a co
 measured on k3-bench at batch 1, 71.7 tok/s plain against 53.5 with a drafter that drafted 1%
 of steps. So the taps stop once no request will draft soon (the schedule has skipped
 TAPS_OFF_AFTER steps in a row, or every request is switched off for longer than TAPS_WARMUP
-tokens) and come back TAPS_WARMUP steps before drafting may: the context then restarts there
-(a gap costs acceptance, never correctness). Prefill chunks are always tapped.
+tokens) and come back TAPS_WARMUP steps before drafting may (an exploration warms up that
+long: speculative/explore.py): the context then restarts there (a gap costs acceptance, never
+correctness). Prefill chunks are always tapped.
 """
 
 from __future__ import annotations
@@ -36,16 +37,12 @@ class ContextTaps:
         self.rows: list[tuple[Request, int, int]] = []
         self.seconds = 0.0  # recent context writes' wall time, per tapped step
 
-    def tapping(self, batch: ScheduledBatch, skipped_in_row: int, explore_after: int,
-                exploring: bool) -> bool:
+    def tapping(self, batch: ScheduledBatch, drafting_soon: bool) -> bool:
         """A prefill chunk always; else only while some request may draft within
-        TAPS_WARMUP steps (the schedule's skip count and next exploration say when)."""
+        TAPS_WARMUP steps (`drafting_soon`: the schedule's word for the batch)."""
         if any(r.is_prefilling for r in batch.reqs):
             return True
-        if not self.adaptive.batch_allows(batch.reqs, count=False):
-            return False
-        soon = explore_after - skipped_in_row <= TAPS_WARMUP
-        if not (exploring or skipped_in_row < TAPS_OFF_AFTER or soon):
+        if not (drafting_soon and self.adaptive.batch_allows(batch.reqs, count=False)):
             return False
         return any(self.adaptive.resumes_within(r, TAPS_WARMUP) for r in batch.reqs)
 

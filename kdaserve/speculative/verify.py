@@ -29,8 +29,9 @@ from kdaserve.request import Request
 from kdaserve.sampling_filters import apply_filters
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.adaptive import AdaptiveSpeculation
-from kdaserve.speculative.context_taps import ContextTaps
+from kdaserve.speculative.context_taps import TAPS_OFF_AFTER, TAPS_WARMUP, ContextTaps
 from kdaserve.speculative.drafter import Drafter
+from kdaserve.speculative.explore import Explorer
 from kdaserve.speculative.schedule import StepCost, choose_lengths, plan_drafting
 from kdaserve.step_record import StepRecord
 
@@ -47,16 +48,9 @@ F = TypeVar("F", bound=Forwarded)
 
 SURVIVAL_EMA = 0.2  # weight of the newest proposal in the typical survival by position
 DRAFT_EMA = 0.2  # weight of the newest drafting pass in its typical wall time
-# After this many steps in a row not drafted, a fitted schedule drafts EXPLORE_STEPS steps at
-# its prior: a fit misled by a few slow verifies would otherwise never see another verify step
-# to correct it. The first drafted step after plain ones is not timed for the fit: it runs
-# cold (the verify path's buffers out of cache, new GEMM shapes), and an exploring step timed
-# alone measured 50-54 ms at 58 tokens where warm verify steps of 64 took ~31 ms.
-# An exploration that does not change the decision doubles the wait before the next (to
-# EXPLORE_AFTER_MAX): exploring costs a drafting pass and a long verify per step.
-EXPLORE_AFTER = 32
-EXPLORE_AFTER_MAX = 1024
-EXPLORE_STEPS = 4
+# The first drafted step after plain ones is not timed for the fit: it runs cold (the verify
+# path's buffers out of cache, new GEMM shapes), and an exploring step timed alone measured
+# 50-54 ms at 58 tokens where warm verify steps of 64 took ~31 ms.
 # A drafter's own survival estimates are calibrated against what verification keeps: by
 # position, (kept + CALIBRATION_PRIOR) / (predicted + CALIBRATION_PRIOR) over recent verified
 # drafts (each past one weighted CALIBRATION_DECAY per new one: ~500 of memory). The trained
@@ -146,11 +140,8 @@ class Speculator:
         self.typical: list[float] = []  # recent proposals' mean survival by position
         self.draft_seconds = 0.0  # recent drafting passes' wall time
         self.skipped_in_row = 0
-        self.exploring = 0  # steps left to draft at the prior
-        self.explore_after = EXPLORE_AFTER  # skipped steps in a row before exploring
         self.cold = True  # this step drafts after plain ones: not timed for the fit
         self.num_schedule_skips = 0  # steps not drafted: no draft would have paid
-        self.num_explorations = 0  # steps drafted at the prior after EXPLORE_AFTER skips
         self.num_verifies = 0
         self.num_drafted = 0
         self.num_accepted = 0
@@ -164,6 +155,10 @@ class Speculator:
         # a context drafter's taps (speculative/context_taps.py)
         self.context = ContextTaps(self.adaptive) \
             if drafter.context_stream is not None else None
+        # tries while drafting does not pay (speculative/explore.py); a context drafter's
+        # taps come back TAPS_WARMUP steps before
+        self.explorer = Explorer(TAPS_WARMUP if self.context is not None else 0)
+        self.step_requests, self.step_tapped = 0, False  # the step in flight's
         # a step's time (bench spec's split): "draft" (proposals, context writes), "verify" /
         # "plain" (the forward with / without drafts), "bookkeeping"; and steps of each kind
         self.seconds: Counter[str] = Counter()
@@ -190,40 +185,39 @@ class Speculator:
             return
         decoding = sum(not r.is_prefilling for r in running)
         prefilling = decoding < len(running)
-        if not self.typical and prefilling and self.cost.fitted:
-            return  # a first try waits for a decode step too (see the exploration below)
         ratio = self.cost.slope_ratio()
-        if self.typical:  # drafting itself costs: draft only what typically pays for it
+        explore = False
+        if not self.typical:  # a first try, of every request (speculative/explore.py)
+            if prefilling and self.cost.fitted:
+                return  # in a decode step: a prefill chunk's verify is not what is learnt
+            if self.cost.fitted:
+                self.explorer.first_try()
+        else:  # drafting itself costs: draft only what typically pays for it
             fit = self.cost.fit()
             # a context drafter's context writes are a cost of drafting too
             spent = self.draft_seconds + (self.context.seconds if self.context else 0.0)
             draft_cost = spent / fit[0] if fit is not None and fit[0] > 0 else 0.0
             planned = plan_drafting(self.typical, len(eligible), ratio, decoding, draft_cost)
-            # explored in decode steps only: a step with a prefill chunk is not what the
-            # fit measures, and its drafts would be verified at the chunk's cost (k3-bench,
-            # batch 16: such verify steps took 0.9-1.8 s)
-            if self.cost.fitted and self.skipped_in_row >= self.explore_after \
-                    and not prefilling:
-                self.exploring = EXPLORE_STEPS
-                self.explore_after = min(2 * self.explore_after, EXPLORE_AFTER_MAX)
-            if self.exploring:
-                self.exploring -= 1
-                self.num_explorations += 1
-                ratio = 1.0 / self.cost.prior_tokens
-            elif planned:
-                self.explore_after = EXPLORE_AFTER
+            if planned:
+                self.explorer.stop()
                 # one more than typical pays: a request surer than typical may verify it
                 self.drafter.limit = planned + 1
+            elif self.cost.fitted and not prefilling and self.explorer.due(self.skipped_in_row):
+                explore = True
             else:
                 self.skipped_in_row += 1
                 self.num_schedule_skips += 1
                 self.cold = True
                 return
+        if explore:  # at the prior, so its drafts are verified: one request, in turn
+            ratio = 1.0 / self.cost.prior_tokens
+            eligible = [eligible[self.explorer.num_explorations % len(eligible)]]
         self.skipped_in_row = 0
         started = time.perf_counter()
         self.drafter.propose(eligible)
         seconds = time.perf_counter() - started
         self.seconds["draft"] += seconds
+        self.explorer.spend(seconds)
         self.draft_seconds = seconds if not self.typical else \
             (1 - DRAFT_EMA) * self.draft_seconds + DRAFT_EMA * seconds
         for req in eligible:  # a drafter's contract, enforced: never past max_tokens
@@ -285,11 +279,20 @@ class Speculator:
 
     def observe_step(self, tokens: int, seconds: float, drafted: bool) -> None:
         """A decode/verify step's size and wall time (drafting not included), for the
-        schedule's cost model; the first drafted step after plain ones is left out (cold)."""
+        schedule's cost model (the first drafted step after plain ones is left out: cold)
+        and the explorations' budget."""
+        self.explorer.observe(self.step_requests, seconds, drafted, self.step_tapped)
         if drafted and self.cold:
             self.cold = False
             return
         self.cost.observe(tokens, seconds)
+
+    def drafting_soon(self) -> bool:
+        """Whether a request may draft within TAPS_WARMUP steps (a context drafter's taps
+        are taken until then): before the first try, right after drafting, or while an
+        exploration warms up or runs."""
+        return not self.typical or self.skipped_in_row < TAPS_OFF_AFTER \
+            or self.explorer.active
 
     # ---- lifecycle: the scheduler's hooks, relayed (tests swap the drafter) ----
     def on_admit(self, req: Request) -> None:
@@ -432,10 +435,11 @@ class Speculator:
         decode_only = all(n == 1 + len(r.draft_ids)
                           for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True))
         taps: tuple[int, ...] | None = self.drafter.taps if self.drafter.wants_hidden else None
+        self.step_requests, self.step_tapped = len(batch.reqs), False
         if self.context is not None:
-            if self.context.tapping(batch, self.skipped_in_row, self.explore_after,
-                                    bool(self.exploring)):
+            if self.context.tapping(batch, self.drafting_soon()):
                 self.context.start(batch)
+                self.step_tapped = True
             else:
                 taps = None
         started = time.perf_counter()
@@ -464,7 +468,9 @@ class Speculator:
         """The step's tokens are sampled: each drafter follows what its request kept, and
         the schedule's cost model sees the step's size and time."""
         if self.context is not None:  # the drafter's context: a cost of drafting
-            self.seconds["draft"] += self.context.hand_over(self.drafter, hidden)
+            seconds_context = self.context.hand_over(self.drafter, hidden)
+            self.seconds["draft"] += seconds_context
+            self.explorer.spend(seconds_context)
             hidden = None  # not the sampling rows: on_accept gets none
         started = time.perf_counter()
         for req, j, r in verified.accepted:
@@ -493,7 +499,7 @@ class Speculator:
                 "spec_num_switched_off": self.adaptive.num_switched_off,
                 "spec_num_batch_skips": self.adaptive.num_batch_skips,
                 "spec_num_schedule_skips": self.num_schedule_skips,
-                "spec_num_explorations": self.num_explorations,
+                "spec_num_explorations": self.explorer.num_explorations,
                 "spec_mean_acceptance_length": (self.num_accepted + self.num_verifies)
                 / self.num_verifies if self.num_verifies else 0.0,
                 **{f"spec_seconds_{k}": self.seconds[k]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.speculative import verify
+from kdaserve.speculative import explore
 from kdaserve.speculative.drafter import TokenDrafter
 from kdaserve.speculative.ngram import NgramDrafter
 from kdaserve.speculative.schedule import StepCost
@@ -255,36 +255,51 @@ def test_a_stale_fit_is_explored(tiny_ckpt: Path, spec_plain: LLM,
                                  spec_prompts: list[list[int]],
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A fit that says a token costs 5 fixed parts (what a few slow first verifies can make
-    of it: alone, a draft's bar is 5 / 6 = 0.83) stops all drafting; after EXPLORE_AFTER
-    skipped steps in a row EXPLORE_STEPS steps draft at the prior (bars 0.11, 0.16, 0.18,
-    0.18: three of the 0.6-a-draft drafts), steps of 1 + 3 tokens for the fit to see, the
-    first (cold) one excepted; the fit still stale, the next exploration waits twice as long.
-    The drafting pass is timed apart. Outputs equal plain decoding."""
-    monkeypatch.setattr(verify, "EXPLORE_AFTER", 3)
-    k, prompts = 4, spec_prompts[:1]
+    of it: alone, a draft's bar is 5 / 6 = 0.83) stops all drafting: the first try (both
+    requests) verifies none. After EXPLORE_AFTER skipped steps in a row (the budget set free
+    here) EXPLORE_STEPS steps draft at the prior (two of the 0.6-a-draft drafts verified
+    beside two decodes), each for one request of the two, in turn. With the budget at 0 no
+    exploration follows the first try. The drafting pass is timed apart. Outputs equal
+    plain decoding."""
+    monkeypatch.setattr(explore, "EXPLORE_AFTER", 3)
+    k, prompts = 4, spec_prompts[:2]
     refs = reference(spec_plain, prompts)
-    llm = LLM(tiny_ckpt, speculative_algorithm="ngram", speculative_num_draft_tokens=k)
+
+    def run(share: float) -> tuple[LLM, list[list[int]]]:
+        monkeypatch.setattr(explore, "EXPLORE_SHARE", share)
+        llm = LLM(tiny_ckpt, speculative_algorithm="ngram", speculative_num_draft_tokens=k)
+        spec = llm.engine.spec
+        assert spec is not None
+        spec.drafter = ScriptedDrafter(None, k, llm.config.vocab_size,
+                                       {tuple(p): r for p, r in zip(prompts, refs,
+                                                                    strict=True)})
+        spec.drafter.survival = lambda req: [  # type: ignore[method-assign]
+            0.6 ** (i + 1) for i in range(len(req.draft_ids))]
+        for t in (1, 3) * 50:  # t = 2 ms + 10 ms a token
+            spec.cost.observe(t, 2e-3 + 1e-2 * t)
+        assert spec.cost.slope_ratio() == pytest.approx(5)
+        # the engine's timed steps are kept out of the fit, so it stays stale
+        spec.cost.observe = lambda tokens, seconds: None  # type: ignore[method-assign]
+        calls: list[int] = []
+        propose = spec.drafter.propose
+        spec.drafter.propose = lambda reqs: (calls.append(len(reqs)),  # type: ignore
+                                             propose(reqs))[1]
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+        assert [o.token_ids for o in outs] == refs
+        llm.check_integrity()
+        return llm, [calls]
+
+    llm, (calls,) = run(1e9)
     spec = llm.engine.spec
     assert spec is not None
-    spec.drafter = ScriptedDrafter(None, k, llm.config.vocab_size,
-                                   {tuple(prompts[0]): refs[0]})
-    spec.drafter.survival = lambda req: [  # type: ignore[method-assign]
-        0.6 ** (i + 1) for i in range(len(req.draft_ids))]
-    for t in (1, 3) * 50:  # t = 2 ms + 10 ms a token
-        spec.cost.observe(t, 2e-3 + 1e-2 * t)
-    assert spec.cost.slope_ratio() == pytest.approx(5)
-    seen: list[int] = []  # the engine's timed steps, kept out of the fit so it stays stale
-    spec.cost.observe = lambda tokens, seconds: seen.append(tokens)  # type: ignore[method-assign]
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert [o.token_ids for o in outs] == refs
     m = llm.get_metrics()
-    assert m["spec_num_explorations"] >= 1 and m["spec_num_schedule_skips"] >= 3
-    assert m["spec_num_verifies"] >= m["spec_num_explorations"]
-    assert m["spec_num_explorations"] == verify.EXPLORE_STEPS  # one burst in 20 tokens
-    assert spec.explore_after == 2 * verify.EXPLORE_AFTER  # it changed nothing: waits longer
-    assert 3 in spec.lengths and sum(t > 1 for t in seen) == verify.EXPLORE_STEPS - 1
-    assert spec.draft_seconds > 0
-    llm.check_integrity()
+    assert m["spec_num_explorations"] >= 1 + explore.EXPLORE_STEPS  # the first try, a burst
+    assert m["spec_num_schedule_skips"] >= 3
+    assert m["spec_num_verifies"] >= m["spec_num_explorations"] - 1  # all but the first try
+    assert calls[0] == 2 and calls[1:] == [1] * (len(calls) - 1)  # then one at a time
+    assert 2 in spec.lengths and spec.draft_seconds > 0 and spec.explorer.cost > 0
+    llm, (calls,) = run(0.0)  # a budget of nothing: the first try, then none
+    assert llm.get_metrics()["spec_num_explorations"] == 1 and calls == [2]
 
 
 def test_replay_of_a_fused_verify_is_exact() -> None:

@@ -163,3 +163,39 @@ def test_drafter_confidences_are_calibrated_by_what_verification_keeps() -> None
     assert s[0] == pytest.approx(0.6, abs=0.02) and s[1] == pytest.approx(0.3, abs=0.02)
     spec._calibrate([0.5, 0.5], 2)
     assert spec.calibration(0) < 1 and s[1] <= s[0]
+
+
+def test_explorations_are_budgeted() -> None:
+    """An exploration waits EXPLORE_AFTER skipped steps, then its warm-up steps (taps on,
+    not drafted), then EXPLORE_STEPS exploring steps; what it cost beyond plain steps of
+    the same batch (drafting passes, slower steps) sets how much plain decode time must pass
+    before the next: 1 / EXPLORE_SHARE times as much."""
+    from kdaserve.speculative import explore
+    from kdaserve.speculative.explore import Explorer
+
+    e = Explorer(warmup_steps=2)
+    plain = 0.010  # a plain step of 4 requests
+    for _ in range(explore.EXPLORE_AFTER - 1):
+        assert not e.due(0)  # too few skips, whatever the budget
+        e.observe(4, plain, drafted=False, tapped=False)
+    assert e.plain_step[4] == pytest.approx(plain) and not e.active
+    # the first exploration: no cost seen yet, so it starts at EXPLORE_AFTER skips
+    phases = []
+    for _ in range(2):  # warm-up: taps on, no drafts, each step 5 ms slower
+        phases.append(e.due(explore.EXPLORE_AFTER))
+        e.observe(4, plain + 0.005, drafted=False, tapped=True)
+    for _ in range(explore.EXPLORE_STEPS):  # each: a 20 ms drafting pass, 30 ms slower
+        phases.append(e.due(0))
+        e.spend(0.020)
+        e.observe(4, plain + 0.030, drafted=True, tapped=True)
+    assert phases == [False] * 2 + [True] * explore.EXPLORE_STEPS and not e.active
+    cost = 2 * 0.005 + explore.EXPLORE_STEPS * 0.050
+    assert e.cost == pytest.approx(cost) and e.num_explorations == explore.EXPLORE_STEPS
+    # the next one waits for cost / EXPLORE_SHARE seconds of plain decoding, then warms up
+    steps = 0
+    while not e.due(explore.EXPLORE_AFTER):
+        e.observe(4, plain, drafted=False, tapped=e.active)
+        steps += 1
+    assert abs(steps - (round(cost / explore.EXPLORE_SHARE / plain) + 2)) <= 1  # float sums
+    e.stop()  # drafting pays: the exploration is over, and the budget starts again
+    assert not e.active and e.plain_seconds == 0.0
