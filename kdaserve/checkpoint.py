@@ -23,11 +23,14 @@ from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.parallel import full_shape
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.models.loader import random_tensor
+from kdaserve.models.vision import VisionModel
+from kdaserve.tokenizer import K3_SPECIAL_NAMES
 from kdaserve.tokenizer_writer import (
     added_tokens_decoder,
     write_hf_tokenizer_json,
     write_kimi_tokenizer,
 )
+from kdaserve.vision_config import VisionConfig
 
 NUM_SPECIAL = 256
 FP32_TENSORS = ("A_log", "dt_bias")
@@ -69,6 +72,9 @@ def _preset(num_base: int, layers: int, **kw: Any) -> dict[str, Any]:
     return base
 
 
+# <|media_pad|>'s place among K3's 256 specials (its id is the base vocabulary plus this)
+MEDIA_PAD_OFFSET = {name: o for o, name in K3_SPECIAL_NAMES.items()}["<|media_pad|>"]
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": _preset(
         3840, 4, hidden_size=64, intermediate_size=128, kda_num_heads=2, kda_head_dim=32,
@@ -101,6 +107,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16, num_experts=16, num_experts_per_token=4,
         moe_intermediate_size=32, num_expert_group=1, topk_group=1, attn_res_block_size=3),
+    # k3-tiny with a tiny vision tower in the released format (tower 2 blocks of width 64,
+    # attention 2 heads of 48, an 8 x 8 position grid; <|media_pad|> at K3's offset)
+    "k3-tiny-vl": _k3_preset(
+        3840, 7, 64, intermediate_size=128, kda_num_heads=2, kda_head_dim=32,
+        num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, num_experts=16, num_experts_per_token=4,
+        moe_intermediate_size=32, num_expert_group=1, topk_group=1, attn_res_block_size=3,
+        vision=VisionConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
+                            qkv_hidden_size=96, pos_emb_height=8, pos_emb_width=8,
+                            mm_hidden_size=64, text_hidden_size=64,
+                            media_pad_id=3840 + MEDIA_PAD_OFFSET)),
     # K3 for tests at the suite's widest (hidden 128): 10 layers in AttnRes blocks of 4, 32
     # experts top-8, a KDA head count whose A_log is stored longer
     "k3-small": _k3_preset(
@@ -137,8 +154,13 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = KimiLinearForCausalLM(config, resolve_kernels(
             torch.device("cpu"), features=config.kernel_features))
-    return {name: full_shape(t) for name, t in model.checkpoint_tensors().items()
-            if t is not None}
+    shapes = {name: full_shape(t) for name, t in model.checkpoint_tensors().items()
+              if t is not None}
+    if config.vision is not None:
+        with torch.device("meta"):
+            vision = VisionModel(config.vision)
+        shapes.update({n: tuple(t.shape) for n, t in vision.checkpoint_tensors().items()})
+    return shapes
 
 
 def make_checkpoint(out: str | Path, preset: str | ModelConfig = "tiny", seed: int = 0,

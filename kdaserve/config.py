@@ -28,6 +28,7 @@ from kdaserve.hub_schema import (
     require,
     text_config_of,
 )
+from kdaserve.vision_config import VisionConfig
 
 __all__ = ["DENSE", "KDA", "MLA", "MOE", "EngineConfig", "ModelConfig"]
 
@@ -79,7 +80,7 @@ class ModelConfig:
     kda_full_rank_gate: bool = False  # KDA output gate g_proj [P, D] instead of g_a/g_b
     # "language_model." for K3's KimiK3ForConditionalGeneration checkpoints
     tensor_prefix: str = ""
-    has_vision_tower: bool = False  # the checkpoint also holds a vision tower
+    vision: VisionConfig | None = None  # the checkpoint also holds a vision tower (K3)
     # "mxfp4": the routed experts stored (and held) as compressed-tensors' packed MXFP4
     # (kernels/ref/mxfp4.py); None: stored as floats
     expert_format: str | None = None
@@ -130,6 +131,10 @@ class ModelConfig:
                                      f"{MXFP4_GROUP}")
 
     # ---- derived sizes (properties, never stored) ----
+    @property
+    def has_vision_tower(self) -> bool:
+        return self.vision is not None
+
     @property
     def kda_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == KDA]
@@ -232,7 +237,8 @@ class ModelConfig:
             pad_token_id=raw.get("pad_token_id"),
             checkpoint_dtype=raw.get("torch_dtype", raw.get("dtype")) or "bfloat16",
             tensor_prefix="language_model." if wrapped else "",
-            has_vision_tower=vision,
+            vision=None if vision is None else VisionConfig.from_dict(
+                vision, require(raw, "hidden_size"), vision.get("media_placeholder_token_id")),
             expert_format=expert_format,
             **k3,
         )

@@ -156,21 +156,26 @@ def mlp_types_of(raw: dict[str, Any], n: int) -> tuple[str, ...]:
     )
 
 
-def text_config_of(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+def text_config_of(raw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """A `kimi_k3` config nests the text model in `text_config` (token ids at the top, and the
-    vision tower beside it): (the text model's fields, whether a vision tower is declared)."""
+    vision tower beside it): (the text model's fields, the vision_config or None)."""
     text = raw.get("text_config")
     if text is None:
         if raw.get("model_type") == "kimi_k3":
             raise ValueError("config.json: model_type 'kimi_k3' without a text_config")
-        return raw, False
+        return raw, None
     if not isinstance(text, dict):
         raise ValueError("config.json: text_config is not an object")
     merged = dict(text)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings"):
         if key in raw and key not in merged:
             merged[key] = raw[key]
-    return merged, raw.get("vision_config") is not None
+    vision = raw.get("vision_config")
+    if vision is not None and not isinstance(vision, dict):
+        raise ValueError("config.json: vision_config is not an object")
+    if vision is not None and "media_placeholder_token_id" in raw:
+        vision = {**vision, "media_placeholder_token_id": raw["media_placeholder_token_id"]}
+    return merged, vision
 
 
 def k3_fields(raw: dict[str, Any], lac: dict[str, Any]) -> dict[str, Any]:

@@ -66,9 +66,11 @@ def hub_dict(c: ModelConfig) -> dict[str, Any]:
     text["max_position_embeddings"] = 1048576
     if c.tensor_prefix != "language_model.":
         raise ValueError(f"no hub schema writes tensor prefix {c.tensor_prefix!r}")
-    if c.has_vision_tower:
-        raise ValueError("writing a K3 config with a vision tower is not supported yet")
-    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
-            "dtype": c.checkpoint_dtype, "tie_word_embeddings": c.tie_word_embeddings,
-            "bos_token_id": c.bos_token_id, "eos_token_id": eos,
-            "pad_token_id": c.pad_token_id, "text_config": text}
+    out = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+           "dtype": c.checkpoint_dtype, "tie_word_embeddings": c.tie_word_embeddings,
+           "bos_token_id": c.bos_token_id, "eos_token_id": eos,
+           "pad_token_id": c.pad_token_id, "text_config": text}
+    if c.vision is not None:
+        out["vision_config"] = c.vision.to_dict()
+        out["media_placeholder_token_id"] = c.vision.media_pad_id
+    return out

@@ -9,6 +9,7 @@ a single-file checkpoint; this keeps the peak at about the model plus its larges
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from collections.abc import Callable
@@ -255,7 +256,8 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         return torch.randn(shape, generator=g) / shape[-1] ** 0.5
     if name.endswith("embed_tokens.weight"):
         return torch.randn(shape, generator=g)
-    fan_in = shape[-1]
+    # a conv's inputs are all but its first dimension (the vision tower's patch embedding)
+    fan_in = math.prod(shape[1:]) if name.endswith("patch_embed.proj.weight") else shape[-1]
     return torch.randn(shape, generator=g) / fan_in ** 0.5
 
 

@@ -477,3 +477,23 @@ def test_kimi_shaped_preset_has_kimi_linears_tensor_shapes() -> None:
             moe + "shared_experts.down_proj.weight": (2304, 1024),
             "model.layers.0.mlp.gate_proj.weight": (9216, 2304)}
     assert {k: tuple(shapes[k]) for k in want} == want
+
+
+def test_vision_config_reads_the_released_schema_and_refuses_the_rest() -> None:
+    """K3's vision_config: the released values by default, the writer's schema read back,
+    and every fixed choice other than K3's refused by name."""
+    from kdaserve.vision_config import VisionConfig
+
+    c = VisionConfig.from_dict({"model_type": "moonvit3d"}, 7168)
+    assert (c.hidden_size, c.num_layers, c.head_dim, c.media_pad_id) == (1024, 27, 128, 163605)
+    small = VisionConfig(hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128,
+                         qkv_hidden_size=96, mm_hidden_size=64, text_hidden_size=64)
+    assert VisionConfig.from_dict(small.to_dict(), 64) == small
+    for key, value in (("merge_type", "tpool"), ("norm_type", "layernorm"),
+                       ("attn_bias", True), ("merge_kernel_size", [3, 3])):
+        with pytest.raises(ValueError, match=key):
+            VisionConfig.from_dict({key: value}, 7168)
+    with pytest.raises(ValueError, match="text_hidden_size"):
+        VisionConfig.from_dict({"text_hidden_size": 4096}, 7168)
+    with pytest.raises(ValueError, match="mm_hidden_size"):
+        VisionConfig.from_dict({"mm_hidden_size": 512}, 7168)

@@ -1,0 +1,202 @@
+"""Kimi K3's vision tower (MoonViT-3D), its 2x2 merge and projector: images in, rows of the text
+model's width out, one per `<|media_pad|>` of the image's prompt (k3_spec.md 8; the details
+the spec leaves open as mlx-vlm 0.7.10 and SGLang 0.5.23 implement them).
+
+Per image of t x h x w patches (t = 1: images; h, w even):
+- patch embedding: each 3 x 14 x 14 patch, flattened (channel, row, column), times the
+  conv weight [D, 3, 14, 14] as one matrix; plus the learned [64, 64, D] position grid resized
+  to h x w (bilinear, half-pixel centres, no antialias: `F.interpolate`'s align_corners=False);
+- blocks, attention over the image's own patches only: x += wo(attn(rope(q), rope(k), v)) on
+  RMSNorm(x) (epsilon 2^-7), x += fc1(gelu_tanh(fc0(RMSNorm(x)))); a final RMSNorm;
+- 2-D RoPE on interleaved pairs: pair j turns by column * f_{j/2} (j even) or row * f_{j/2}
+  (j odd), f_i = 10000^(-4i / head_dim), positions from 0 in each image;
+- sd2_tpool: each 2 x 2 block of patches (row-major blocks) becomes one row
+  [r0c0 | r0c1 | r1c0 | r1c1] of 4D;
+- patchmergerv2: post_norm(proj.2(gelu(proj.0(row)))), exact GELU, post_norm's epsilon from
+  the config (1e-5).
+
+The modules carry the released tensor names under `vision_tower.` / `mm_projector.`; this is
+the plain-torch form (the reference beside any faster kernel)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.nn import functional as F
+
+from kdaserve.layers.norm import RMSNorm
+from kdaserve.models.loader import VISION_PREFIXES, checkpoint_files
+from kdaserve.vision_config import VISION_NORM_EPS, VisionConfig
+
+ROPE_THETA = 10000.0
+MERGE = 2  # sd2_tpool's kernel, each side
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, c: VisionConfig) -> None:
+        super().__init__()
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(torch.empty(c.hidden_size, 3, c.patch_size,
+                                                    c.patch_size))
+        self.pos_emb = nn.Module()
+        self.pos_emb.weight = nn.Parameter(torch.empty(c.pos_emb_height, c.pos_emb_width,
+                                                       c.hidden_size))
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [N, 3, p, p] -> [N, D]"""
+        w = self.proj.weight
+        return F.linear(pixels.flatten(1).to(w.dtype), w.flatten(1))
+
+    def positions(self, h: int, w: int) -> torch.Tensor:
+        """The position grid at h x w patches, row-major [h * w, D]."""
+        grid = self.pos_emb.weight
+        if (h, w) != tuple(grid.shape[:2]):
+            grid = F.interpolate(grid.permute(2, 0, 1)[None].float(), size=(h, w),
+                                 mode="bilinear", align_corners=False)[0].permute(1, 2, 0)
+        return grid.reshape(h * w, -1).to(self.pos_emb.weight.dtype)
+
+
+def rope_angles(h: int, w: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """[h * w, head_dim / 2] angles of the pairs: column on even pairs, row on odd ones."""
+    freqs = ROPE_THETA ** (-torch.arange(0, head_dim, 4, device=device)[:head_dim // 4]
+                           .float() / head_dim)
+    rows, cols = torch.meshgrid(torch.arange(h, device=device).float(),
+                                torch.arange(w, device=device).float(), indexing="ij")
+    return torch.stack([cols.reshape(-1, 1) * freqs, rows.reshape(-1, 1) * freqs],
+                       -1).reshape(h * w, head_dim // 2)
+
+
+def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """x [L, heads, d] rotated by angles [L, d / 2], pair (2j, 2j + 1) by angle j, in fp32."""
+    a, b = x.float()[..., 0::2], x.float()[..., 1::2]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).to(x.dtype)
+
+
+class Mlp(nn.Module):
+    def __init__(self, d: int, inter: int) -> None:
+        super().__init__()
+        self.fc0 = nn.Linear(d, inter, bias=False)
+        self.fc1 = nn.Linear(inter, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, c: VisionConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.norm0 = RMSNorm(c.hidden_size, VISION_NORM_EPS)
+        self.wqkv = nn.Linear(c.hidden_size, 3 * c.qkv_hidden_size, bias=False)
+        self.wo = nn.Linear(c.qkv_hidden_size, c.hidden_size, bias=False)
+        self.norm1 = RMSNorm(c.hidden_size, VISION_NORM_EPS)
+        self.mlp = Mlp(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+        """One image's patches x [L, D]; angles [L, head_dim / 2]."""
+        c, L = self.c, x.shape[0]
+        q, k, v = self.wqkv(self.norm0(x)).view(L, 3, c.num_heads, c.head_dim).unbind(1)
+        q, k = rotate_pairs(q, angles), rotate_pairs(k, angles)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                           v.transpose(0, 1))
+        x = x + self.wo(o.transpose(0, 1).reshape(L, c.qkv_hidden_size))
+        return x + self.mlp(self.norm1(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, c: VisionConfig) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.final_layernorm = RMSNorm(c.hidden_size, VISION_NORM_EPS)
+
+
+class VisionTower(nn.Module):
+    def __init__(self, c: VisionConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.patch_embed = PatchEmbed(c)
+        self.encoder = Encoder(c)
+
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        """pixels [sum t h w, 3, p, p] of the images in `grids` (t, h, w) -> merged rows
+        [sum h w / 4, 4D], image after image."""
+        x = self.patch_embed(pixels)
+        out, start = [], 0
+        for t, h, w in grids:
+            if t != 1 or h % MERGE or w % MERGE:
+                raise ValueError(f"an image grid of (t, h, w) = {(t, h, w)} patches: images "
+                                 "only (t = 1), with an even number of patches each side")
+            n = h * w
+            xi = x[start:start + n] + self.patch_embed.positions(h, w)
+            start += n
+            angles = rope_angles(h, w, self.c.head_dim, x.device)
+            for block in self.encoder.blocks:
+                xi = block(xi, angles)
+            xi = self.encoder.final_layernorm(xi)
+            out.append(xi.view(h // MERGE, MERGE, w // MERGE, MERGE, -1).permute(0, 2, 1, 3, 4)
+                       .reshape(n // MERGE ** 2, -1))
+        return torch.cat(out)
+
+
+class Projector(nn.Module):
+    def __init__(self, c: VisionConfig) -> None:
+        super().__init__()
+        d = MERGE * MERGE * c.mm_hidden_size
+        self.proj = nn.Sequential(nn.Linear(d, d, bias=False), nn.GELU(),
+                                  nn.Linear(d, c.text_hidden_size, bias=False))
+        self.post_norm = RMSNorm(c.text_hidden_size, c.projector_ln_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post_norm(self.proj(x))
+
+
+class VisionModel(nn.Module):
+    """Tower + projector: `forward(pixels, grids)` gives each image's rows for its pads."""
+
+    def __init__(self, c: VisionConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.vision_tower = VisionTower(c)
+        self.mm_projector = Projector(c)
+
+    @torch.inference_mode()
+    def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        return self.mm_projector(self.vision_tower(pixels, grids))
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Released tensor name -> parameter."""
+        return dict(self.named_parameters())
+
+    @classmethod
+    def load(cls, c: VisionConfig, path: Path, dtype: torch.dtype,
+             device: torch.device) -> VisionModel:
+        """The tower and projector of the checkpoint at `path`: every tensor under
+        `vision_tower.` / `mm_projector.` checked (known, right shape, none missing)."""
+        with torch.device("meta"):
+            model = cls(c)
+        model.to_empty(device=device)
+        views = model.checkpoint_tensors()
+        seen: set[str] = set()
+        for file in checkpoint_files(Path(path)):
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    if not name.startswith(VISION_PREFIXES):
+                        continue
+                    if name not in views:
+                        raise ValueError(f"unexpected vision tensor {name!r} in {file.name}")
+                    t = f.get_tensor(name)
+                    if tuple(t.shape) != tuple(views[name].shape):
+                        raise ValueError(f"vision tensor {name!r} has shape {list(t.shape)}, "
+                                         f"expected {list(views[name].shape)}")
+                    with torch.no_grad():
+                        views[name].copy_(t)
+                    seen.add(name)
+        missing = sorted(set(views) - seen)
+        if missing:
+            raise ValueError(f"{path}: the vision tower misses {len(missing)} tensors "
+                             f"(first: {missing[0]})")
+        return model.to(dtype).eval().requires_grad_(False)
