@@ -48,6 +48,9 @@ class ForwardBatch:
     # mix the next layer's attention-side AttnRes forms from it (the output-side one after
     # the last layer), before its norm; one residual stream in a model without AttnRes
     taps: tuple[int, ...] = ()
+    # rows of the input embeddings replaced before the first layer: (flat rows [R], their
+    # values [R, D]): images' projected rows at their pads (multimodal.py)
+    embed_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     tap_all_rows: bool = False
     tap_stream: str = "partial"
     tapped: torch.Tensor | None = None

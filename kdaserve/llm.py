@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from PIL import Image
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
@@ -74,11 +75,13 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None,
                  options: RequestOptions | list[RequestOptions] | None = None,
+                 image_data: list[list[Image.Image]] | None = None,
                  ) -> list[RequestOutput]:
         """Blocking generation (vLLM's argument order: prompts, sampling_params). All prompts
         are validated before any is queued, so a bad one leaves the engine untouched.
         `options`: what the requests ask beyond sampling (hidden states, routed experts), one
-        for all or one per prompt."""
+        for all or one per prompt. `image_data` (SGLang's name): per prompt its images, one
+        for each `<|media_pad|>` in it (a K3 checkpoint with its vision tower)."""
         if isinstance(prompts, str):
             prompts = [prompts]
         if (prompts is None) == (prompt_token_ids is None):
@@ -87,14 +90,19 @@ class LLM:
                                              else prompt_token_ids)  # type: ignore[arg-type]
         params = per_prompt("sampling_params", sampling_params, SamplingParams, len(inputs))
         opts = per_prompt("options", options, RequestOptions, len(inputs))
+        images = per_prompt("image_data", image_data, list, len(inputs)) \
+            if image_data is not None else [[] for _ in inputs]
         encoded = [self.engine.encode(x) for x in inputs]
-        for ids, p in zip(encoded, params, strict=True):
-            if len(ids) + p.max_tokens > self.engine.scheduler.max_request_tokens():
-                raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} "
+        # each prompt's length with its images' prompts: checked before any is queued
+        lengths = [len(self.engine.expand_images(ids, ims)[0]) if ims else len(ids)
+                   for ids, ims in zip(encoded, images, strict=True)]
+        for n, p in zip(lengths, params, strict=True):
+            if n + p.max_tokens > self.engine.scheduler.max_request_tokens():
+                raise ValueError(f"prompt of {n} tokens + max_tokens {p.max_tokens} "
                                  "exceeds the KV cache capacity "
                                  f"({self.engine.scheduler.max_request_tokens()} tokens)")
-        rids = [self.engine.add_request(ids, p, options=o)
-                for ids, p, o in zip(encoded, params, opts, strict=True)]
+        rids = [self.engine.add_request(ids, p, options=o, images=ims or None)
+                for ids, p, o, ims in zip(encoded, params, opts, images, strict=True)]
         finished: dict[str, RequestOutput] = {}
         self.engine.out.stream = False  # only the final outputs are kept here
         try:

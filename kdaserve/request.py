@@ -6,9 +6,12 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kdaserve.multimodal import ImageInputs
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 
@@ -202,10 +205,17 @@ class Request:
     num_routed: int = 0  # positions recorded, from options.routed_experts_start
     hidden_states: list[torch.Tensor] = field(default_factory=list)  # [n, D] chunks from 0
     num_hidden: int = 0  # positions in hidden_states
+    images: ImageInputs | None = None  # the prompt's images (K3), shared by n siblings
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def key_ids(self) -> list[int]:
+        """What the prefix cache keys the request by: `all_ids`, each image's pads replaced by
+        the image's content key (multimodal.py)."""
+        return self.all_ids if self.images is None else self.images.key_ids(self.all_ids)
 
     @property
     def num_tokens(self) -> int:

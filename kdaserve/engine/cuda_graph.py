@@ -154,7 +154,7 @@ class CudaGraphRunner:
         B, T = fb.num_seqs, fb.num_tokens
         if self.failed or B > self.max_bs or fb.block_table.shape[1] > self.width \
                 or fb.logits_indices.shape[0] != T or fb.snapshots is not None \
-                or fb.routing is not None:
+                or fb.routing is not None or fb.embed_rows is not None:
             return None
         q = 1 if fb.is_decode else fb.max_seqlen
         if q == 1:

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.checkpoint import resolve_model_path
@@ -40,6 +41,8 @@ from kdaserve.kernels import resolve_kernels
 from kdaserve.kernels.host_memory import keep_freed_memory
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
+from kdaserve.models.vision import load_vision
+from kdaserve.multimodal import ImageInputs, expand
 from kdaserve.request import Request, RequestOptions, RequestOutput, SamplingParams
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.build import build_speculator
@@ -92,6 +95,7 @@ class LLMEngine:
             raise
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device,
                                   self.followers)
+        self.runner.vision = self.vision
         with phase("warm-up") as p:
             self.runner.graphs = graph_runner(config, self.kernels, self.model, self.states,
                                               self.blocks, self.scheduler.max_num_seqs,
@@ -139,11 +143,18 @@ class LLMEngine:
                 self.model = build_model(
                     self.model_config, self.kernels, self.dtype, self.device, self.path,
                     config.load_format, config.seed, self.weight_dtype, config.quantization,
-                    self.followers.tp if self.followers else SINGLE, self.ep, progress,
-                    config.language_model_only)
+                    self.followers.tp if self.followers else SINGLE, self.ep, progress)
+                try:
+                    self.vision = None if config.language_model_only else load_vision(
+                        self.model_config, self.path, config.load_format, config.seed,
+                        self.dtype, self.device)
+                except ValueError as e:
+                    raise ValueError(f"{e} (--language-model-only serves the text model "
+                                     "alone)") from None
             finally:
                 progress.close()
-            p.note = weights_summary(self.model, config.load_format)
+            p.note = weights_summary(self.model, config.load_format) + \
+                (", vision tower" if self.vision is not None else "")
         self.tokenizer = (None if config.skip_tokenizer_init
                           else Tokenizer.from_pretrained(self.path))
         if self.tokenizer is not None and \
@@ -182,6 +193,20 @@ class LLMEngine:
         return self._grammar
 
     # ---- requests ----
+    def expand_images(self, ids: list[int],
+                      images: list[Image.Image]) -> tuple[list[int], ImageInputs]:
+        """The prompt with each image's prompt at its marker, and where its rows go."""
+        if self.vision is None:
+            raise ValueError("this model takes no images" if self.model_config.vision is None
+                             else "images: the server runs the text model only "
+                                  "(--language-model-only)")
+        if self.followers is not None or self.pd is not None or self.ep.size > 1:
+            raise ValueError("images are not supported yet with tensor parallelism, DP "
+                             "attention or prefill/decode disaggregation")
+        if self.tokenizer is None:
+            raise ValueError("images need the tokenizer (their prompts are text)")
+        return expand(ids, images, self.vision.config.media_pad_id, self.tokenizer.encode)
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -199,7 +224,9 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    rid: str | None = None, options: RequestOptions | None = None) -> str:
+                    rid: str | None = None, options: RequestOptions | None = None,
+                    images: list[Image.Image] | None = None) -> str:
+        """images: one per `<|media_pad|>` marker in the prompt (multimodal.py)."""
         params, options = params or SamplingParams(), options or RequestOptions()
         if self.rl.released:
             released = ", ".join(sorted(self.rl.released))
@@ -209,6 +236,9 @@ class LLMEngine:
         if rid in self.out.groups:
             raise ValueError(f"request id {rid!r} is already in use")
         ids = self.encode(prompt)
+        image_inputs = None
+        if images:
+            ids, image_inputs = self.expand_images(ids, images)
         vocab = self.model_config.vocab_size
         for name, toks in (("logit_bias", params.logit_bias),
                            ("token_ids_logprob", params.token_ids_logprob)):
@@ -239,7 +269,7 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator().manual_seed((params.seed * 1_000_003 + i) % 2**64)
             children.append(Request(rid if params.n == 1 else f"{rid}-{i}", ids, params,
-                                    options, generator=gen))
+                                    options, generator=gen, images=image_inputs))
         # the siblings share the prompt: one scores it (on the prefill side, when disaggregated)
         if params.prompt_logprobs is not None and not isinstance(self.pd, DecodeSide):
             children[0].prompt_logprobs = [None] if params.logprob_start_len == 0 else []

@@ -17,6 +17,7 @@ from kdaserve.engine.placeholders import resolve_inputs
 from kdaserve.engine.tensor_parallel import Followers
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+from kdaserve.models.vision import VisionModel
 from kdaserve.request import Request
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.step_record import StepRecord
@@ -72,6 +73,37 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None  # decode and verify steps replayed (CUDA)
         # plain decode batches in one native call where every op is the native kernel anyway
         self.native_decode = NativeDecode.for_model(model)
+        self.vision: VisionModel | None = None  # K3's tower, for requests with images
+
+    def image_rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The images' rows at the pads this step runs (the input embeddings they replace),
+        each request's computed once, when a chunk first reaches its images: all such
+        requests' images in one tower call."""
+        assert self.vision is not None
+        spans, at = [], 0
+        for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
+            start = req.num_computed_tokens
+            im = req.images
+            if im is not None and start < len(req.prompt_ids) \
+                    and int(im.pad_positions[-1]) >= start:
+                spans.append((req, at, start, min(start + n, len(req.prompt_ids))))
+            at += n
+        if not spans:
+            return None
+        todo = list({id(r.images): r.images for r, *_ in spans if r.images.rows is None}
+                    .values())
+        if todo:
+            rows = self.vision(torch.cat([im.pixels for im in todo]).to(self.device),
+                               [g for im in todo for g in im.grids])
+            for im in todo:
+                im.rows, rows = rows[:im.pad_positions.numel()], rows[im.pad_positions.numel():]
+        index, values = [], []
+        for req, at, start, end in spans:
+            assert req.images is not None
+            offsets, rows = req.images.rows_for(start, end)
+            index.append(offsets.to(self.device) + at)
+            values.append(rows)
+        return torch.cat(index), torch.cat(values)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request],
                                                       list[Rows]]:
@@ -105,6 +137,8 @@ class ModelRunner:
         fb = ForwardBatch.build(new_tokens, num_cached, [r.state_slot for r in batch.reqs],
                                 [r.block_ids for r in batch.reqs], self.blocks.block_size,
                                 logits_from=logits_from, device=self.device)
+        if self.vision is not None:
+            fb.embed_rows = self.image_rows(batch)
         if batch.snapshots:
             index = {id(r): i for i, r in enumerate(batch.reqs)}
             cols = ([index[id(r)] for r, _, _ in batch.snapshots],

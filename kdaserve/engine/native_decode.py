@@ -107,6 +107,7 @@ class NativeDecode:
         """Whether this batch is one this forward runs (the plan is checked at the call)."""
         return batch.is_decode and batch.record is None and not batch.taps \
             and batch.routing is None and batch.snapshots is None \
+            and batch.embed_rows is None \
             and batch.logits_indices.shape[0] == batch.input_ids.shape[0]
 
     def __call__(self, batch: ForwardBatch, states: StatePool,

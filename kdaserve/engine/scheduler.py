@@ -272,7 +272,7 @@ class Scheduler:
             # matched once per request: re-matching every waiting prompt every step costs
             # O(queued tokens) a step; a stale hint only reorders, never changes results
             if r.prefix_hint is None:
-                r.prefix_hint = cache.match(r.all_ids[:r.max_cached_prefix],
+                r.prefix_hint = cache.match(r.key_ids[:r.max_cached_prefix],
                                             touch=False).num_tokens
             return (0 if r.num_preemptions else 1, -r.prefix_hint)
 
@@ -286,12 +286,12 @@ class Scheduler:
                 req.max_cached_prefix < req.num_tokens - 1:  # rows it must run itself
             return False
         grid = self.snapshot_interval
-        ids = req.all_ids
+        ids = req.key_ids
         hit: int | None = None  # matched only when some leader shares a grid's worth
         for leader in self.running[-DEDUP_LEADERS:]:
             if not leader.is_prefilling:
                 continue
-            other = leader.all_ids
+            other = leader.key_ids
             shared = common_prefix(ids, other, min(len(ids) - 1, len(other)))
             point = shared // grid * grid
             if point < grid or point <= leader.num_computed_tokens:
@@ -315,7 +315,7 @@ class Scheduler:
         state into req's fresh slot (copy-on-write), and plans where req leaves snapshots."""
         if self.cache is None:
             return
-        ids = req.all_ids
+        ids = req.key_ids
         m = self.cache.match(ids[:req.max_cached_prefix])
         if m.num_tokens:
             self.blocks.share(m.blocks)
@@ -369,7 +369,7 @@ class Scheduler:
         in-chunk snapshots go to the tree (which frees a slot it already has one for)."""
         for req, p, slot in batch.snapshots:
             assert self.cache is not None  # only planned with a cache
-            if self.cache.insert(req.all_ids[:p], req.block_ids, slot):
+            if self.cache.insert(req.key_ids[:p], req.block_ids, slot):
                 self._cap_snapshots()
         self._in_flight = []
 
@@ -393,7 +393,7 @@ class Scheduler:
                 slot = self._snapshot_slot()
                 if slot is not None:
                     self.states.copy(req.state_slot, slot)
-                    if self.cache.insert(req.all_ids[:pos], req.block_ids, slot):
+                    if self.cache.insert(req.key_ids[:pos], req.block_ids, slot):
                         self._cap_snapshots()
             elif not prefilling and on_grid:
                 if req.track_slot is None:
@@ -421,9 +421,9 @@ class Scheduler:
         bs = self.blocks.block_size
         full = req.num_computed_tokens // bs * bs
         if full:
-            self.cache.insert(req.all_ids[:full], req.block_ids)
+            self.cache.insert(req.key_ids[:full], req.block_ids)
         if req.track_slot is not None and 0 < req.track_pos <= req.num_computed_tokens:
-            if self.cache.insert(req.all_ids[:req.track_pos], req.block_ids, req.track_slot):
+            if self.cache.insert(req.key_ids[:req.track_pos], req.block_ids, req.track_slot):
                 self._cap_snapshots()
             req.track_slot = None  # owned (or freed) by the cache now
 

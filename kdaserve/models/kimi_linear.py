@@ -144,6 +144,9 @@ class KimiLinearForCausalLM(nn.Module):
         (what the LM head sees; block drafters condition on them). With `batch.taps`, the
         rows after those layers also go to `batch.tapped`."""
         h = self.embed_tokens(batch.input_ids)
+        if batch.embed_rows is not None:  # images' rows at their pads
+            index, rows = batch.embed_rows
+            h = h.index_copy(0, index, rows.to(h.dtype))
         tapped: list[torch.Tensor] = []
         if self.output_attn_res is not None:
             h = self._attn_res_layers(h, batch, states, blocks, tapped)

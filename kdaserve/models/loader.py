@@ -279,18 +279,15 @@ def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
                 device: torch.device, path: Path | None, load_format: str = "auto",
                 seed: int = 0, weight_dtype: torch.dtype | None = None,
                 quantization: str | None = None, tp: TensorParallel = SINGLE,
-                ep: ExpertParallel = SINGLE_EP, progress: Progress | None = None,
-                language_model_only: bool = False) -> KimiLinearForCausalLM:
+                ep: ExpertParallel = SINGLE_EP,
+                progress: Progress | None = None) -> KimiLinearForCausalLM:
     """Builds on the meta device (no init cost), materialises, then fills every parameter.
     `weight_dtype` (default `dtype`): the projections' and experts' weights only, the bytes a
     decode step streams (weight-only bf16 on a CPU); norms, embeddings and the rest `dtype`.
     `quantization="int8"`: those weights quantized per row once loaded (weight-only int8).
     `tp`: this tensor-parallel rank's shard of the model (reading only its slices).
-    `progress`: see load_weights. A checkpoint with a vision tower (K3) is refused unless
-    `language_model_only`, which builds and loads its text model alone."""
-    if config.has_vision_tower and not language_model_only:
-        raise ValueError("this checkpoint holds a vision tower, which kdaserve does not run "
-                         "yet: serve its text model with --language-model-only")
+    `progress`: see load_weights. The text model only: a K3 checkpoint's vision tower is
+    `models/vision.py`'s."""
     with torch.device("meta"):
         model = KimiLinearForCausalLM(config, kernels, tp, ep)
     # by name, after to_empty: moving off the meta device replaces the Parameter objects

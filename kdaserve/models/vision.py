@@ -27,8 +27,9 @@ from safetensors import safe_open
 from torch import nn
 from torch.nn import functional as F
 
+from kdaserve.config import ModelConfig
 from kdaserve.layers.norm import RMSNorm
-from kdaserve.models.loader import VISION_PREFIXES, checkpoint_files
+from kdaserve.models.loader import VISION_PREFIXES, checkpoint_files, random_tensor
 from kdaserve.vision_config import VISION_NORM_EPS, VisionConfig
 
 ROPE_THETA = 10000.0
@@ -200,3 +201,19 @@ class VisionModel(nn.Module):
             raise ValueError(f"{path}: the vision tower misses {len(missing)} tensors "
                              f"(first: {missing[0]})")
         return model.to(dtype).eval().requires_grad_(False)
+
+
+def load_vision(config: ModelConfig, path: Path, load_format: str, seed: int,
+                dtype: torch.dtype, device: torch.device) -> VisionModel | None:
+    """The checkpoint's vision tower, if it declares one: read from `path`, or with
+    load_format "dummy" the random values `make-checkpoint` would write."""
+    if config.vision is None:
+        return None
+    if load_format != "dummy":
+        return VisionModel.load(config.vision, path, dtype, device)
+    with torch.device(device):
+        model = VisionModel(config.vision)
+    with torch.no_grad():
+        for name, p in model.checkpoint_tensors().items():
+            p.copy_(random_tensor(name, tuple(p.shape), seed))
+    return model.to(dtype).eval().requires_grad_(False)

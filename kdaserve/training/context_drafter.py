@@ -33,6 +33,7 @@ from torch.nn import functional as F
 from kdaserve.speculative.context_drafter import new_net_config, save_net
 from kdaserve.speculative.context_net import ContextDraftNet
 from kdaserve.training.data import gsm8k_rows
+from kdaserve.training.distill import default_taps, init, log_step, optimize, prompts
 
 log = logging.getLogger("kdaserve")
 TOP = 16  # target probabilities kept per position for the soft loss
@@ -163,7 +164,6 @@ def acceptance(net: ContextDraftNet, frozen: Frozen, seqs: list[Sequence],
 
 def train_context_drafter(args: argparse.Namespace) -> dict[str, Any]:
     from kdaserve.llm import LLM
-    from kdaserve.training.drafter import default_taps, init, log_step, optimize, prompts
 
     t0 = time.perf_counter()
     torch.manual_seed(args.seed)

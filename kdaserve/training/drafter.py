@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,8 @@ import torch
 from torch.nn import functional as F
 
 from kdaserve.speculative.context_net import FORMATS
-from kdaserve.training.data import gsm8k_rows, record
+from kdaserve.training.data import gsm8k_rows
+from kdaserve.training.distill import default_taps, init, log_step, optimize, prompts
 
 log = logging.getLogger("kdaserve")
 TOP = 16  # target probabilities kept per position for the soft loss
@@ -52,17 +52,6 @@ class Samples:
     def take(self, idx: torch.Tensor) -> Samples:
         return Samples(*(t[idx] for t in (self.taps, self.hidden, self.tokens, self.labels,
                                           self.top_ids, self.top_p)))
-
-
-def prompts(rows: list[dict[str, str]], n: int, seed: int) -> list[str]:
-    """One-shot prompts (another record, then a question), as `bench spec` builds them."""
-    g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(rows), generator=g).tolist()
-    out = []
-    for i in range(min(n, len(rows) - 1)):
-        shot = rows[order[(i + 1) % len(order)]]
-        out.append(record(shot) + "Question: " + rows[order[i]]["question"] + "\nAnswer:")
-    return out
 
 
 def make_samples(llm: Any, texts: list[str], taps: tuple[int, ...], block: int,
@@ -191,46 +180,6 @@ def train_drafter(args: argparse.Namespace) -> dict[str, Any]:
              args.block_size, start["acceptance_length"], final["acceptance_length"],
              " ".join(f"{x:.2f}" for x in final["conditional_accept_rate"]))
     return result
-
-
-def optimize(net: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor, step: int,
-             args: argparse.Namespace) -> None:
-    """One step at the schedule's learning rate (50 warm-up steps, then a cosine to 0)."""
-    lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-    for group in opt.param_groups:
-        group["lr"] = lr
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
-    opt.step()
-
-
-def log_step(curve: list[dict[str, float]], step: int, args: argparse.Namespace,
-             loss: torch.Tensor, first_right: torch.Tensor, t0: float) -> None:
-    """Every 50 steps and the last: the loss and how often the first draft was right."""
-    if step % 50 == 0 or step == args.steps - 1:
-        first = first_right.float().mean().item()
-        curve.append({"step": step, "loss": loss.item(), "first_draft_right": first,
-                      "seconds": time.perf_counter() - t0})
-        log.info("step %d/%d loss %.3f first draft right %.2f", step, args.steps,
-                 loss.item(), first)
-
-
-def default_taps(num_layers: int) -> tuple[int, ...]:
-    """Spread over the depth, the last layer included (K3's drafters tap 2/23/47/71/89 of
-    93): an early, a middle and the last layer."""
-    return tuple(sorted({min(1, num_layers - 1), num_layers // 2, num_layers - 1}))
-
-
-def init(net: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for name, p in net.named_parameters():
-        if "norm" in name:
-            p.data.fill_(1.0)
-        elif name in ("pos_embed", "mask_embed") or name.endswith("bias"):
-            p.data.zero_()
-        else:
-            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -114,3 +114,99 @@ def test_a_broken_tower_is_refused(vl_ckpt: Path, tmp_path: Path) -> None:
               str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match="wo.weight' has shape"):
         VisionModel.load(config.vision, tmp_path, torch.float32, torch.device("cpu"))
+
+
+def mlx_greedy(model: Any, ids: list[int], imgs: list[Image.Image], n: int) -> list[int]:
+    """mlx-vlm's cached greedy decode of a prompt whose pads take its images' rows."""
+    out = kimi_k3.ImageProcessor()(imgs)
+    cache = model.make_cache()
+    logits = model(mx.array([ids]), out["pixel_values"], cache=cache,
+                   grid_thws=out["grid_thws"])
+    toks: list[int] = []
+    for _ in range(n):
+        toks.append(int(mx.argmax(getattr(logits, "logits", logits)[0, -1]).item()))
+        logits = model.language_model(mx.array([toks[-1:]]), cache=cache)
+    return toks
+
+
+@pytest.fixture(scope="module")
+def vl_llm(vl_ckpt: Path) -> Any:
+    from kdaserve import LLM
+
+    return LLM(vl_ckpt, max_num_batched_tokens=32)  # prefill chunks end inside images
+
+
+def test_greedy_tokens_with_images_match_mlx_vlm(vl_ckpt: Path, vl_llm: Any) -> None:
+    """Three prompts with one, two and no images, generated together in chunks of 32 tokens
+    (chunks start and end inside images), against mlx-vlm's model, each alone."""
+    from mlx_vlm.utils import load_model
+
+    from kdaserve import SamplingParams
+
+    ims = images()
+    prompts = ["Look:<|media_pad|> what is it?", "A<|media_pad|>and<|media_pad|>differ.",
+               "No image here, just text."]
+    data = [[ims[0]], [ims[1], ims[2]], []]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = vl_llm.generate(prompts, params, image_data=data)
+    ref = load_model(vl_ckpt)
+    for text, imgs, out in zip(prompts, data, outs, strict=True):
+        ids = vl_llm.engine.encode(text)
+        if imgs:
+            ids = vl_llm.engine.expand_images(ids, imgs)[0]
+            want = mlx_greedy(ref, ids, imgs, 8)
+        else:
+            want = mlx_greedy_text(ref, ids, 8)
+        assert out.token_ids == want, text
+    vl_llm.check_integrity()
+
+
+def mlx_greedy_text(model: Any, ids: list[int], n: int) -> list[int]:
+    cache = model.make_cache()
+    logits = model.language_model(mx.array([ids]), cache=cache)
+    toks: list[int] = []
+    for _ in range(n):
+        toks.append(int(mx.argmax(getattr(logits, "logits", logits)[0, -1]).item()))
+        logits = model.language_model(mx.array([toks[-1:]]), cache=cache)
+    return toks
+
+
+def test_prefix_cache_tells_images_apart(vl_llm: Any) -> None:
+    """A second turn about the same image hits the cache past the image and decodes the same;
+    a different image of the same size never hits past its first pad."""
+    from kdaserve import SamplingParams
+
+    g = np.random.RandomState(7)
+    a, b = (Image.fromarray(g.randint(0, 256, (56, 84, 3), np.uint8)) for _ in range(2))
+    text = "Here:<|media_pad|>" + " and a long question after the image" * 20
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = vl_llm.generate([text], params, image_data=[[a]])[0]
+    cache = vl_llm.engine.cache
+    before = cache.hit_tokens
+    again = vl_llm.generate([text], params, image_data=[[a]])[0]
+    ids = vl_llm.engine.expand_images(vl_llm.engine.encode(text), [a])
+    end_of_image = int(ids[1].pad_positions[-1]) + 1
+    assert again.token_ids == first.token_ids
+    assert cache.hit_tokens - before >= end_of_image
+    before = cache.hit_tokens
+    other = vl_llm.generate([text], params, image_data=[[b]])[0]
+    assert cache.hit_tokens - before <= int(ids[1].pad_positions[0])
+    assert len(other.token_ids) == 6
+    vl_llm.check_integrity()
+
+
+def test_bad_image_requests_are_refused(vl_llm: Any, vl_ckpt: Path) -> None:
+    """More or fewer images than markers, images for a server of the text model alone: a
+    ValueError naming why, nothing queued."""
+    from kdaserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="marks 1 images .* 2 were given"):
+        vl_llm.generate(["x<|media_pad|>"], params, image_data=[images()[:2]])
+    with pytest.raises(ValueError, match="marks 0 images"):
+        vl_llm.generate(["no marker"], params, image_data=[images()[:1]])
+    assert not vl_llm.engine.has_unfinished()
+    vl_llm.check_integrity()
+    text_only = LLM(vl_ckpt, language_model_only=True)
+    with pytest.raises(ValueError, match="--language-model-only"):
+        text_only.generate(["x<|media_pad|>"], params, image_data=[images()[:1]])
