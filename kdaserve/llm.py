@@ -94,7 +94,7 @@ class LLM:
             if image_data is not None else [[] for _ in inputs]
         encoded = [self.engine.encode(x) for x in inputs]
         # each prompt's length with its images' prompts: checked before any is queued
-        lengths = [len(self.engine.expand_images(ids, ims)[0]) if ims else len(ids)
+        lengths = [len(self.engine.with_images(ids, ims)[0])
                    for ids, ims in zip(encoded, images, strict=True)]
         for n, p in zip(lengths, params, strict=True):
             if n + p.max_tokens > self.engine.scheduler.max_request_tokens():

@@ -27,8 +27,8 @@ from kdaserve.image_processor import ProcessedImage, image_prompt, process
 @dataclass(eq=False)
 class ImageInputs:
     images: list[ProcessedImage]
-    keys: list[int]  # per image, a content-derived negative id
     pad_positions: torch.Tensor  # [num_pads] prompt positions of the pads, image by image
+    prompt_key: list[int]  # the prompt, each image's pads replaced by its content key
     rows: torch.Tensor | None = None  # [num_pads, D] the projected rows, once computed
 
     @property
@@ -47,15 +47,8 @@ class ImageInputs:
         return self.pad_positions[lo:hi] - start, self.rows[lo:hi]
 
     def key_ids(self, ids: list[int]) -> list[int]:
-        """ids with each image's pads replaced by its content key."""
-        out = list(ids)
-        at = 0
-        for im, key in zip(self.images, self.keys, strict=True):
-            for p in self.pad_positions[at:at + im.num_tokens].tolist():
-                if p < len(out):
-                    out[p] = key
-            at += im.num_tokens
-        return out
+        """ids (the prompt, then outputs, which hold no pads) with the pads keyed."""
+        return self.prompt_key + ids[len(self.prompt_key):]
 
 
 def content_key(image: ProcessedImage) -> int:
@@ -86,5 +79,11 @@ def expand(ids: list[int], images: list[Image.Image], pad_id: int,
     if len(pads) != sum(im.num_tokens for im in processed):  # the tokenizer's specials
         raise ValueError("the tokenizer does not encode <|media_pad|> as the config's "
                          f"media_placeholder_token_id {pad_id}")
-    return out, ImageInputs(processed, [content_key(im) for im in processed],
-                            torch.tensor(pads, dtype=torch.int64))
+    key = list(out)
+    at = 0
+    for im in processed:
+        k = content_key(im)
+        for p in pads[at:at + im.num_tokens]:
+            key[p] = k
+        at += im.num_tokens
+    return out, ImageInputs(processed, torch.tensor(pads, dtype=torch.int64), key)

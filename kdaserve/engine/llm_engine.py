@@ -94,8 +94,7 @@ class LLMEngine:
                 self.followers.stop()
             raise
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device,
-                                  self.followers)
-        self.runner.vision = self.vision
+                                  self.followers, self.vision)
         with phase("warm-up") as p:
             self.runner.graphs = graph_runner(config, self.kernels, self.model, self.states,
                                               self.blocks, self.scheduler.max_num_seqs,
@@ -193,9 +192,12 @@ class LLMEngine:
         return self._grammar
 
     # ---- requests ----
-    def expand_images(self, ids: list[int],
-                      images: list[Image.Image]) -> tuple[list[int], ImageInputs]:
-        """The prompt with each image's prompt at its marker, and where its rows go."""
+    def with_images(self, ids: list[int], images: list[Image.Image],
+                    ) -> tuple[list[int], ImageInputs | None]:
+        """The prompt with each image's prompt at its marker, and where its rows go; a prompt
+        with markers needs as many images (None: no images, no markers)."""
+        if not images and (self.vision is None or self.vision.config.media_pad_id not in ids):
+            return ids, None
         if self.vision is None:
             raise ValueError("this model takes no images" if self.model_config.vision is None
                              else "images: the server runs the text model only "
@@ -205,6 +207,8 @@ class LLMEngine:
                              "attention or prefill/decode disaggregation")
         if self.tokenizer is None:
             raise ValueError("images need the tokenizer (their prompts are text)")
+        if self.config.enable_deterministic_inference:  # one tower call spans the step's images
+            raise ValueError("images are not supported with deterministic inference yet")
         return expand(ids, images, self.vision.config.media_pad_id, self.tokenizer.encode)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -236,9 +240,7 @@ class LLMEngine:
         if rid in self.out.groups:
             raise ValueError(f"request id {rid!r} is already in use")
         ids = self.encode(prompt)
-        image_inputs = None
-        if images:
-            ids, image_inputs = self.expand_images(ids, images)
+        ids, image_inputs = self.with_images(ids, images or [])
         vocab = self.model_config.vocab_size
         for name, toks in (("logit_bias", params.logit_bias),
                            ("token_ids_logprob", params.token_ids_logprob)):

@@ -67,25 +67,26 @@ class StepOutput(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: KimiLinearForCausalLM, blocks: BlockPool, states: StatePool,
-                 device: torch.device, followers: Followers | None = None) -> None:
+                 device: torch.device, followers: Followers | None = None,
+                 vision: VisionModel | None = None) -> None:
         self.model, self.blocks, self.states, self.device = model, blocks, states, device
         self.followers = followers  # tensor-parallel ranks running every forward with us
         self.graphs: CudaGraphRunner | None = None  # decode and verify steps replayed (CUDA)
         # plain decode batches in one native call where every op is the native kernel anyway
         self.native_decode = NativeDecode.for_model(model)
-        self.vision: VisionModel | None = None  # K3's tower, for requests with images
+        self.vision = vision  # K3's tower, for requests with images
 
     def image_rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The images' rows at the pads this step runs (the input embeddings they replace),
-        each request's computed once, when a chunk first reaches its images: all such
+        each request's computed once, when a chunk first reaches one of its pads: all such
         requests' images in one tower call."""
         assert self.vision is not None
         spans, at = [], 0
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             start = req.num_computed_tokens
             im = req.images
-            if im is not None and start < len(req.prompt_ids) \
-                    and int(im.pad_positions[-1]) >= start:
+            if im is not None and start <= int(im.pad_positions[-1]) \
+                    and start + n > int(im.pad_positions[0]):  # the chunk runs a pad
                 spans.append((req, at, start, min(start + n, len(req.prompt_ids))))
             at += n
         if not spans:

@@ -5,15 +5,16 @@ then: acceptance changes with the text, and a fit misled by a few slow verifies 
 otherwise never see another verify step to correct it. Trying is not free: drafting passes,
 longer verify steps and, for a context drafter, the taps it needs first (TAPS_WARMUP plain
 steps off the one-call decode path). So:
-- one request explores, not the batch (each exploration the next one): its drafts' survival
-  is what the schedule learns from, and the other requests' contexts stay unprojected (on
-  k3-bench a batch of 16 whose exploration drafted for all of them spent 2 s projecting their
-  prompts, in a run whose decode took 2.7 s);
+- one request explores, not the batch (each exploration the next one, for all its steps): its
+  drafts' survival is what the schedule learns from, and the other requests' contexts stay
+  unprojected (on k3-bench a batch of 16 whose exploration drafted for all of them spent 2 s
+  projecting their prompts, in a run whose decode took 2.7 s);
 - an exploration is budgeted: the next one starts only when the plain decode time since the
   last is 1 / EXPLORE_SHARE times what the last cost beyond plain decoding (its drafting
-  passes and context writes, its steps' time beyond a plain step of the same batch, its
-  warm-up steps' likewise), so exploring costs at most EXPLORE_SHARE of the decode time,
-  whatever the drafter, the machine and the batch;
+  passes and context writes, its steps' time beyond a plain step of the same batch size (or
+  the nearest seen), its warm-up steps' likewise), so exploring costs about EXPLORE_SHARE of
+  the decode time, whatever the drafter, the machine and the batch (the last exploration's
+  cost stands for the next one's);
 - and it waits for EXPLORE_AFTER skipped steps in a row at least.
 The first try (before any proposal has drafts) drafts for every eligible request, once per
 engine: the first `typical` survival comes from the whole batch, and its cost sets the budget of
@@ -39,6 +40,7 @@ class Explorer:
         self.spent = 0.0  # the current one's so far
         self.plain_step: dict[int, float] = {}  # a plain untapped decode step, by batch size
         self.num_explorations = 0  # exploring steps (metrics)
+        self.num_started = 0  # explorations begun: which request explores (one each)
 
     @property
     def active(self) -> bool:
@@ -61,6 +63,7 @@ class Explorer:
                 self.left -= 1
                 return False
             self.phase, self.left = EXPLORING, EXPLORE_STEPS
+            self.num_started += 1
         if self.phase == EXPLORING and self.left > 0:
             self.left -= 1
             self.num_explorations += 1
@@ -78,13 +81,15 @@ class Explorer:
 
     def observe(self, requests: int, seconds: float, drafted: bool, tapped: bool) -> None:
         """A decode step's forward time, `requests` decoding."""
-        base = self.plain_step.get(requests)
         if not (drafted or tapped):
+            base = self.plain_step.get(requests)
             self.plain_step[requests] = seconds if base is None else \
                 (1 - PLAIN_EMA) * base + PLAIN_EMA * seconds
             if not self.active:
                 self.plain_seconds += seconds
-        elif self.active and base is not None:
-            self.spent += max(seconds - base, 0.0)
+        elif self.active and self.plain_step:
+            # beyond a plain step of this batch size, else of the nearest seen (load moves)
+            near = min(self.plain_step, key=lambda n: abs(n - requests))
+            self.spent += max(seconds - self.plain_step[near], 0.0)
         if self.phase == EXPLORING and self.left == 0:  # its last step is in
             self.cost, self.phase, self.plain_seconds = self.spent, IDLE, 0.0

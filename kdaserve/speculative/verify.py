@@ -211,7 +211,7 @@ class Speculator:
                 return
         if explore:  # at the prior, so its drafts are verified: one request, in turn
             ratio = 1.0 / self.cost.prior_tokens
-            eligible = [eligible[self.explorer.num_explorations % len(eligible)]]
+            eligible = [eligible[self.explorer.num_started % len(eligible)]]
         self.skipped_in_row = 0
         started = time.perf_counter()
         self.drafter.propose(eligible)

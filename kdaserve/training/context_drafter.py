@@ -40,7 +40,7 @@ TOP = 16  # target probabilities kept per position for the soft loss
 
 
 @dataclass
-class Sequence:
+class Continuation:
     """One prompt + greedy continuation, as the drafter will see it."""
 
     ids: torch.Tensor  # [T]
@@ -55,7 +55,7 @@ class Sequence:
 
 
 def make_sequences(llm: Any, texts: list[str], taps: tuple[int, ...], stream: str,
-                   max_tokens: int) -> list[Sequence]:
+                   max_tokens: int) -> list[Continuation]:
     from kdaserve.request import SamplingParams
 
     outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
@@ -66,7 +66,7 @@ def make_sequences(llm: Any, texts: list[str], taps: tuple[int, ...], stream: st
         ids = prompt + list(out.token_ids)
         hidden, tapped = llm.prefill_taps(ids, taps, stream)
         top_p, top_ids = llm.engine.model.compute_logits(hidden).softmax(-1).topk(TOP, -1)
-        seqs.append(Sequence(torch.tensor(ids), tapped.float(), top_ids, top_p, len(prompt)))
+        seqs.append(Continuation(torch.tensor(ids), tapped.float(), top_ids, top_p, len(prompt)))
     return seqs
 
 
@@ -85,7 +85,7 @@ class Frozen:
 
 
 @dataclass
-class Blocks:
+class AnchorBatch:
     """A batch of anchors: the drafter's rows and what they are trained towards."""
 
     h: torch.Tensor  # [M, N, H] final-normed block rows
@@ -95,8 +95,8 @@ class Blocks:
     top_p: torch.Tensor  # [M, k, TOP]
 
 
-def run_blocks(net: ContextDraftNet, frozen: Frozen, seqs: list[Sequence],
-               picks: list[torch.Tensor], k: int) -> Blocks:
+def run_blocks(net: ContextDraftNet, frozen: Frozen, seqs: list[Continuation],
+               picks: list[torch.Tensor], k: int) -> AnchorBatch:
     """The drafter over each sequence's anchors `picks[i]`: the context projected once per
     sequence, each anchor's block reading the positions before it."""
     c = net.c
@@ -120,10 +120,10 @@ def run_blocks(net: ContextDraftNet, frozen: Frozen, seqs: list[Sequence],
                                                             strict=True)]).view(-1, k, TOP)
     top_p = torch.cat([seqs[i].top_p[r] for i, r in zip(which.tolist(), rows,
                                                         strict=True)]).view(-1, k, TOP)
-    return Blocks(h, ids, top_ids[..., 0], top_ids, top_p)
+    return AnchorBatch(h, ids, top_ids[..., 0], top_ids, top_p)
 
 
-def losses(net: ContextDraftNet, frozen: Frozen, b: Blocks, k: int,
+def losses(net: ContextDraftNet, frozen: Frozen, b: AnchorBatch, k: int,
            soft: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss, teacher-forced drafts [M, k])."""
     rows, logits = net.base_logits(b.h, k, frozen.lm_head)
@@ -141,7 +141,7 @@ def losses(net: ContextDraftNet, frozen: Frozen, b: Blocks, k: int,
 
 
 @torch.no_grad()
-def acceptance(net: ContextDraftNet, frozen: Frozen, seqs: list[Sequence],
+def acceptance(net: ContextDraftNet, frozen: Frozen, seqs: list[Continuation],
                k: int) -> dict[str, Any]:
     """Free-running drafts at every anchor of `seqs` against the labels: per position the
     chance a draft is right given every earlier one was, the mean accepted length per verify

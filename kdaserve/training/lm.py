@@ -232,6 +232,9 @@ def train_lm(out: str | Path, args: TrainArgs) -> dict[str, Any]:
                 break
     final = held_out_loss(trainee, test, args.batch_size)
     seconds = time.perf_counter() - t0
+    # a previous run's output is replaced; anything else at `out` is not ours to delete
+    if out.exists() and any(out.iterdir()) and not (out / TRAINING_LOG).is_file():
+        raise ValueError(f"{out} is not empty and holds no {TRAINING_LOG}: not replacing it")
     shutil.rmtree(out, ignore_errors=True)
     trainee.save(out)
     for f in skeleton.iterdir():  # the tokenizer (and config) the save did not write

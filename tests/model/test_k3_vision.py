@@ -153,7 +153,7 @@ def test_greedy_tokens_with_images_match_mlx_vlm(vl_ckpt: Path, vl_llm: Any) -> 
     for text, imgs, out in zip(prompts, data, outs, strict=True):
         ids = vl_llm.engine.encode(text)
         if imgs:
-            ids = vl_llm.engine.expand_images(ids, imgs)[0]
+            ids = vl_llm.engine.with_images(ids, imgs)[0]
             want = mlx_greedy(ref, ids, imgs, 8)
         else:
             want = mlx_greedy_text(ref, ids, 8)
@@ -184,7 +184,7 @@ def test_prefix_cache_tells_images_apart(vl_llm: Any) -> None:
     cache = vl_llm.engine.cache
     before = cache.hit_tokens
     again = vl_llm.generate([text], params, image_data=[[a]])[0]
-    ids = vl_llm.engine.expand_images(vl_llm.engine.encode(text), [a])
+    ids = vl_llm.engine.with_images(vl_llm.engine.encode(text), [a])
     end_of_image = int(ids[1].pad_positions[-1]) + 1
     assert again.token_ids == first.token_ids
     assert cache.hit_tokens - before >= end_of_image
@@ -205,8 +205,41 @@ def test_bad_image_requests_are_refused(vl_llm: Any, vl_ckpt: Path) -> None:
         vl_llm.generate(["x<|media_pad|>"], params, image_data=[images()[:2]])
     with pytest.raises(ValueError, match="marks 0 images"):
         vl_llm.generate(["no marker"], params, image_data=[images()[:1]])
+    with pytest.raises(ValueError, match="marks 1 images .* 0 were given"):  # a bare marker
+        vl_llm.generate(["ok", "x<|media_pad|>"], params)
     assert not vl_llm.engine.has_unfinished()
     vl_llm.check_integrity()
     text_only = LLM(vl_ckpt, language_model_only=True)
     with pytest.raises(ValueError, match="--language-model-only"):
         text_only.generate(["x<|media_pad|>"], params, image_data=[images()[:1]])
+
+
+KIMI = Path(__file__).resolve().parents[3] / "shared" / "kimi" / "tokenizer"
+
+
+@pytest.mark.skipif(not (KIMI / "tiktoken.model").is_file(),
+                    reason="needs ../shared/kimi (the real Kimi tokenizer)")
+def test_image_prompts_match_mlx_vlm_on_the_real_tokenizer() -> None:
+    """With Kimi's own tokenizer and K3's ids, a prompt's images expand to the ids mlx-vlm's
+    KimiK3Processor gives (its placeholder where ours has the one-pad marker)."""
+    from mlx_vlm.models.kimi_k3.processing_kimi_k3 import (
+        KimiK3Processor,
+        _convert_kimi_k3_tiktoken,
+    )
+
+    from kdaserve.multimodal import expand
+    from kdaserve.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(KIMI)
+    pad = tok.token_to_id("<|media_pad|>")
+    assert pad == 163605
+    ims = images()[:3]
+    ours, inputs = expand(tok.encode("Compare<|media_pad|>with<|media_pad|>and<|media_pad|>."),
+                          ims, pad, tok.encode)
+    ref = KimiK3Processor(image_processor=kimi_k3.ImageProcessor(),
+                          tokenizer=_convert_kimi_k3_tiktoken(
+                              str(KIMI / "tiktoken.model"), str(KIMI / "tokenizer_config.json")))
+    out = ref(images=ims, text="Compare<|kimi_image_placeholder|>with"
+                               "<|kimi_image_placeholder|>and<|kimi_image_placeholder|>.")
+    assert ours == np.array(out["input_ids"])[0].tolist()
+    assert inputs.pad_positions.tolist() == [i for i, t in enumerate(ours) if t == pad]

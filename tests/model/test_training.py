@@ -86,6 +86,7 @@ def test_train_lm_k3_writes_what_it_trained(trained_k3: tuple[Path, dict]) -> No
 
     from kdaserve.models.loader import random_tensor
     from kdaserve.training.data import gsm8k_rows, tiled, token_stream
+    from kdaserve.training.k3 import BALANCE_RATE, K3Trainee
 
     out, result = trained_k3
     assert result["held_out_loss"] < result["held_out_loss_start"] - 0.5, result
@@ -103,6 +104,14 @@ def test_train_lm_k3_writes_what_it_trained(trained_k3: tuple[Path, dict]) -> No
     assert isinstance(bias, torch.Tensor)
     moved = (bias.float() - random_tensor(name, tuple(bias.shape), 0)).abs()
     assert moved.max() > 5e-3  # 12 steps of 1e-3, each expert pushed one way or the other
+    trainee = K3Trainee(out)  # one balancing step by hand: the busy experts' biases go down
+    start = [b.clone() for b in trainee.biases]
+    busy = torch.tensor([[0, 1]] * 8)  # 16 picks, all of experts 0 and 1
+    trainee.routing = [busy for _ in trainee.biases]
+    trainee.balance()
+    step = trainee.biases[0] - start[0]
+    assert torch.allclose(step[:2], torch.tensor(-BALANCE_RATE))
+    assert torch.allclose(step[2:], torch.tensor(BALANCE_RATE))
     pytest.importorskip("mlx_lm.models.kimi_k3")
     from . import mlx_k3
 

@@ -176,7 +176,7 @@ def test_explorations_are_budgeted() -> None:
     e = Explorer(warmup_steps=2)
     plain = 0.010  # a plain step of 4 requests
     for _ in range(explore.EXPLORE_AFTER - 1):
-        assert not e.due(0)  # too few skips, whatever the budget
+        assert not e.due(explore.EXPLORE_AFTER - 1)  # too few skips, whatever the budget
         e.observe(4, plain, drafted=False, tapped=False)
     assert e.plain_step[4] == pytest.approx(plain) and not e.active
     # the first exploration: no cost seen yet, so it starts at EXPLORE_AFTER skips
@@ -199,3 +199,9 @@ def test_explorations_are_budgeted() -> None:
     assert abs(steps - (round(cost / explore.EXPLORE_SHARE / plain) + 2)) <= 1  # float sums
     e.stop()  # drafting pays: the exploration is over, and the budget starts again
     assert not e.active and e.plain_seconds == 0.0
+    # a batch size never seen plain: its steps are measured against the nearest one seen
+    e = Explorer()
+    e.observe(4, plain, drafted=False, tapped=False)
+    e.first_try()
+    e.observe(6, plain + 0.020, drafted=True, tapped=False)
+    assert not e.active and e.cost == pytest.approx(0.020)
