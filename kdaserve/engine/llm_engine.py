@@ -45,8 +45,9 @@ from kdaserve.models.vision import load_vision
 from kdaserve.multimodal import ImageInputs, expand
 from kdaserve.request import Request, RequestOptions, RequestOutput, SamplingParams
 from kdaserve.scheduled_batch import ScheduledBatch
+from kdaserve.speculative.acceptance import trim_drafts
 from kdaserve.speculative.build import build_speculator
-from kdaserve.speculative.verify import Verified, trim_drafts
+from kdaserve.speculative.verify import Verified
 from kdaserve.step_record import StepRecord
 from kdaserve.tokenizer import Tokenizer
 

@@ -96,7 +96,7 @@ def test_rejection_sampling_preserves_the_target_distribution() -> None:
     """Point-mass drafts (as the n-gram drafter proposes): the first emitted token must be
     distributed as p_0 whatever is drafted, and the second, given the first accepted draft,
     as p_1 (a chi-square-free check: max |freq - p| over a 5-token vocabulary, fixed seed)."""
-    from kdaserve.speculative.verify import reject_sample
+    from kdaserve.speculative.acceptance import reject_sample
 
     g = torch.Generator().manual_seed(0)
     probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05],
