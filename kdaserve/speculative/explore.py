@@ -17,8 +17,8 @@ steps off the one-call decode path). So:
   cost stands for the next one's);
 - and it waits for EXPLORE_AFTER skipped steps in a row at least.
 The first try (before any proposal has drafts) drafts for every eligible request, once per
-engine: the first `typical` survival comes from the whole batch, and its cost sets the budget of
-the first exploration.
+engine: the first `typical` survival comes from the whole batch, and its cost, times
+EXPLORE_STEPS (a whole exploration's steps), sets the budget of the first exploration.
 """
 
 from __future__ import annotations
@@ -92,4 +92,7 @@ class Explorer:
             near = min(self.plain_step, key=lambda n: abs(n - requests))
             self.spent += max(seconds - self.plain_step[near], 0.0)
         if self.phase == EXPLORING and self.left == 0:  # its last step is in
-            self.cost, self.phase, self.plain_seconds = self.spent, IDLE, 0.0
+            # the first try is one step: a whole exploration is EXPLORE_STEPS of them (a
+            # short run would otherwise pay for its first exploration at a one-step budget)
+            scale = EXPLORE_STEPS if self.num_started == 0 else 1
+            self.cost, self.phase, self.plain_seconds = scale * self.spent, IDLE, 0.0
