@@ -92,17 +92,16 @@ class LLM:
         opts = per_prompt("options", options, RequestOptions, len(inputs))
         images = per_prompt("image_data", image_data, list, len(inputs)) \
             if image_data is not None else [[] for _ in inputs]
-        encoded = [self.engine.encode(x) for x in inputs]
-        # each prompt's length with its images' prompts: checked before any is queued
-        lengths = [len(self.engine.with_images(ids, ims)[0])
-                   for ids, ims in zip(encoded, images, strict=True)]
-        for n, p in zip(lengths, params, strict=True):
-            if n + p.max_tokens > self.engine.scheduler.max_request_tokens():
-                raise ValueError(f"prompt of {n} tokens + max_tokens {p.max_tokens} "
+        # each prompt with its images' prompts: all checked before any is queued
+        expanded = [self.engine.images.expand(self.engine.encode(x), ims)
+                    for x, ims in zip(inputs, images, strict=True)]
+        for (ids, _), p in zip(expanded, params, strict=True):
+            if len(ids) + p.max_tokens > self.engine.scheduler.max_request_tokens():
+                raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {p.max_tokens} "
                                  "exceeds the KV cache capacity "
                                  f"({self.engine.scheduler.max_request_tokens()} tokens)")
-        rids = [self.engine.add_request(ids, p, options=o, images=ims or None)
-                for ids, p, o, ims in zip(encoded, params, opts, images, strict=True)]
+        rids = [self.engine.add_request(ids, p, options=o, images=ims)
+                for (ids, ims), p, o in zip(expanded, params, opts, strict=True)]
         finished: dict[str, RequestOutput] = {}
         self.engine.out.stream = False  # only the final outputs are kept here
         try:

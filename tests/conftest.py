@@ -3,13 +3,17 @@ with fixed seeds by the real checkpoint writer and read back by the real loader.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kdaserve.checkpoint import make_checkpoint
 from kdaserve.datasets import GSM8K_ENV
+from kdaserve.tokenizer import Tokenizer
 
 TIERS = ("unit", "kernels", "model", "server")
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -46,6 +50,13 @@ def k3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vl_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """K3 with a tiny random vision tower in the released format (--preset k3-tiny-vl)."""
+    return make_checkpoint(tmp_path_factory.mktemp("vl") / "k3-tiny-vl", "k3-tiny-vl",
+                           seed=0, dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def k3_mxfp4_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """k3-small with its routed experts as K3 ships them (MXFP4), fp32 otherwise: a
     tensor-parallel rank's share of the intermediate size (64 / 2) is one scale group."""
@@ -78,3 +89,28 @@ def gsm8k_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        f"{2 * i + 8}.\n#### {2 * i + 8}"} for i in range(24)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+# ---- Moonshot's K3 chat encoder, the reference of tests/unit/test_k3_render.py and
+# tests/server/test_images.py ----
+def load_encoding_k3() -> Any:
+    """mlx-vlm's port of Moonshot's `encoding_k3.py`, loaded by its path (it imports only the
+    standard library)."""
+    found = importlib.util.find_spec("mlx_vlm")
+    assert found is not None and found.submodule_search_locations
+    path = Path(found.submodule_search_locations[0]) / "models" / "kimi_k3" / "encoding_k3.py"
+    spec = importlib.util.spec_from_file_location("encoding_k3_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    return module
+
+
+def reference_ids(tok: Tokenizer, segments: list[Any]) -> list[int]:
+    """The ids of Moonshot's segments: specials allowed where a segment allows them, every
+    other segment alone as ordinary text."""
+    ids: list[int] = []
+    for s in segments:
+        ids.extend(tok.encode(s.text) if s.allow_special else tok.encode_ordinary(s.text))
+    return ids

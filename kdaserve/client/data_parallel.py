@@ -25,6 +25,7 @@ from kdaserve.client.engine_process import EngineProcess
 from kdaserve.client.request_client import EngineError, RequestClient
 from kdaserve.config import EngineConfig
 from kdaserve.engine.tensor_parallel import free_local_addr
+from kdaserve.multimodal import ImageInputs
 from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 
 POLICIES = ("shortest_queue", "round_robin", "prefix")
@@ -112,12 +113,13 @@ class DataParallel(RequestClient):
 
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           rid: str | None = None, options: RequestOptions | None = None,
+                          images: ImageInputs | None = None,
                           ) -> tuple[str, AsyncIterator[RequestOutput]]:
         options = options or RequestOptions()
         r = self.pick(prompt, options)
         # the replica is one engine of its own: the rank was for us
         rid, stream = await self.engines[r].add_request(
-            prompt, params, rid, dataclasses.replace(options, data_parallel_rank=None))
+            prompt, params, rid, dataclasses.replace(options, data_parallel_rank=None), images)
         self.owner[rid] = r
         return rid, self._forget_when_done(rid, stream)
 

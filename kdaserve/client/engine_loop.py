@@ -128,9 +128,9 @@ def _report_failures(engine: LLMEngine, outputs: list[RequestOutput],
 def _handle(engine: LLMEngine, cmd: Command, send: Send,
             deferred: list[tuple[int, Future]]) -> None:
     match cmd:
-        case AddRequest(rid, prompt, params, options):
+        case AddRequest(rid, prompt, params, options, images):
             try:
-                engine.add_request(prompt, params, rid, options)
+                engine.add_request(prompt, params, rid, options, images)
             except EngineAsleep as e:
                 send(RequestFailed(rid, str(e), 503))
             except ValueError as e:

@@ -119,7 +119,8 @@ def _engine_main(config: EngineConfig, cmd_addr: str, out_addr: str, parent: int
         out.send_pyobj(StartFailed(f"{type(e).__name__}: {e}"))
         raise
     out.send_pyobj(Ready({"model_path": str(engine.path), "summary": engine.summary(),
-                          "max_request_tokens": engine.scheduler.max_request_tokens()}))
+                          "max_request_tokens": engine.scheduler.max_request_tokens(),
+                          **engine.images.info}))
 
     def recv(block: bool) -> Command | None:
         if cmds.poll(POLL_MS if block else 0):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kdaserve.multimodal import ImageInputs
 from kdaserve.request import RequestOptions, SamplingParams
 
 
@@ -18,6 +19,7 @@ class AddRequest:
     prompt: str | list[int]
     params: SamplingParams
     options: RequestOptions = field(default_factory=RequestOptions)
+    images: ImageInputs | None = None  # the prompt's images, processed (multimodal.py)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from kdaserve.client.messages import (
     RequestFailed,
     Tick,
 )
+from kdaserve.multimodal import ImageInputs
 from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 
 
@@ -47,6 +48,7 @@ class RequestClient(ABC):
     @abstractmethod
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           rid: str | None = None, options: RequestOptions | None = None,
+                          images: ImageInputs | None = None,
                           ) -> tuple[str, AsyncIterator[RequestOutput]]:
         """Submits a request now; returns its id and its output stream (see `generate`)."""
 
@@ -58,10 +60,10 @@ class RequestClient(ABC):
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        rid: str | None = None, options: RequestOptions | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       images: ImageInputs | None = None) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs as tokens arrive; the last has finished=True. Raises
         EngineError (status 400 for a bad request). Leaving early aborts the request."""
-        _, stream = await self.add_request(prompt, params, rid, options)
+        _, stream = await self.add_request(prompt, params, rid, options, images)
         try:
             async for out in stream:
                 yield out
@@ -121,6 +123,7 @@ class EngineClient(RequestClient):
     # ---- API ----
     async def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                           rid: str | None = None, options: RequestOptions | None = None,
+                          images: ImageInputs | None = None,
                           ) -> tuple[str, AsyncIterator[RequestOutput]]:
         self.loop = asyncio.get_running_loop()
         rid = rid or uuid.uuid4().hex
@@ -130,7 +133,7 @@ class EngineClient(RequestClient):
         self._streams[rid] = q
         try:
             self._send(AddRequest(rid, prompt, params or SamplingParams(),
-                                  options or RequestOptions()))
+                                  options or RequestOptions(), images))
         except BaseException:  # e.g. the engine is restarting: the id stays free
             self._streams.pop(rid, None)
             raise

@@ -12,7 +12,6 @@ import uuid
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.checkpoint import resolve_model_path
@@ -26,6 +25,7 @@ from kdaserve.engine.grammar import (
     constrain,
     needs_mask,
 )
+from kdaserve.engine.image_intake import ImageIntake
 from kdaserve.engine.introspection import Introspection
 from kdaserve.engine.lifecycle import LoadProgress, kernel_summary, phase, weights_summary
 from kdaserve.engine.model_runner import ModelRunner, StepOutput
@@ -42,7 +42,7 @@ from kdaserve.kernels.host_memory import keep_freed_memory
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
 from kdaserve.models.vision import load_vision
-from kdaserve.multimodal import ImageInputs, expand
+from kdaserve.multimodal import ImageInputs
 from kdaserve.request import Request, RequestOptions, RequestOutput, SamplingParams
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.acceptance import trim_drafts
@@ -133,6 +133,9 @@ class LLMEngine:
         self.overlap = (self.device.type == "cuda" and not config.disable_overlap_schedule
                         and self.spec is None and self.pd is None and self.ep.size == 1
                         and self.followers is None and config.itl_target_ms is None)
+        self.images = ImageIntake(None if self.vision is None else
+                                  self.vision.config.media_pad_id, self.tokenizer,
+                                  self.image_refusal())
         torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
 
     def _build(self, config: EngineConfig) -> None:
@@ -193,24 +196,19 @@ class LLMEngine:
         return self._grammar
 
     # ---- requests ----
-    def with_images(self, ids: list[int], images: list[Image.Image],
-                    ) -> tuple[list[int], ImageInputs | None]:
-        """The prompt with each image's prompt at its marker, and where its rows go; a prompt
-        with markers needs as many images (None: no images, no markers)."""
-        if not images and (self.vision is None or self.vision.config.media_pad_id not in ids):
-            return ids, None
+    def image_refusal(self) -> str | None:
+        """Why this engine takes no images (None: it takes them)."""
         if self.vision is None:
-            raise ValueError("this model takes no images" if self.model_config.vision is None
-                             else "images: the server runs the text model only "
-                                  "(--language-model-only)")
+            return ("this model takes no images" if self.model_config.vision is None
+                    else "images: the server runs the text model only (--language-model-only)")
         if self.followers is not None or self.pd is not None or self.ep.size > 1:
-            raise ValueError("images are not supported yet with tensor parallelism, DP "
-                             "attention or prefill/decode disaggregation")
+            return ("images are not supported yet with tensor parallelism, DP attention or "
+                    "prefill/decode disaggregation")
         if self.tokenizer is None:
-            raise ValueError("images need the tokenizer (their prompts are text)")
+            return "images need the tokenizer (their prompts are text)"
         if self.config.enable_deterministic_inference:  # one tower call spans the step's images
-            raise ValueError("images are not supported with deterministic inference yet")
-        return expand(ids, images, self.vision.config.media_pad_id, self.tokenizer.encode)
+            return "images are not supported with deterministic inference yet"
+        return None
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -230,8 +228,8 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     rid: str | None = None, options: RequestOptions | None = None,
-                    images: list[Image.Image] | None = None) -> str:
-        """images: one per `<|media_pad|>` marker in the prompt (multimodal.py)."""
+                    images: ImageInputs | None = None) -> str:
+        """images: the prompt's images, already in it (`ImageIntake.expand`, multimodal.py)."""
         params, options = params or SamplingParams(), options or RequestOptions()
         if self.rl.released:
             released = ", ".join(sorted(self.rl.released))
@@ -241,7 +239,7 @@ class LLMEngine:
         if rid in self.out.groups:
             raise ValueError(f"request id {rid!r} is already in use")
         ids = self.encode(prompt)
-        ids, image_inputs = self.with_images(ids, images or [])
+        self.images.check(ids, images)
         vocab = self.model_config.vocab_size
         for name, toks in (("logit_bias", params.logit_bias),
                            ("token_ids_logprob", params.token_ids_logprob)):
@@ -272,7 +270,7 @@ class LLMEngine:
             if params.seed is not None:
                 gen = torch.Generator().manual_seed((params.seed * 1_000_003 + i) % 2**64)
             children.append(Request(rid if params.n == 1 else f"{rid}-{i}", ids, params,
-                                    options, generator=gen, images=image_inputs))
+                                    options, generator=gen, images=images))
         # the siblings share the prompt: one scores it (on the prefill side, when disaggregated)
         if params.prompt_logprobs is not None and not isinstance(self.pd, DecodeSide):
             children[0].prompt_logprobs = [None] if params.logprob_start_len == 0 else []

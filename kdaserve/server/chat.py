@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kdaserve.client.request_client import EngineError
+from kdaserve.multimodal import ImageInputs
 from kdaserve.request import (
     CompletionOutput,
     Grammar,
@@ -39,6 +40,7 @@ from kdaserve.server.chat_template import ChatTemplate
 from kdaserve.server.k3_parser import Event
 from kdaserve.server.k3_render import CONTROL_TOKENS as K3_CONTROL_TOKENS
 from kdaserve.server.k3_render import K3Renderer, is_kimi_k3
+from kdaserve.server.media import MediaLoader
 from kdaserve.server.protocol import ChatCompletionRequest
 from kdaserve.server.sampling import Sampling
 from kdaserve.server.sampling_policy import SamplingPolicy
@@ -84,6 +86,7 @@ class ChatPlan:
     thinking: bool  # output starts in the reasoning channel
     use_tools: bool  # parse tool calls out of the output
     reasoning: bool  # report reasoning_content
+    images: ImageInputs | None = None  # the images in `ids`, processed
 
     def usage(self, completion: int, cached: int) -> dict[str, Any]:
         prompt = len(self.ids) - self.pending
@@ -145,7 +148,33 @@ class ChatHandler:
         return cls(template, tokenizer, reasoning_parser, policy, default_max_tokens,
                    tool_call_parser)
 
-    def plan(self, req: ChatCompletionRequest, room: int) -> ChatPlan:
+    def render(self, messages: list[dict[str, Any]], media: MediaLoader | None,
+               tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+               **kwargs: Any) -> tuple[list[int], ImageInputs | None]:
+        """The prompt's ids with each image's prompt in place (`media` loads and processes
+        them; None: the server takes no images)."""
+        tok = self.tokenizer
+        where = {id(part): f"messages[{i}].content[{j}]" for i, m in enumerate(messages)
+                 if isinstance(m.get("content"), list) for j, part in enumerate(m["content"])
+                 if isinstance(part, dict) and part.get("type") == "image_url"}
+        if where:  # why images cannot be taken, before any is loaded
+            first = next(iter(where.values()))
+            if media is None or media.refusal is not None:
+                why = "this server takes no images" if media is None else media.refusal
+                raise ValueError(f"{first}: {why}")
+        if not isinstance(self.template, K3Renderer):
+            return self.template.render_ids(tok, messages, tools=tools,
+                                            add_generation_prompt=add_generation_prompt,
+                                            **kwargs)[1], None
+        _, ids, parts = self.template.render_with_images(
+            tok, messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+        if not parts:
+            return ids, None
+        assert media is not None
+        return media.prepare(ids, [(where[id(p)], p["image_url"]["url"]) for p in parts])
+
+    def plan(self, req: ChatCompletionRequest, room: int,
+             media: MediaLoader | None = None) -> ChatPlan:
         """Validates and renders `req`; `room`: the context left for prompt + output."""
         if not req.messages:
             raise ValueError("messages must not be empty")
@@ -171,8 +200,7 @@ class ChatHandler:
             kwargs["tool_choice"] = req.tool_choice
         if req.response_format is not None:
             kwargs["response_format"] = req.response_format
-        _, ids = self.template.render_ids(tok, messages, tools=tools or None,
-                                          add_generation_prompt=True, **kwargs)
+        ids, images = self.render(messages, media, tools or None, **kwargs)
         max_tokens = req.max_tokens if req.max_completion_tokens is None \
             else req.max_completion_tokens
         if max_tokens is None and self.default_max_tokens is not None:
@@ -198,7 +226,7 @@ class ChatHandler:
                                       **extra)
         use_tools = bool(everything) and choice != "none"
         return ChatPlan(ids, params, req.options(), fmt.pending_tokens(thinking), reasons,
-                        use_tools, self.reasoning)
+                        use_tools, self.reasoning, images)
 
     def _grammar(self, choice: str | dict[str, Any], tools: list[dict[str, Any]],
                  response_format: Any, thinking: bool) -> Grammar | None:
@@ -225,12 +253,12 @@ class ChatHandler:
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
         # off the event loop: rendering and tokenizing a long conversation takes a while
-        plan = await asyncio.to_thread(self.plan, req, state.max_request_tokens)
+        plan = await asyncio.to_thread(self.plan, req, state.max_request_tokens, state.media)
         check_model(state, req.model)
         admit(state, plan.params.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": cid, "created": int(time.time()), "model": state.model_name}
-        stream = timed(state, plan.ids, plan.params, cid, plan.options)
+        stream = timed(state, plan.ids, plan.params, cid, plan.options, plan.images)
         if not req.stream:
             final = await last(stream)
             choices = [self._choice(o, plan, req) for o in final.outputs]

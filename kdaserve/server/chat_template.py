@@ -182,6 +182,11 @@ class ChatTemplate:
         """Prompt text for `messages` (OpenAI chat format) and optional OpenAI `tools`. `kwargs`
         (e.g. a request's `chat_template_kwargs`) become template variables."""
         validate_messages(messages)
+        for i, m in enumerate(messages):  # a template would render them as text, or drop them
+            for j, part in enumerate(m["content"] if isinstance(m.get("content"), list) else []):
+                if part.get("type") == "image_url":
+                    raise ValueError(f"messages[{i}].content[{j}]: images need Kimi K3's chat "
+                                     f"format, not this chat template ({self.origin})")
         if tools is not None:
             check_tools(tools, "tools")
             tools = deep_sort(tools)  # as Moonshot's apply_chat_template: keys sorted
@@ -268,14 +273,14 @@ def validate_messages(messages: Any) -> None:
                     (role == "system" and message.get("tools"))):
                 raise ValueError(f"{where} ({role}) has no content")
         else:
-            _validate_content(content, where)
+            _validate_content(content, where, role)
         if role == "tool":
             tool_call_id = message.get("tool_call_id")
             if not isinstance(tool_call_id, str) or not tool_call_id:
                 raise ValueError(f"{where} (tool) needs a non-empty string tool_call_id")
 
 
-def _validate_content(content: Any, where: str) -> None:
+def _validate_content(content: Any, where: str, role: str) -> None:
     if isinstance(content, str):
         return
     if not isinstance(content, list):
@@ -284,15 +289,31 @@ def _validate_content(content: Any, where: str) -> None:
             f"got {type(content).__name__}"
         )
     for j, part in enumerate(content):
-        # Kimi Linear is text-only: an image part would render Kimi's media placeholder tokens
-        # with no pixels behind them, so it is rejected rather than silently mis-prompted.
+        at = f"{where}.content[{j}]"
+        if isinstance(part, Mapping) and part.get("type") == "image_url":
+            # checked here, taken only where the chat format and the model take images
+            # (chat.py): a model without them refuses the request rather than mis-prompt
+            if role != "user":
+                raise ValueError(f"{at}: images go in user messages, not {role!r} ones")
+            _validate_image(part.get("image_url"), f"{at}.image_url")
+            continue
         if not isinstance(part, Mapping) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise ValueError(
-                f"{where}.content[{j}] must be a {{'type': 'text', 'text': ...}} part, got {kind!r}"
-            )
+            raise ValueError(f"{at} must be a {{'type': 'text', 'text': ...}} or image_url "
+                             f"part, got {kind!r}")
         if not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}.content[{j}].text must be a string")
+            raise ValueError(f"{at}.text must be a string")
+
+
+def _validate_image(image: Any, at: str) -> None:
+    if not isinstance(image, Mapping) or not isinstance(image.get("url"), str):
+        raise ValueError(f"{at} must be an object with a url string")
+    unknown = sorted(set(image) - {"url", "detail"})
+    if unknown:
+        raise ValueError(f"{at}.{unknown[0]} is not supported")
+    if image.get("detail", "auto") != "auto":  # K3 sees each image at its own resolution
+        raise ValueError(f"{at}.detail {image['detail']!r} is not supported (only auto: the "
+                         "image is seen at its own resolution, up to the processor's limit)")
 
 
 def _validate_tool_calls(tool_calls: Any, where: str) -> None:

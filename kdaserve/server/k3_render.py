@@ -23,6 +23,9 @@ from kdaserve.server.chat_template import deep_sort, validate_messages
 from kdaserve.tokenizer import Tokenizer
 
 OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
+# an image's marker (a control segment: text cannot spell it), which the image's prompt
+# replaces once the image is processed (multimodal.expand)
+MEDIA_PAD = "<|media_pad|>"
 CONTROL_TOKENS = (OPEN, CLOSE, SEP, END_OF_MSG)
 EFFORTS = ("low", "high", "max")
 KWARGS = {"thinking", "thinking_effort", "tool_choice", "response_format"}
@@ -48,6 +51,7 @@ class _Segments:
 
     def __init__(self) -> None:
         self.items: list[Segment] = []
+        self.images: list[dict[str, Any]] = []  # the image parts, in prompt order
 
     def control(self, token: str) -> None:
         self.items.append((token, True))
@@ -90,10 +94,11 @@ class _Segments:
             self.text(content)
             return
         for part in content or ():
-            if part.get("type") in ("image", "image_url"):
-                raise ValueError("image content parts are not supported yet (K3's vision tower "
-                                 "is not served: --language-model-only)")
-            self.text(part.get("text", ""))
+            if part.get("type") == "image_url":
+                self.control(MEDIA_PAD)
+                self.images.append(part)
+            else:
+                self.text(part.get("text", ""))
 
 
 def _arguments(raw: Any) -> tuple[dict[str, Any], str | None]:
@@ -162,6 +167,10 @@ class K3Renderer:
 
     def segments(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                  add_generation_prompt: bool = True, **kwargs: Any) -> list[Segment]:
+        return self._render(messages, tools, add_generation_prompt, **kwargs).items
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                add_generation_prompt: bool, **kwargs: Any) -> _Segments:
         validate_messages(messages)
         unknown = sorted(set(kwargs) - KWARGS)
         if unknown:
@@ -214,7 +223,7 @@ class K3Renderer:
         if add_generation_prompt:
             out.open("message", [("role", "assistant")])
             out.open("think" if thinking else "response")
-        return out.items
+        return out
 
     @staticmethod
     def _assistant(out: _Segments, m: dict[str, Any], thinking: bool) -> None:
@@ -277,11 +286,22 @@ class K3Renderer:
     def render_ids(self, tok: Tokenizer, messages: list[dict[str, Any]],
                    tools: list[dict[str, Any]] | None = None,
                    add_generation_prompt: bool = True, **kwargs: Any) -> tuple[str, list[int]]:
+        text, ids, _ = self.render_with_images(tok, messages, tools, add_generation_prompt,
+                                               **kwargs)
+        return text, ids
+
+    def render_with_images(self, tok: Tokenizer, messages: list[dict[str, Any]],
+                           tools: list[dict[str, Any]] | None = None,
+                           add_generation_prompt: bool = True, **kwargs: Any,
+                           ) -> tuple[str, list[int], list[dict[str, Any]]]:
+        """The text, its ids (one `<|media_pad|>` per image) and the image parts in order."""
         missing = [t for t in CONTROL_TOKENS if t not in tok.special_tokens]
         if missing:
             raise ValueError(f"Kimi K3's chat format needs the tokenizer's {missing[0]} token")
-        segs = self.segments(messages, tools, add_generation_prompt, **kwargs)
+        out = self._render(messages, tools, add_generation_prompt, **kwargs)
+        if out.images and MEDIA_PAD not in tok.special_tokens:
+            raise ValueError(f"images need the tokenizer's {MEDIA_PAD} token")
         ids: list[int] = []
-        for text, control in segs:
+        for text, control in out.items:
             ids.extend([tok.special_tokens[text]] if control else tok.encode_ordinary(text))
-        return "".join(t for t, _ in segs), ids
+        return "".join(t for t, _ in out.items), ids, out.images

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kdaserve.config import EngineConfig
+from kdaserve.server.media import MediaLimits, parse_mm_limit
 from kdaserve.server.serving import Limits
 
 logger = logging.getLogger("kdaserve")
@@ -85,7 +86,35 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
                    help="seconds SIGTERM lets running requests finish before aborting them "
                         "(a second signal exits at once)")
+    # images (a K3 checkpoint with its vision tower; server/media.py): vLLM's flag names
+    p.add_argument("--allowed-media-domains", nargs="*", default=[],
+                   help="hosts http(s) image URLs may name (default none: data: URLs only)")
+    p.add_argument("--limit-mm-per-prompt", default=None,
+                   help=f"images per request, as JSON like '{{\"image\": 4}}' (default "
+                        f"{MediaLimits.max_images})")
+    p.add_argument("--max-image-pixels", type=int, default=MediaLimits.max_image_pixels,
+                   help="pixels of one decoded image (width x height)")
+    p.add_argument("--max-image-tokens", type=int, default=None,
+                   help="prompt tokens all of one request's images may take (default: the "
+                        "context's)")
+    p.add_argument("--max-image-bytes", type=int, default=MediaLimits.max_image_bytes,
+                   help="bytes of one image file")
+    p.add_argument("--media-fetch-timeout", type=float, default=MediaLimits.fetch_timeout,
+                   help="seconds to fetch one http(s) image")
     p.set_defaults(func=serve)
+
+
+def media_limits(args: argparse.Namespace) -> MediaLimits:
+    images = parse_mm_limit(args.limit_mm_per_prompt)
+    for flag, value in (("--max-image-pixels", args.max_image_pixels),
+                        ("--max-image-bytes", args.max_image_bytes),
+                        ("--max-image-tokens", args.max_image_tokens or 1),
+                        ("--media-fetch-timeout", args.media_fetch_timeout)):
+        if value <= 0:
+            raise ValueError(f"{flag} must be positive")
+    return MediaLimits(MediaLimits.max_images if images is None else images,
+                       args.max_image_pixels, args.max_image_tokens, args.max_image_bytes,
+                       args.media_fetch_timeout, tuple(args.allowed_media_domains))
 
 
 def served_names(model: str, path: str, flag: str | None) -> tuple[str, tuple[str, ...]]:
@@ -137,6 +166,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
     from kdaserve.server.api import ServerState, create_app
     from kdaserve.server.chat import ChatHandler
     from kdaserve.server.header_timeout import with_header_timeout
+    from kdaserve.server.media import MediaLoader
     from kdaserve.server.metrics import ServerMetrics
     from kdaserve.server.responses import ResponseStore
     from kdaserve.server.sampling import Sampling
@@ -188,6 +218,7 @@ async def _serve(args: argparse.Namespace) -> str | None:
         config = dataclasses.replace(config, dist_init_addr=free_local_addr(args.port))
     if args.default_max_tokens < 1:
         raise ValueError("--default-max-tokens must be >= 1")
+    image_limits = media_limits(args)
     # --skip-tokenizer-init: token ids in and out (/generate input_ids), as SGLang; RL
     # trainers tokenize themselves, and a checkpoint may come without tokenizer files
     tokenizer = chat = None
@@ -239,6 +270,9 @@ async def _serve(args: argparse.Namespace) -> str | None:
             model_aliases=aliases, sampling=Sampling(policy),  # (the chat handler's, if any)
             server_args={k: v for k, v in vars(args).items()
                          if isinstance(v, str | int | float | bool | None) and k != "api_key"})
+        if tokenizer is not None:
+            state.media = MediaLoader(image_limits, engine.info.get("media_pad_id"),
+                                      engine.info.get("image_refusal"), tokenizer.encode)
         engine.on_restart.append(state.engine_restarted)
         app = create_app(state)
         server = _server_class()(uvicorn.Config(

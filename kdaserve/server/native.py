@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import kdaserve
 from kdaserve.client.request_client import EngineError
+from kdaserve.multimodal import ImageInputs
 from kdaserve.request import CompletionOutput, RequestOutput
 from kdaserve.server.chat import chat_handler
 from kdaserve.server.protocol import (
@@ -102,6 +103,27 @@ def _result(state: ServerState, req: GenerateRequest, rid: str, out: RequestOutp
     return body
 
 
+def _image_sources(data: str | list[Any], single: bool, prompts: int,
+                   ) -> list[list[tuple[str, str]]]:
+    """SGLang's image_data as (where, URL) per prompt: for one prompt an image or a list of
+    them, for several a list with one entry (an image, a list or null) per prompt."""
+    if single:
+        if isinstance(data, str):
+            return [[("image_data", data)]]
+        if not all(isinstance(x, str) for x in data):
+            raise ValueError("image_data for one prompt is an image or a list of images")
+        return [[(f"image_data[{j}]", x) for j, x in enumerate(data)]]
+    if not isinstance(data, list) or len(data) != prompts:
+        raise ValueError(f"image_data for {prompts} prompts must be a list with one entry "
+                         "(an image, a list of images or null) per prompt")
+    out = []
+    for i, x in enumerate(data):
+        items = [] if x is None else [x] if isinstance(x, str) else x
+        out.append([(f"image_data[{i}]" if isinstance(x, str) else f"image_data[{i}][{j}]", u)
+                    for j, u in enumerate(items)])
+    return out
+
+
 async def generate(state: ServerState, req: GenerateRequest) -> Response:
     if (req.text is None) == (req.input_ids is None):
         raise ValueError("exactly one of text or input_ids is required")
@@ -113,6 +135,15 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
         prompts = await asyncio.to_thread(lambda: [tok.encode(t) for t in texts])
     else:
         prompts = [req.input_ids] if single else list(req.input_ids)  # type: ignore[list-item]
+    images: list[ImageInputs | None] = [None] * len(prompts)
+    if req.image_data is not None:
+        sources = _image_sources(req.image_data, single, len(prompts))
+        media = state.media
+        if media is None:
+            raise ValueError("this server takes no images (it runs without a tokenizer)")
+        prepared = await asyncio.to_thread(lambda: [
+            media.prepare(p, s, bare_base64=True) for p, s in zip(prompts, sources, strict=True)])
+        prompts, images = [ids for ids, _ in prepared], [im for _, im in prepared]
     sp = req.sampling_params
     check_sequences(len(prompts), sp.n or 1)
     if state.tokenizer is None and (sp.stop or sp.regex or sp.json_schema or sp.ebnf):
@@ -151,7 +182,7 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
         if prefill_only:
             raise ValueError("max_new_tokens 0 (prefill only) cannot stream")
         _, rest = await first_then_rest(timed(state, prompts[0], results[0], rids[0],
-                                              options))
+                                              options, images[0]))
 
         async def body() -> AsyncIterator[str]:
             try:
@@ -165,8 +196,8 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
                 await rest.aclose()  # type: ignore[attr-defined]
 
         return StreamingResponse(body(), media_type="text/event-stream")
-    finals = await all_finals([timed(state, p, sp_, r, options)
-                               for p, sp_, r in zip(prompts, results, rids, strict=True)])
+    finals = await all_finals([timed(state, p, sp_, r, options, im) for p, sp_, r, im
+                               in zip(prompts, results, rids, images, strict=True)])
     if prefill_only:
         for f in finals:
             for o in f.outputs:
@@ -200,9 +231,8 @@ def tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
     if req.messages is not None:
         chat = chat_handler(state)
         # as chat requests are: special-token spellings in the messages stay text
-        _, ids = chat.template.render_ids(
-            tok, [m.model_dump(exclude_none=True) for m in req.messages],
-            add_generation_prompt=req.add_generation_prompt)
+        ids, _ = chat.render([m.model_dump(exclude_none=True) for m in req.messages],
+                             state.media, add_generation_prompt=req.add_generation_prompt)
     else:
         assert req.prompt is not None
         # a raw prompt keeps SGLang's and vLLM's meaning: special spellings are specials.

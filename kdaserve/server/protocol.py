@@ -396,6 +396,9 @@ class GenerateRequest(BootstrapFields):
     top_logprobs_num: int = Field(0, ge=0, le=20)
     token_ids_logprob: Annotated[list[TokenId], Field(max_length=64)] | None = None
     return_text_in_logprobs: bool = False
+    # SGLang's: a prompt's images (data: or http(s) URLs, or bare base64), one per
+    # <|media_pad|> in it; with several prompts, one entry (an image or a list) per prompt
+    image_data: str | list[str | list[str] | None] | None = None
     rid: str | None = None
     log_metrics: bool = True  # advisory
     no_logs: bool = False  # advisory: requests are not logged

@@ -69,19 +69,42 @@ class ResponsesRequest(Strict):
     safety_identifier: str | None = None
 
 
-def _text_of(content: Any, where: str) -> str:
+def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A Responses message's content as chat content: its text, or where it has images the
+    chat parts (text and image_url)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ValueError(f"{where}.content must be a string or a list of parts")
-    out = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind == "input_image":
+            if part.get("file_id") is not None:
+                raise ValueError(f"{at}.file_id is not supported (this server has no Files "
+                                 "API): give image_url, a data: or http(s) URL")
+            if not isinstance(part.get("image_url"), str):
+                raise ValueError(f"{at}.image_url must be a URL string")
+            image = {"url": part["image_url"]}
+            if part.get("detail") is not None:
+                image["detail"] = part["detail"]  # checked with the chat request's
+            parts.append({"type": "image_url", "image_url": image})
+            continue
         if kind not in ("input_text", "output_text", "text"):
-            raise ValueError(f"{where}.content[{j}]: only text parts are supported, got "
+            raise ValueError(f"{at}: only text and input_image parts are supported, got "
                              f"{kind!r}")
-        out.append(part.get("text", ""))
-    return "".join(out)
+        parts.append({"type": "text", "text": part.get("text", "")})
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _text_of(content: Any, where: str) -> str:
+    text = _content_of(content, where)
+    if not isinstance(text, str):
+        raise ValueError(f"{where}: images go in messages, not here")
+    return text
 
 
 def to_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -99,7 +122,7 @@ def to_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise ValueError(f"{where}.role must be user, system, developer or assistant")
             msg = {"role": "system" if role == "developer" else role,
-                   "content": _text_of(item.get("content"), where)}
+                   "content": _content_of(item.get("content"), where)}
             if role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
             messages.append(msg)
@@ -307,7 +330,7 @@ async def create_response(state: ServerState, req: ResponsesRequest) -> Response
     turn = to_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     creq = to_chat(req, system + history + turn)
-    plan = await asyncio.to_thread(chat.plan, creq, state.max_request_tokens)
+    plan = await asyncio.to_thread(chat.plan, creq, state.max_request_tokens, state.media)
     check_model(state, req.model)
     admit(state, 1)
     rid = f"resp_{uuid.uuid4().hex}"
@@ -322,7 +345,7 @@ async def create_response(state: ServerState, req: ResponsesRequest) -> Response
             "error": None}
     builder = Builder(head, req.parallel_tool_calls)
     parser = chat.format.parser(plan.thinking, plan.use_tools, plan.reasoning)
-    stream = timed(state, plan.ids, plan.params, rid, plan.options)
+    stream = timed(state, plan.ids, plan.params, rid, plan.options, plan.images)
     _, rest = await first_then_rest(stream)
 
     async def run() -> AsyncIterator[dict[str, Any]]:

@@ -16,7 +16,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from kdaserve.client.request_client import EngineError, RequestClient
+from kdaserve.multimodal import ImageInputs
 from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
+from kdaserve.server.media import MediaLoader
 from kdaserve.server.metrics import ServerMetrics
 from kdaserve.server.protocol import error_body
 from kdaserve.server.response_store import ResponseStore
@@ -59,6 +61,7 @@ class ServerState:
     server_args: dict[str, Any] = field(default_factory=dict)  # reported by /get_server_info
     responses: ResponseStore | None = None  # stored /v1/responses (previous_response_id, GET)
     limits: Limits = field(default_factory=Limits)
+    media: MediaLoader | None = None  # loads requests' images (None: the model takes none)
     # other names requests may give the model besides model_name and model_path (the names
     # earlier versions served it under: `--model` as typed)
     model_aliases: tuple[str, ...] = ()
@@ -101,14 +104,14 @@ def stream_error(e: Exception) -> str:
 
 async def timed(state: ServerState, prompt_ids: list[int], params: SamplingParams,
                 rid: str, options: RequestOptions | None = None,
-                ) -> AsyncIterator[RequestOutput]:
+                images: ImageInputs | None = None) -> AsyncIterator[RequestOutput]:
     """The engine stream of one request, recording TTFT / ITL / E2E and finish reasons."""
     limits = state.limits
     start = last_at = time.perf_counter()
     first = True
     timeout = limits.request_timeout
     await state.gate.wait()  # a weight update in progress
-    gen = state.client.generate(prompt_ids, params, rid, options)
+    gen = state.client.generate(prompt_ids, params, rid, options, images)
     state.in_flight += params.n
     try:
         while True:

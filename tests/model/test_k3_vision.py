@@ -13,7 +13,6 @@ import pytest
 import torch
 from PIL import Image
 
-from kdaserve.checkpoint import make_checkpoint
 from kdaserve.config import ModelConfig
 from kdaserve.image_processor import image_prompt, process, resized_size
 from kdaserve.models.vision import VisionModel
@@ -30,12 +29,6 @@ def images() -> list[Image.Image]:
             Image.fromarray(rgba, "RGBA"),  # padded to 112 x 56
             Image.fromarray(g.randint(0, 256, (130, 45, 3), np.uint8)),  # tall, padded
             Image.fromarray(g.randint(0, 256, (20, 20), np.uint8), "L")]  # one merged row
-
-
-@pytest.fixture(scope="module")
-def vl_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("vl") / "k3-tiny-vl", "k3-tiny-vl",
-                           seed=0, dtype="float32")
 
 
 def mlx_vision(path: Path) -> Any:
@@ -153,7 +146,7 @@ def test_greedy_tokens_with_images_match_mlx_vlm(vl_ckpt: Path, vl_llm: Any) -> 
     for text, imgs, out in zip(prompts, data, outs, strict=True):
         ids = vl_llm.engine.encode(text)
         if imgs:
-            ids = vl_llm.engine.with_images(ids, imgs)[0]
+            ids = vl_llm.engine.images.expand(ids, imgs)[0]
             want = mlx_greedy(ref, ids, imgs, 8)
         else:
             want = mlx_greedy_text(ref, ids, 8)
@@ -184,7 +177,7 @@ def test_prefix_cache_tells_images_apart(vl_llm: Any) -> None:
     cache = vl_llm.engine.cache
     before = cache.hit_tokens
     again = vl_llm.generate([text], params, image_data=[[a]])[0]
-    ids = vl_llm.engine.with_images(vl_llm.engine.encode(text), [a])
+    ids = vl_llm.engine.images.expand(vl_llm.engine.encode(text), [a])
     end_of_image = int(ids[1].pad_positions[-1]) + 1
     assert again.token_ids == first.token_ids
     assert cache.hit_tokens - before >= end_of_image

@@ -42,7 +42,7 @@ class ScriptedEngine(EngineClient):
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        rid: str | None = None, options: RequestOptions | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       images: Any = None) -> AsyncIterator[RequestOutput]:
         assert params is not None
         self.seen_params.append(params)
         for end in range(3, len(self.script) + 3, 3):

@@ -146,7 +146,7 @@ class ScriptedEngine(EngineClient):
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        rid: str | None = None, options: RequestOptions | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       images: Any = None) -> AsyncIterator[RequestOutput]:
         for end in range(3, len(SCRIPT) + 3, 3):
             done = end >= len(SCRIPT)
             yield RequestOutput(rid or "r", list(prompt), [CompletionOutput(

@@ -71,7 +71,8 @@ BAD: list[tuple[str, str, dict[str, Any] | list[int] | bytes, str]] = [
     ("chat-tool-without-id", CHAT, {"messages": [*USER, {"role": "tool", "content": "x"}]},
      "tool_call_id"),
     ("chat-image-part", CHAT, {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "content[0]"),
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+     "content[0]: this model takes no images"),
     ("chat-tools-not-list", CHAT, {"messages": USER, "tools": "get_weather"}, "tools"),
     ("chat-tool-bad-type", CHAT, {"messages": USER, "tools": [{"type": "retrieval"}]},
      "tools[0].type"),

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +20,18 @@ import pytest
 from kdaserve.checkpoint import make_checkpoint
 from kdaserve.server.k3_render import CONTROL_TOKENS, K3Renderer
 from kdaserve.tokenizer import Tokenizer
+from tests.conftest import load_encoding_k3, reference_ids
 
 KIMI = Path(__file__).resolve().parents[3] / "shared" / "kimi"
-_SPEC = importlib.util.find_spec("mlx_vlm")
 pytestmark = pytest.mark.skipif(
-    _SPEC is None or not (KIMI / "tokenizer" / "tiktoken.model").is_file(),
+    importlib.util.find_spec("mlx_vlm") is None
+    or not (KIMI / "tokenizer" / "tiktoken.model").is_file(),
     reason="needs mlx-vlm 0.7.10 (installed --no-deps by make) and ../shared/kimi")
 
 
 @pytest.fixture(scope="module")
 def moonshot() -> Any:
-    assert _SPEC is not None and _SPEC.submodule_search_locations
-    path = Path(_SPEC.submodule_search_locations[0]) / "models" / "kimi_k3" / "encoding_k3.py"
-    spec = importlib.util.spec_from_file_location("encoding_k3_reference", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while defined
-    spec.loader.exec_module(module)
-    return module
+    return load_encoding_k3()
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +121,6 @@ class Gen:
         return messages, tools, kwargs
 
 
-def reference_ids(moonshot: Any, tok: Tokenizer, segments: list[Any]) -> list[int]:
-    ids: list[int] = []
-    for s in segments:
-        ids.extend(tok.encode(s.text) if s.allow_special else tok.encode_ordinary(s.text))
-    return ids
-
-
 @pytest.mark.parametrize("block", range(4))
 def test_200_conversations_equal_moonshots_renderer(moonshot: Any, tok: Tokenizer,
                                                     block: int) -> None:
@@ -147,7 +133,7 @@ def test_200_conversations_equal_moonshots_renderer(moonshot: Any, tok: Tokenize
         got = ours.segments(messages, tools or None, True, **kwargs)
         assert got == [(s.text, s.allow_special) for s in want]
         text, ids = ours.render_ids(tok, messages, tools or None, True, **kwargs)
-        assert ids == reference_ids(moonshot, tok, want)
+        assert ids == reference_ids(tok, want)
         control = {tok.special_tokens[t] for t in CONTROL_TOKENS}
         assert sum(i in control for i in ids) == sum(s.allow_special for s in want)
         assert tok.decode(ids) == text
@@ -160,9 +146,12 @@ def test_refusals(tok: Tokenizer) -> None:
         r.render_ids(tok, user, thinking_effort="medium")
     with pytest.raises(ValueError, match="not a Kimi K3 option"):
         r.render_ids(tok, user, preserve_thinking=True)
-    with pytest.raises(ValueError, match="image"):
-        r.render_ids(tok, [{"role": "user", "content": [
+    with pytest.raises(ValueError, match="images go in user messages"):
+        r.render_ids(tok, [*user, {"role": "assistant", "content": [
             {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    with pytest.raises(ValueError, match="detail 'low' is not supported"):
+        r.render_ids(tok, [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:,", "detail": "low"}}]}])
     with pytest.raises(ValueError, match="JSON object"):
         r.render_ids(tok, [*user, {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}])
@@ -196,4 +185,47 @@ def test_long_runs_equal_moonshots_renderer(moonshot: Any, tok: Tokenizer) -> No
     ]
     want = moonshot.build_chat_segments(messages, None, add_generation_prompt=True)
     _, ids = K3Renderer().render_ids(tok, messages)
-    assert ids == reference_ids(moonshot, tok, want)
+    assert ids == reference_ids(tok, want)
+
+
+def test_images_equal_moonshots_renderer(moonshot: Any, tok: Tokenizer) -> None:
+    """Image parts in two user turns (with a tool turn between): our one-pad markers, expanded
+    with our processor's image prompts, give the ids of Moonshot's segments with mlx-vlm's
+    processor's image prompts in place. Text that spells the pad or Moonshot's image
+    placeholder stays text: only an image part makes an image."""
+    import numpy as np
+    from mlx_vlm.models.kimi_k3 import ImageProcessor
+    from mlx_vlm.models.kimi_k3.processing_kimi_k3 import KimiK3Processor
+    from PIL import Image
+
+    from kdaserve.multimodal import expand
+
+    g = np.random.RandomState(3)
+    ims = [Image.fromarray(g.randint(0, 256, (h, w, 3), np.uint8))
+           for h, w in ((60, 90), (28, 28), (200, 45))]
+
+    def image(i: int) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{i}"}}
+
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Compare "}, image(0),
+                                     {"type": "text", "text": " and "}, image(1)]},
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c0", "content": "done"},
+        {"role": "user", "content": [image(2), {"type": "text", "text": "And this?"}]},
+    ]
+    _, ids, parts = K3Renderer().render_with_images(tok, messages)
+    assert [p["image_url"]["url"][-1] for p in parts] == ["0", "1", "2"]
+    pad = tok.special_tokens["<|media_pad|>"]
+    ours, _ = expand(ids, ims, pad, tok.encode)
+    processed = ImageProcessor().preprocess(ims)
+    prompts = [KimiK3Processor.make_image_prompt(None, w, h, int(t * hh * ww) // 4)
+               for (w, h), (t, hh, ww) in zip((im.size for im in ims), processed["grid_thws"],
+                                               strict=True)]
+    want = moonshot.build_chat_segments(messages, None, add_generation_prompt=True,
+                                        image_prompts=prompts)
+    assert ours == reference_ids(tok, want)
+    spelled = [{"role": "user", "content": "<|media_pad|> <|kimi_image_placeholder|>"}]
+    _, ids, parts = K3Renderer().render_with_images(tok, spelled)
+    assert parts == [] and pad not in ids
