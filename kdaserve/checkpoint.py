@@ -133,6 +133,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=6, q_lora_rank=192, kv_lora_rank=256, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128, num_experts=96, num_experts_per_token=16,
         moe_intermediate_size=192, num_expert_group=1, topk_group=1, attn_res_block_size=3),
+    # k3-bench with K3's own vision tower (27 blocks of width 1024, attention 12 x 128, MLP
+    # 4096: 0.4B parameters), its projector into k3-bench's width: the images benchmark
+    "k3-bench-vl": _k3_preset(
+        100256, 8, 768, intermediate_size=2048, kda_num_heads=6, kda_head_dim=128,
+        num_attention_heads=6, q_lora_rank=192, kv_lora_rank=256, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, num_experts=96, num_experts_per_token=16,
+        moe_intermediate_size=192, num_expert_group=1, topk_group=1, attn_res_block_size=3,
+        vision=VisionConfig(text_hidden_size=768, media_pad_id=100256 + MEDIA_PAD_OFFSET)),
     # K3's real per-layer shapes (k3_spec.md 3.2) in 4 layers (a dense KDA layer, an MoE KDA
     # layer, two MoE MLA layers), for per-layer numbers on a GPU; the routed experts cut to
     # 128 of 896 (same shapes, same top-16) so that it fits one GPU in bf16: 17.7B parameters, 35 GB

@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
         soak,
         spec,
         throughput,
+        vision,
         weight_sync,
     )
 
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     grammar.add_parser(bench_sub)
     throughput.add_parser(bench_sub)
     kernels.add_parser(bench_sub)
+    vision.add_parser(bench_sub)
     prefix_cache.add_parser(bench_sub)
     serving.add_parser(bench_sub)
     spec.add_parser(bench_sub)

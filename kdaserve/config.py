@@ -265,8 +265,8 @@ class EngineConfig:
     # "int8": weight-only int8 on a CPU (projections and experts, a scale per output row)
     quantization: str | None = None
     load_format: str = "auto"
-    # K3's checkpoint holds a vision tower we do not run yet: serve its text model alone
-    # (the vision tensors are never read)
+    # serve a K3 checkpoint's text model alone (its vision tensors are never read, images
+    # are refused)
     language_model_only: bool = False
     skip_tokenizer_init: bool = False
     kernel_backend: str | None = None

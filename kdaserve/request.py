@@ -218,6 +218,12 @@ class Request:
         return self.all_ids if self.images is None else self.images.key_ids(self.all_ids)
 
     @property
+    def prompt_key(self) -> list[int]:
+        """The prompt as `key_ids` has it: two sides of a disaggregated request compare it,
+        so that the same tokens with other images never pass for the same prompt."""
+        return self.prompt_ids if self.images is None else self.images.prompt_key
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

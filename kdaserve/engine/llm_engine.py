@@ -41,7 +41,7 @@ from kdaserve.kernels import resolve_kernels
 from kdaserve.kernels.host_memory import keep_freed_memory
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
 from kdaserve.models.loader import build_model
-from kdaserve.models.vision import load_vision
+from kdaserve.models.vision import load_vision, tower_dtype
 from kdaserve.multimodal import ImageInputs
 from kdaserve.request import Request, RequestOptions, RequestOutput, SamplingParams
 from kdaserve.scheduled_batch import ScheduledBatch
@@ -94,8 +94,11 @@ class LLMEngine:
             if self.followers is not None:  # they wait for our pools: release them
                 self.followers.stop()
             raise
+        # deterministic inference: each request's images in a tower call of their own, so
+        # that no other request's images change their rows (a batch's GEMM blocking could)
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device,
-                                  self.followers, self.vision)
+                                  self.followers, self.vision,
+                                  config.enable_deterministic_inference)
         with phase("warm-up") as p:
             self.runner.graphs = graph_runner(config, self.kernels, self.model, self.states,
                                               self.blocks, self.scheduler.max_num_seqs,
@@ -150,7 +153,7 @@ class LLMEngine:
                 try:
                     self.vision = None if config.language_model_only else load_vision(
                         self.model_config, self.path, config.load_format, config.seed,
-                        self.dtype, self.device)
+                        tower_dtype(self.weight_dtype, self.device), self.device)
                 except ValueError as e:
                     raise ValueError(f"{e} (--language-model-only serves the text model "
                                      "alone)") from None
@@ -201,13 +204,8 @@ class LLMEngine:
         if self.vision is None:
             return ("this model takes no images" if self.model_config.vision is None
                     else "images: the server runs the text model only (--language-model-only)")
-        if self.followers is not None or self.pd is not None or self.ep.size > 1:
-            return ("images are not supported yet with tensor parallelism, DP attention or "
-                    "prefill/decode disaggregation")
         if self.tokenizer is None:
             return "images need the tokenizer (their prompts are text)"
-        if self.config.enable_deterministic_inference:  # one tower call spans the step's images
-            return "images are not supported with deterministic inference yet"
         return None
 
     def encode(self, prompt: str | list[int]) -> list[int]:

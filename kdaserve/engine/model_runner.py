@@ -68,13 +68,14 @@ class StepOutput(NamedTuple):
 class ModelRunner:
     def __init__(self, model: KimiLinearForCausalLM, blocks: BlockPool, states: StatePool,
                  device: torch.device, followers: Followers | None = None,
-                 vision: VisionModel | None = None) -> None:
+                 vision: VisionModel | None = None, tower_per_request: bool = False) -> None:
         self.model, self.blocks, self.states, self.device = model, blocks, states, device
         self.followers = followers  # tensor-parallel ranks running every forward with us
         self.graphs: CudaGraphRunner | None = None  # decode and verify steps replayed (CUDA)
         # plain decode batches in one native call where every op is the native kernel anyway
         self.native_decode = NativeDecode.for_model(model)
         self.vision = vision  # K3's tower, for requests with images
+        self.tower_per_request = tower_per_request  # a tower call per request, not per step
 
     def image_rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The images' rows at the pads this step runs (the input embeddings they replace),
@@ -93,10 +94,11 @@ class ModelRunner:
             return None
         todo = list({id(r.images): r.images for r, *_ in spans if r.images.rows is None}
                     .values())
-        if todo:
-            rows = self.vision(torch.cat([im.pixels for im in todo]).to(self.device),
-                               [g for im in todo for g in im.grids])
-            for im in todo:
+        for group in ([[im] for im in todo] if self.tower_per_request else [todo] if todo
+                      else []):
+            rows = self.vision(torch.cat([im.pixels for im in group]).to(self.device),
+                               [g for im in group for g in im.grids])
+            for im in group:
                 im.rows, rows = rows[:im.pad_positions.numel()], rows[im.pad_positions.numel():]
         index, values = [], []
         for req, at, start, end in spans:

@@ -97,15 +97,25 @@ class Block(nn.Module):
         self.norm1 = RMSNorm(c.hidden_size, VISION_NORM_EPS)
         self.mlp = Mlp(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-        """One image's patches x [L, D]; angles [L, head_dim / 2]."""
-        c, L = self.c, x.shape[0]
-        q, k, v = self.wqkv(self.norm0(x)).view(L, 3, c.num_heads, c.head_dim).unbind(1)
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """The patches of several images, x [sum L, D], image after image (`sizes`: each
+        one's L); angles [sum L, head_dim / 2]. The projections run on all rows at once;
+        attention within each image."""
+        c, n = self.c, x.shape[0]
+        q, k, v = self.wqkv(self.norm0(x)).view(n, 3, c.num_heads, c.head_dim).unbind(1)
         q, k = rotate_pairs(q, angles), rotate_pairs(k, angles)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1))
-        x = x + self.wo(o.transpose(0, 1).reshape(L, c.qkv_hidden_size))
+        x = x + self.wo(torch.cat([attend(*part) for part in zip(
+            q.split(sizes), k.split(sizes), v.split(sizes), strict=True)]).view(n, -1))
         return x + self.mlp(self.norm1(x))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One image's attention, all patches to all: q, k, v [L, heads, d] -> [L, heads, d].
+    Batched 4-D, which torch's fused (flash) kernel takes on a CPU too; 3-D inputs fall back
+    to its unfused math path, 2.4x slower at 1,024 patches."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                       v.transpose(0, 1)[None])
+    return o[0].transpose(0, 1)
 
 
 class Encoder(nn.Module):
@@ -125,22 +135,20 @@ class VisionTower(nn.Module):
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixels [sum t h w, 3, p, p] of the images in `grids` (t, h, w) -> merged rows
         [sum h w / 4, 4D], image after image."""
-        x = self.patch_embed(pixels)
-        out, start = [], 0
         for t, h, w in grids:
             if t != 1 or h % MERGE or w % MERGE:
                 raise ValueError(f"an image grid of (t, h, w) = {(t, h, w)} patches: images "
                                  "only (t = 1), with an even number of patches each side")
-            n = h * w
-            xi = x[start:start + n] + self.patch_embed.positions(h, w)
-            start += n
-            angles = rope_angles(h, w, self.c.head_dim, x.device)
-            for block in self.encoder.blocks:
-                xi = block(xi, angles)
-            xi = self.encoder.final_layernorm(xi)
-            out.append(xi.view(h // MERGE, MERGE, w // MERGE, MERGE, -1).permute(0, 2, 1, 3, 4)
-                       .reshape(n // MERGE ** 2, -1))
-        return torch.cat(out)
+        sizes = [h * w for _, h, w in grids]
+        x = self.patch_embed(pixels) + torch.cat([self.patch_embed.positions(h, w)
+                                                  for _, h, w in grids])
+        angles = torch.cat([rope_angles(h, w, self.c.head_dim, x.device) for _, h, w in grids])
+        for block in self.encoder.blocks:
+            x = block(x, angles, sizes)
+        x = self.encoder.final_layernorm(x)
+        return torch.cat([xi.view(h // MERGE, MERGE, w // MERGE, MERGE, -1)
+                          .permute(0, 2, 1, 3, 4).reshape(h * w // MERGE ** 2, -1)
+                          for xi, (_, h, w) in zip(x.split(sizes), grids, strict=True)])
 
 
 class Projector(nn.Module):
@@ -201,6 +209,33 @@ class VisionModel(nn.Module):
             raise ValueError(f"{path}: the vision tower misses {len(missing)} tensors "
                              f"(first: {missing[0]})")
         return model.to(dtype).eval().requires_grad_(False)
+
+
+def tower_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the tower computes in: bf16 where bf16 weights are asked for and the matmuls have
+    bf16 units (an accelerator, or a CPU with AVX512-BF16 or AMX, which oneDNN uses: 1.65x
+    fp32 on a 448-pixel image on a Zen 4), fp32 elsewhere (a CPU without them runs bf16
+    matmuls far slower than fp32). Unlike the text model's weight-only bf16 on a CPU, the
+    tower's activations are bf16 too, as GPU engines run it: it is GEMM-bound throughout."""
+    if weight_dtype != torch.bfloat16:
+        return weight_dtype
+    if device.type != "cpu":
+        return weight_dtype
+    from kdaserve.kernels.native.isa import cpu_flags, host_level
+
+    return weight_dtype if host_level(cpu_flags()) in ("avx512_bf16", "amx") else torch.float32
+
+
+def flops(c: VisionConfig, grid: tuple[int, int, int]) -> int:
+    """Multiply-add FLOPs (2 each) of one image through the tower and projector: patch
+    embedding, each block's projections, MLP and attention (scores and values over the
+    image's own patches), the projector on the merged rows; norms and activations left out."""
+    t, h, w = grid
+    n, d, q = t * h * w, c.hidden_size, c.qkv_hidden_size
+    block = 2 * n * (d * 3 * q + q * d + 2 * d * c.intermediate_size) + 4 * n * n * q
+    merged, wide = n // MERGE ** 2, MERGE ** 2 * c.hidden_size
+    return (2 * n * 3 * c.patch_size ** 2 * d + c.num_layers * block
+            + 2 * merged * (wide * wide + wide * c.text_hidden_size))
 
 
 def load_vision(config: ModelConfig, path: Path, load_format: str, seed: int,

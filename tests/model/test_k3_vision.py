@@ -188,6 +188,37 @@ def test_prefix_cache_tells_images_apart(vl_llm: Any) -> None:
     vl_llm.check_integrity()
 
 
+def test_deterministic_inference_with_images(vl_ckpt: Path) -> None:
+    """Under deterministic inference each request's images take a tower call of their own:
+    an image request's tokens and logprobs are bit-identical alone and beside other image
+    requests (whose images would otherwise share its GEMMs), and chunked."""
+    from kdaserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    ims = images()
+    prompts = ["A<|media_pad|>and<|media_pad|>differ.", "See<|media_pad|>", "Look<|media_pad|>"]
+    data = [[ims[1], ims[2]], [ims[0]], [ims[3]]]
+
+    def run(llm: LLM, batch: list[int]) -> tuple:
+        outs = llm.generate([prompts[i] for i in batch], params,
+                            image_data=[data[i] for i in batch])
+        out = outs[batch.index(0)].outputs[0]
+        return out.token_ids, out.logprobs, out.cumulative_logprob
+
+    det = LLM(vl_ckpt, enable_deterministic_inference=True)
+    alone = run(det, [0])
+    tower = det.engine.vision
+    assert tower is not None
+    calls: list[int] = []
+    forward = tower.forward
+    tower.forward = lambda pixels, grids: calls.append(len(grids)) or forward(pixels, grids)
+    assert run(det, [1, 0, 2]) == alone
+    assert sorted(calls) == [1, 1, 2]  # a call per request (here the bits agree either way)
+    chunked = LLM(vl_ckpt, enable_deterministic_inference=True, max_num_batched_tokens=16)
+    assert run(chunked, [2, 0]) == alone
+    det.check_integrity()
+
+
 def test_bad_image_requests_are_refused(vl_llm: Any, vl_ckpt: Path) -> None:
     """More or fewer images than markers, images for a server of the text model alone: a
     ValueError naming why, nothing queued."""

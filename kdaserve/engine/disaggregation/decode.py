@@ -219,7 +219,7 @@ class DecodeSide(Side):
                 "type": "reserve", "room": b.room, "tid": inc.tid,
                 "session": self.transfer.session_id, "layout": self.layout.to_dict(),
                 "blocks": inc.blocks, "slot": inc.slot, "liveness_s": self.liveness_s,
-                "prompt_len": len(req.prompt_ids), "prompt_hash": prompt_hash(req.prompt_ids)})
+                "prompt_len": len(req.prompt_ids), "prompt_hash": prompt_hash(req.prompt_key)})
 
     def _drop(self, room: int, why: str | None) -> None:
         """Frees a reservation (the prefill side will not write into it any more) and fails
@@ -238,7 +238,7 @@ class DecodeSide(Side):
             return None
         try:
             token = integer(msg, "token")
-            if msg.get("prompt_hash") != prompt_hash(req.prompt_ids):
+            if msg.get("prompt_hash") != prompt_hash(req.prompt_key):
                 raise ValueError("the prefill server computed another prompt")
             if not 0 <= token < self.host.model_config.vocab_size:
                 raise ValueError(f"first token {token} outside the vocabulary")

@@ -181,7 +181,7 @@ class PrefillSide(Side):
             session, liveness = str(msg["session"]), number(msg["liveness_s"])
             why = self.layout.mismatch(layout)
             if why is None and (prompt_len != len(req.prompt_ids)
-                                or msg.get("prompt_hash") != prompt_hash(req.prompt_ids)):
+                                or msg.get("prompt_hash") != prompt_hash(req.prompt_key)):
                 why = (f"prompt mismatch: the decode server tokenized {prompt_len} tokens, "
                        f"this server {len(req.prompt_ids)} (another tokenizer or template?)")
             need = self.host.blocks.blocks_needed(len(req.prompt_ids))
@@ -255,7 +255,7 @@ class PrefillSide(Side):
                         top=[[t, lp] for t, lp in top.items()] if top is not None else None,
                         generator=base64.b64encode(gen.get_state().numpy().tobytes()).decode()
                         if gen is not None else None,
-                        cached=req.num_cached_prompt, prompt_hash=prompt_hash(req.prompt_ids))
+                        cached=req.num_cached_prompt, prompt_hash=prompt_hash(req.prompt_key))
             self.counters["pd_transfers"] += 1
             if not req.is_finished:
                 self.host.scheduler.finish(req, "length")
