@@ -30,6 +30,9 @@ class ImageInputs:
     pad_positions: torch.Tensor  # [num_pads] prompt positions of the pads, image by image
     prompt_key: list[int]  # the prompt, each image's pads replaced by its content key
     rows: torch.Tensor | None = None  # [num_pads, D] the projected rows, once computed
+    # requests (the n siblings) still to run past the last pad: the rows are dropped when
+    # none is (one preempted and run again computes them again)
+    pending: int = 1
 
     @property
     def pixels(self) -> torch.Tensor:

@@ -262,6 +262,8 @@ class LLMEngine:
                                     or options.return_routed_experts):
             raise ValueError("n > 1, return_hidden_states and return_routed_experts are not "
                              "supported with disaggregation")
+        if images is not None:
+            images.pending = params.n
         children = []
         for i in range(params.n):
             gen = None

@@ -106,7 +106,14 @@ class ModelRunner:
             offsets, rows = req.images.rows_for(start, end)
             index.append(offsets.to(self.device) + at)
             values.append(rows)
-        return torch.cat(index), torch.cat(values)
+        out = torch.cat(index), torch.cat(values)  # a copy: the rows may go now
+        for req, _, _, end in spans:
+            im = req.images
+            if im is not None and end > int(im.pad_positions[-1]):  # past its last pad
+                im.pending -= 1
+                if im.pending <= 0:
+                    im.rows = None
+        return out
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request],
                                                       list[Rows]]:

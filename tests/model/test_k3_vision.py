@@ -188,6 +188,31 @@ def test_prefix_cache_tells_images_apart(vl_llm: Any) -> None:
     vl_llm.check_integrity()
 
 
+def test_rows_are_dropped_once_every_sibling_passed_the_images(vl_llm: Any) -> None:
+    """n = 2 siblings share one tower call; the rows go once both ran past the last pad,
+    and both decode the same greedy tokens."""
+    from kdaserve import SamplingParams
+
+    engine = vl_llm.engine
+    ids, inputs = engine.images.expand(engine.encode("Two<|media_pad|> and more text."),
+                                       images()[:1])
+    tower = engine.vision
+    calls: list[int] = []
+    forward = tower.forward
+    tower.forward = lambda pixels, grids: calls.append(len(grids)) or forward(pixels, grids)
+    try:
+        rid = engine.add_request(ids, SamplingParams(n=2, temperature=0.0, max_tokens=4,
+                                                     ignore_eos=True), images=inputs)
+        outs = []
+        while engine.has_unfinished():
+            outs += [o for o in engine.step() if o.rid == rid and o.finished]
+    finally:
+        del tower.forward
+    assert calls == [1] and inputs.rows is None and inputs.pending <= 0
+    assert outs[0].outputs[0].token_ids == outs[0].outputs[1].token_ids
+    vl_llm.check_integrity()
+
+
 def test_deterministic_inference_with_images(vl_ckpt: Path) -> None:
     """Under deterministic inference each request's images take a tower call of their own:
     an image request's tokens and logprobs are bit-identical alone and beside other image
