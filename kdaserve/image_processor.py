@@ -31,7 +31,9 @@ MEAN = STD = 0.5
 
 @dataclass(frozen=True)
 class ProcessedImage:
-    pixels: torch.Tensor  # [gh * gw, 3, 14, 14] float32
+    # [gh * gw, 3, 14, 14] uint8, the resized and padded image's patches: a quarter of the
+    # float32 pixels' bytes while a request waits (`pixels` scales them when the tower runs)
+    values: torch.Tensor
     grid: tuple[int, int, int]  # (t, gh, gw) patches
     size: tuple[int, int]  # the original (W, H)
 
@@ -39,6 +41,24 @@ class ProcessedImage:
     def num_tokens(self) -> int:
         t, h, w = self.grid
         return t * h * w // (MERGE * MERGE)
+
+    @property
+    def pixels(self) -> torch.Tensor:
+        """[gh * gw, 3, 14, 14] float32 in [-1, 1], the tower's input."""
+        return (self.values.float() / 255.0 - MEAN) / STD
+
+
+def grid_of(w: int, h: int) -> tuple[int, int, int]:
+    """The patch grid (t, gh, gw) an image of w x h pixels becomes."""
+    nw, nh = resized_size(w, h)
+    step = PATCH * MERGE
+    return 1, -(-nh // step) * MERGE, -(-nw // step) * MERGE
+
+
+def num_tokens(w: int, h: int) -> int:
+    """The `<|media_pad|>`s of an image of w x h pixels (known before it is decoded)."""
+    t, gh, gw = grid_of(w, h)
+    return t * gh * gw // (MERGE * MERGE)
 
 
 def resized_size(w: int, h: int) -> tuple[int, int]:
@@ -62,10 +82,11 @@ def process(image: Image.Image) -> ProcessedImage:
         canvas = Image.new("RGB", padded, (0, 0, 0))
         canvas.paste(rgb, (0, 0))
         rgb = canvas
-    arr = (np.asarray(rgb, dtype=np.float32) / 255.0 - MEAN) / STD  # [H, W, 3]
+    arr = np.asarray(rgb, dtype=np.uint8)  # [H, W, 3]
     gh, gw = padded[1] // PATCH, padded[0] // PATCH
-    pixels = torch.from_numpy(arr).view(gh, PATCH, gw, PATCH, 3).permute(0, 2, 4, 1, 3)
-    return ProcessedImage(pixels.reshape(gh * gw, 3, PATCH, PATCH).contiguous(), (1, gh, gw),
+    values = torch.from_numpy(arr.copy()).view(gh, PATCH, gw, PATCH, 3).permute(0, 2, 4, 1, 3)
+    assert (1, gh, gw) == grid_of(*size)
+    return ProcessedImage(values.reshape(gh * gw, 3, PATCH, PATCH).contiguous(), (1, gh, gw),
                           size)
 
 

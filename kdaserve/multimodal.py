@@ -57,18 +57,29 @@ class ImageInputs:
 def content_key(image: ProcessedImage) -> int:
     """A negative id from the image's pixels and grid (64 bits of SHA-256)."""
     h = hashlib.sha256(repr(image.grid).encode())
-    h.update(image.pixels.numpy().tobytes())
+    h.update(image.values.numpy().tobytes())
     return -1 - int.from_bytes(h.digest()[:8], "little") % (2 ** 62)
 
 
 def expand(ids: list[int], images: list[Image.Image], pad_id: int,
            encode: Callable[[str], list[int]]) -> tuple[list[int], ImageInputs]:
     """The prompt with image i's prompt in place of its i-th `<|media_pad|>` marker."""
+    check_markers(ids, len(images), pad_id)
+    return expand_processed(ids, [process(img) for img in images], pad_id, encode)
+
+
+def check_markers(ids: list[int], images: int, pad_id: int) -> None:
+    markers = ids.count(pad_id)
+    if markers != images:
+        raise ValueError(f"the prompt marks {markers} images (one <|media_pad|> each) but "
+                         f"{images} were given")
+
+
+def expand_processed(ids: list[int], processed: list[ProcessedImage], pad_id: int,
+                     encode: Callable[[str], list[int]]) -> tuple[list[int], ImageInputs]:
+    """As `expand`, the images processed already."""
+    check_markers(ids, len(processed), pad_id)
     markers = [i for i, t in enumerate(ids) if t == pad_id]
-    if len(markers) != len(images):
-        raise ValueError(f"the prompt marks {len(markers)} images (one <|media_pad|> each) but "
-                         f"{len(images)} were given")
-    processed = [process(img) for img in images]
     out: list[int] = []
     pads: list[int] = []
     prev = 0

@@ -206,6 +206,7 @@ class Request:
     hidden_states: list[torch.Tensor] = field(default_factory=list)  # [n, D] chunks from 0
     num_hidden: int = 0  # positions in hidden_states
     images: ImageInputs | None = None  # the prompt's images (K3), shared by n siblings
+    passed_images: bool = False  # has run (or been given from the cache) past the last pad
 
     @property
     def all_ids(self) -> list[int]:

@@ -94,8 +94,8 @@ class LLMEngine:
             if self.followers is not None:  # they wait for our pools: release them
                 self.followers.stop()
             raise
-        # deterministic inference: each request's images in a tower call of their own, so
-        # that no other request's images change their rows (a batch's GEMM blocking could)
+        # deterministic inference: each image in a tower call of its own, so that no other
+        # image changes its rows (a call's GEMM blocking could)
         self.runner = ModelRunner(self.model, self.blocks, self.states, self.device,
                                   self.followers, self.vision,
                                   config.enable_deterministic_inference)

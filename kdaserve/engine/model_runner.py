@@ -17,7 +17,7 @@ from kdaserve.engine.placeholders import resolve_inputs
 from kdaserve.engine.tensor_parallel import Followers
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
-from kdaserve.models.vision import VisionModel
+from kdaserve.models.vision import VisionModel, tower_calls
 from kdaserve.request import Request
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.step_record import StepRecord
@@ -68,19 +68,19 @@ class StepOutput(NamedTuple):
 class ModelRunner:
     def __init__(self, model: KimiLinearForCausalLM, blocks: BlockPool, states: StatePool,
                  device: torch.device, followers: Followers | None = None,
-                 vision: VisionModel | None = None, tower_per_request: bool = False) -> None:
+                 vision: VisionModel | None = None, tower_per_image: bool = False) -> None:
         self.model, self.blocks, self.states, self.device = model, blocks, states, device
         self.followers = followers  # tensor-parallel ranks running every forward with us
         self.graphs: CudaGraphRunner | None = None  # decode and verify steps replayed (CUDA)
         # plain decode batches in one native call where every op is the native kernel anyway
         self.native_decode = NativeDecode.for_model(model)
         self.vision = vision  # K3's tower, for requests with images
-        self.tower_per_request = tower_per_request  # a tower call per request, not per step
+        self.tower_per_image = tower_per_image  # a tower call per image (deterministic)
 
     def image_rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The images' rows at the pads this step runs (the input embeddings they replace),
         each request's computed once, when a chunk first reaches one of its pads: all such
-        requests' images in one tower call."""
+        requests' images in as few tower calls as `tower_calls` allows."""
         assert self.vision is not None
         spans, at = [], 0
         for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
@@ -91,14 +91,17 @@ class ModelRunner:
                 spans.append((req, at, start, min(start + n, len(req.prompt_ids))))
             at += n
         if not spans:
+            self._passed(batch)
             return None
         todo = list({id(r.images): r.images for r, *_ in spans if r.images.rows is None}
                     .values())
-        for group in ([[im] for im in todo] if self.tower_per_request else [todo] if todo
-                      else []):
-            rows = self.vision(torch.cat([im.pixels for im in group]).to(self.device),
-                               [g for im in group for g in im.grids])
-            for im in group:
+        flat = [p for im in todo for p in im.images]
+        if flat:
+            calls = tower_calls([p.grid for p in flat], self.tower_per_image)
+            rows = torch.cat([self.vision(torch.cat([p.pixels for p in flat[i:j]])
+                                          .to(self.device), [p.grid for p in flat[i:j]])
+                              for i, j in calls])
+            for im in todo:
                 im.rows, rows = rows[:im.pad_positions.numel()], rows[im.pad_positions.numel():]
         index, values = [], []
         for req, at, start, end in spans:
@@ -107,13 +110,22 @@ class ModelRunner:
             index.append(offsets.to(self.device) + at)
             values.append(rows)
         out = torch.cat(index), torch.cat(values)  # a copy: the rows may go now
-        for req, _, _, end in spans:
+        self._passed(batch)
+        return out
+
+    @staticmethod
+    def _passed(batch: ScheduledBatch) -> None:
+        """Counts the requests this step takes past their images' last pad, by running it or
+        by starting past it (a sibling resumed from the prefix cache): once none of the
+        siblings is left to, the rows go."""
+        for req, n in zip(batch.reqs, batch.num_new_tokens, strict=True):
             im = req.images
-            if im is not None and end > int(im.pad_positions[-1]):  # past its last pad
+            if im is not None and not req.passed_images \
+                    and req.num_computed_tokens + n > int(im.pad_positions[-1]):
+                req.passed_images = True
                 im.pending -= 1
                 if im.pending <= 0:
                     im.rows = None
-        return out
 
     def prepare(self, batch: ScheduledBatch) -> tuple[ForwardBatch, list[Request],
                                                       list[Rows]]:

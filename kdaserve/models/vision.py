@@ -163,6 +163,28 @@ class Projector(nn.Module):
         return self.post_norm(self.proj(x))
 
 
+# the most patches one pass through the blocks takes (one larger image goes alone): its MLP's
+# activations are this x 4,096 values (256 MiB in fp32), whatever a request sends
+CALL_PATCHES = 16384
+
+
+def tower_calls(grids: list[tuple[int, int, int]], per_image: bool = False,
+                ) -> list[tuple[int, int]]:
+    """The images [i, j) of each tower call, in order: as many as fit CALL_PATCHES, or each
+    alone with `per_image` (deterministic inference: an image's rows then depend on nothing
+    else, so a prefix-cache hit on it holds the same bits as computing it)."""
+    calls: list[tuple[int, int]] = []
+    start, patches = 0, 0
+    for i, (t, h, w) in enumerate(grids):
+        if i > start and (per_image or patches + t * h * w > CALL_PATCHES):
+            calls.append((start, i))
+            start, patches = i, 0
+        patches += t * h * w
+    if grids:
+        calls.append((start, len(grids)))
+    return calls
+
+
 class VisionModel(nn.Module):
     """Tower + projector: `forward(pixels, grids)` gives each image's rows for its pads."""
 

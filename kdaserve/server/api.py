@@ -8,7 +8,6 @@ status. The handlers live in one module per API (completions, chat, responses, n
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import uuid
@@ -43,6 +42,8 @@ from kdaserve.server.serving import (
     QueueFullError,
     ServerState,
     check_model,
+    has_images,
+    off_loop,
     until_disconnect,
 )
 
@@ -260,7 +261,8 @@ def _sglang_routes(app: FastAPI, state: ServerState) -> None:
               responses=oa.responses(oa.TokenizeResponse, {**oa.BODY, 404: oa._error(
                   "unknown model")}))
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        return await asyncio.to_thread(native.tokenize, state, req)
+        return await off_loop(state, has_images(req.messages or []), native.tokenize, state,
+                              req)
 
     @app.post("/detokenize", response_model=oa.DetokenizeResponse,
               responses=oa.responses(oa.DetokenizeResponse, {**oa.BODY, 404: oa._error(

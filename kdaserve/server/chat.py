@@ -4,7 +4,6 @@ output parser (reasoning, content, tool calls), whole or streamed."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,7 +49,9 @@ from kdaserve.server.serving import (
     check_length,
     check_model,
     first_then_rest,
+    has_images,
     last,
+    off_loop,
     sse,
     stream_error,
     timed,
@@ -150,9 +151,9 @@ class ChatHandler:
 
     def render(self, messages: list[dict[str, Any]], media: MediaLoader | None,
                tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-               **kwargs: Any) -> tuple[list[int], ImageInputs | None]:
+               *, room: int | None = None, **kwargs: Any) -> tuple[list[int], ImageInputs | None]:
         """The prompt's ids with each image's prompt in place (`media` loads and processes
-        them; None: the server takes no images)."""
+        them, the prompt within `room` tokens; None: the server takes no images)."""
         tok = self.tokenizer
         where = {id(part): f"messages[{i}].content[{j}]" for i, m in enumerate(messages)
                  if isinstance(m.get("content"), list) for j, part in enumerate(m["content"])
@@ -171,7 +172,8 @@ class ChatHandler:
         if not parts:
             return ids, None
         assert media is not None
-        return media.prepare(ids, [(where[id(p)], p["image_url"]["url"]) for p in parts])
+        return media.prepare(ids, [(where[id(p)], p["image_url"]["url"]) for p in parts],
+                             room=room)
 
     def plan(self, req: ChatCompletionRequest, room: int,
              media: MediaLoader | None = None) -> ChatPlan:
@@ -200,7 +202,7 @@ class ChatHandler:
             kwargs["tool_choice"] = req.tool_choice
         if req.response_format is not None:
             kwargs["response_format"] = req.response_format
-        ids, images = self.render(messages, media, tools or None, **kwargs)
+        ids, images = self.render(messages, media, tools or None, room=room, **kwargs)
         max_tokens = req.max_tokens if req.max_completion_tokens is None \
             else req.max_completion_tokens
         if max_tokens is None and self.default_max_tokens is not None:
@@ -253,7 +255,8 @@ class ChatHandler:
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
         # off the event loop: rendering and tokenizing a long conversation takes a while
-        plan = await asyncio.to_thread(self.plan, req, state.max_request_tokens, state.media)
+        plan = await off_loop(state, has_images(req.messages), self.plan, req,
+                              state.max_request_tokens, state.media)
         check_model(state, req.model)
         admit(state, plan.params.n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"

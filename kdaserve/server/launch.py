@@ -114,7 +114,8 @@ def media_limits(args: argparse.Namespace) -> MediaLimits:
             raise ValueError(f"{flag} must be positive")
     return MediaLimits(MediaLimits.max_images if images is None else images,
                        args.max_image_pixels, args.max_image_tokens, args.max_image_bytes,
-                       args.media_fetch_timeout, tuple(args.allowed_media_domains))
+                       args.media_fetch_timeout,
+                       tuple(d.rstrip(".").lower() for d in args.allowed_media_domains))
 
 
 def served_names(model: str, path: str, flag: str | None) -> tuple[str, tuple[str, ...]]:

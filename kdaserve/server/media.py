@@ -15,16 +15,21 @@ import io
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import unquote_to_bytes, urlsplit
 
 import httpx
 from PIL import Image
 
-from kdaserve.multimodal import ImageInputs, expand
+from kdaserve.image_processor import ProcessedImage, num_tokens, process
+from kdaserve.multimodal import ImageInputs, check_markers, expand_processed
 
 # what Pillow may decode: the web's image formats (not its many exotic plug-ins)
 FORMATS = ("PNG", "JPEG", "MPO", "WEBP", "GIF", "BMP")  # MPO: many cameras' JPEGs
+# requests with images are prepared on threads of their own: a slow image host then holds
+# these, never the threads that tokenize every other request
+WORKERS = 4
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,15 @@ class MediaLoader:
         self.pad_id = pad_id  # the engine's <|media_pad|> (None: it has no vision tower)
         self.refusal = refusal  # why the engine takes no images (None: it takes them)
         self.encode = encode  # the tokenizer's, special tokens allowed (the image prompts)
+        self.executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="media")
 
     def prepare(self, ids: list[int], sources: list[tuple[str, str]],
-                bare_base64: bool = False) -> tuple[list[int], ImageInputs | None]:
+                bare_base64: bool = False, room: int | None = None,
+                ) -> tuple[list[int], ImageInputs | None]:
         """The prompt with each image's prompt at its marker. `sources`: (where the image is
         in the request, its URL), in prompt order; `bare_base64`: a source that is no URL is
-        the file's base64 (SGLang's /generate)."""
+        the file's base64 (SGLang's /generate); `room`: the tokens the prompt may take.
+        Each image's tokens are counted from its header, before its pixels are decoded."""
         if not sources:
             return ids, None
         if self.refusal is not None:
@@ -77,17 +85,23 @@ class MediaLoader:
         if len(sources) > lim.max_images:
             raise ValueError(f"{len(sources)} images in one request; the server takes at most "
                              f"{lim.max_images} (--limit-mm-per-prompt)")
-        images = [self.load(url, where, bare_base64) for where, url in sources]
-        ids, inputs = expand(ids, images, self.pad_id, self.encode)
-        assert inputs is not None
-        tokens = len(inputs.pad_positions)
-        if lim.max_image_tokens is not None and tokens > lim.max_image_tokens:
-            raise ValueError(f"the request's images take {tokens} tokens; the server takes at "
-                             f"most {lim.max_image_tokens} (--max-image-tokens)")
-        return ids, inputs
+        check_markers(ids, len(sources), self.pad_id)
+        processed: list[ProcessedImage] = []
+        tokens = 0
+        for where, url in sources:
+            image = self.open(url, where, bare_base64)
+            tokens += num_tokens(*image.size)
+            if lim.max_image_tokens is not None and tokens > lim.max_image_tokens:
+                raise ValueError(f"the request's images take over {lim.max_image_tokens} "
+                                 "tokens (--max-image-tokens)")
+            if room is not None and len(ids) + tokens > room:
+                raise ValueError(f"the request's images take {tokens} tokens or more; with "
+                                 f"its text that is over the {room} tokens of the context")
+            processed.append(process(self.decoded(image, where)))
+        return expand_processed(ids, processed, self.pad_id, self.encode)
 
-    def load(self, url: str, where: str, bare_base64: bool = False) -> Image.Image:
-        """One image, decoded whole (a truncated file fails here, not in the engine)."""
+    def open(self, url: str, where: str, bare_base64: bool = False) -> Image.Image:
+        """One image's file, its header read and checked: nothing decoded yet."""
         if not isinstance(url, str) or not url:
             raise ValueError(f"{where}: an image must be given as a URL string")
         if url.startswith("data:"):
@@ -99,9 +113,9 @@ class MediaLoader:
         else:
             raise ValueError(f"{where}: an image URL must be a data: URL or an http(s) URL, got "
                              f"{url[:40]!r}")
-        return self.decode(data, where)
+        return self.header(data, where)
 
-    def decode(self, data: bytes, where: str) -> Image.Image:
+    def header(self, data: bytes, where: str) -> Image.Image:
         lim = self.limits
         try:
             image = Image.open(io.BytesIO(data), formats=FORMATS)
@@ -115,6 +129,11 @@ class MediaLoader:
         if w * h > lim.max_image_pixels:  # read from the header: nothing decoded yet
             raise ValueError(f"{where}: the image is {w}x{h} = {w * h} pixels; the server takes "
                              f"at most {lim.max_image_pixels} (--max-image-pixels)")
+        return image
+
+    @staticmethod
+    def decoded(image: Image.Image, where: str) -> Image.Image:
+        """The image decoded whole (a truncated file fails here, not in the engine)."""
         try:
             image.load()
         except Exception as e:  # noqa: BLE001 - truncated or corrupt data
@@ -151,7 +170,12 @@ class MediaLoader:
 
     def _fetch(self, url: str, where: str) -> bytes:
         lim = self.limits
-        host = urlsplit(url).hostname or ""
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - a malformed port raises here, not in the client
+        except ValueError as e:
+            raise ValueError(f"{where}: malformed image URL: {e}") from None
+        host = (parts.hostname or "").rstrip(".").lower()
         if host not in lim.allowed_domains:
             allowed = ", ".join(lim.allowed_domains) or "none"
             raise ValueError(f"{where}: images from host {host!r} are not allowed "
@@ -177,5 +201,5 @@ class MediaLoader:
         except httpx.TimeoutException:
             raise ValueError(f"{where}: fetching the image took over {lim.fetch_timeout:g} s "
                              "(--media-fetch-timeout)") from None
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise ValueError(f"{where}: the image could not be fetched: {e}") from None

@@ -29,6 +29,7 @@ from kdaserve.server.serving import (
     check_length,
     check_model,
     first_then_rest,
+    off_loop,
     sse,
     stream_error,
     timed,
@@ -135,17 +136,19 @@ async def generate(state: ServerState, req: GenerateRequest) -> Response:
         prompts = await asyncio.to_thread(lambda: [tok.encode(t) for t in texts])
     else:
         prompts = [req.input_ids] if single else list(req.input_ids)  # type: ignore[list-item]
+    sp = req.sampling_params
+    check_sequences(len(prompts), sp.n or 1)
     images: list[ImageInputs | None] = [None] * len(prompts)
     if req.image_data is not None:
         sources = _image_sources(req.image_data, single, len(prompts))
         media = state.media
         if media is None:
             raise ValueError("this server takes no images (it runs without a tokenizer)")
-        prepared = await asyncio.to_thread(lambda: [
-            media.prepare(p, s, bare_base64=True) for p, s in zip(prompts, sources, strict=True)])
+        room = state.max_request_tokens
+        prepared = await off_loop(state, True, lambda: [
+            media.prepare(p, s, bare_base64=True, room=room)
+            for p, s in zip(prompts, sources, strict=True)])
         prompts, images = [ids for ids, _ in prepared], [im for _, im in prepared]
-    sp = req.sampling_params
-    check_sequences(len(prompts), sp.n or 1)
     if state.tokenizer is None and (sp.stop or sp.regex or sp.json_schema or sp.ebnf):
         raise ValueError("stop strings and grammars need a tokenizer, but the server runs "
                          "with --skip-tokenizer-init")

@@ -66,6 +66,20 @@ def _texts(content: Any) -> list[str]:
     return [p.get("text", "") for p in content or [] if isinstance(p, dict)]
 
 
+def _parts(content: Any) -> list[dict[str, Any]]:
+    """A message's content as parts (already checked by `to_messages`)."""
+    if isinstance(content, str):
+        return [{"type": "input_text", "text": content}]
+    return [p for p in content or [] if isinstance(p, dict)]
+
+
+def _input_part(part: dict[str, Any]) -> dict[str, Any]:
+    if part.get("type") == "input_image":
+        return {"type": "input_image", "image_url": part["image_url"],
+                "detail": part.get("detail") or "auto"}
+    return {"type": "input_text", "text": part.get("text", "")}
+
+
 def _id(item: dict[str, Any], prefix: str) -> str:
     given = item.get("id")
     return given if isinstance(given, str) and given else f"{prefix}_{uuid.uuid4().hex}"
@@ -86,7 +100,7 @@ def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 parts = [{"type": "output_text", "text": t, "annotations": []}
                          for t in _texts(item.get("content"))]
             else:
-                parts = [{"type": "input_text", "text": t} for t in _texts(item.get("content"))]
+                parts = [_input_part(p) for p in _parts(item.get("content"))]
             out.append({"id": _id(item, "msg"), "type": "message", "role": role,
                         "content": parts, "status": "completed"})
         elif kind == "function_call":

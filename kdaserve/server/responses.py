@@ -11,7 +11,6 @@ responses' GET, DELETE and input_items routes.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import time
 import uuid
@@ -35,6 +34,8 @@ from kdaserve.server.serving import (
     admit,
     check_model,
     first_then_rest,
+    has_images,
+    off_loop,
     sse,
     timed,
 )
@@ -94,6 +95,8 @@ def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
         if kind not in ("input_text", "output_text", "text"):
             raise ValueError(f"{at}: only text and input_image parts are supported, got "
                              f"{kind!r}")
+        if not isinstance(part.get("text", ""), str):
+            raise ValueError(f"{at}.text must be a string")
         parts.append({"type": "text", "text": part.get("text", "")})
     if any(p["type"] == "image_url" for p in parts):
         return parts
@@ -330,7 +333,8 @@ async def create_response(state: ServerState, req: ResponsesRequest) -> Response
     turn = to_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     creq = to_chat(req, system + history + turn)
-    plan = await asyncio.to_thread(chat.plan, creq, state.max_request_tokens, state.media)
+    plan = await off_loop(state, has_images(creq.messages), chat.plan, creq,
+                          state.max_request_tokens, state.media)
     check_model(state, req.model)
     admit(state, 1)
     rid = f"resp_{uuid.uuid4().hex}"

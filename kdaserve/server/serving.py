@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -35,6 +36,9 @@ class Limits:
     max_queued_requests: int = 1024  # sequences in flight; more get 429 + Retry-After
     request_timeout: float | None = None  # seconds from arrival to the last token
     watchdog_timeout: float = 120.0  # no step this long with requests waiting: unhealthy
+
+
+T = TypeVar("T")
 
 
 class ChatEndpoint(Protocol):
@@ -134,6 +138,25 @@ async def timed(state: ServerState, prompt_ids: list[int], params: SamplingParam
     finally:
         state.in_flight -= params.n
         await gen.aclose()
+
+
+async def off_loop(state: ServerState, images: bool, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a worker thread, off the event loop: a request with images on the media
+    loader's own threads (fetching and decoding them may be slow), any other on asyncio's."""
+    if images and state.media is not None:
+        return await asyncio.get_running_loop().run_in_executor(
+            state.media.executor, functools.partial(fn, *args))
+    return await asyncio.to_thread(fn, *args)
+
+
+def has_images(messages: list[Any]) -> bool:
+    """Whether chat messages (dicts or models) have image parts."""
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else getattr(m, "content", None)
+        if isinstance(content, list) and any(
+                isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            return True
+    return False
 
 
 def admit(state: ServerState, sequences: int) -> None:

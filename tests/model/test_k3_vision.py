@@ -188,6 +188,20 @@ def test_prefix_cache_tells_images_apart(vl_llm: Any) -> None:
     vl_llm.check_integrity()
 
 
+def test_tower_calls_are_bounded() -> None:
+    """Images share a tower call up to CALL_PATCHES patches; one larger goes alone; with
+    per_image each goes alone."""
+    from kdaserve.models.vision import CALL_PATCHES, tower_calls
+
+    big, small = (1, 258, 258), (1, 32, 32)  # 66,564 and 1,024 patches
+    assert tower_calls([small] * 16) == [(0, 16)]
+    assert tower_calls([small] * 17) == [(0, 16), (16, 17)]
+    assert tower_calls([small, big, small]) == [(0, 1), (1, 2), (2, 3)]
+    assert tower_calls([small] * 3, per_image=True) == [(0, 1), (1, 2), (2, 3)]
+    assert tower_calls([]) == []
+    assert CALL_PATCHES == 16 * 1024
+
+
 def test_rows_are_dropped_once_every_sibling_passed_the_images(vl_llm: Any) -> None:
     """n = 2 siblings share one tower call; the rows go once both ran past the last pad,
     and both decode the same greedy tokens."""
@@ -214,9 +228,9 @@ def test_rows_are_dropped_once_every_sibling_passed_the_images(vl_llm: Any) -> N
 
 
 def test_deterministic_inference_with_images(vl_ckpt: Path) -> None:
-    """Under deterministic inference each request's images take a tower call of their own:
-    an image request's tokens and logprobs are bit-identical alone and beside other image
-    requests (whose images would otherwise share its GEMMs), and chunked."""
+    """Under deterministic inference each image takes a tower call of its own: an image
+    request's tokens and logprobs are bit-identical alone and beside other image requests
+    (whose images would otherwise share its GEMMs), and chunked."""
     from kdaserve import LLM, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
@@ -238,7 +252,7 @@ def test_deterministic_inference_with_images(vl_ckpt: Path) -> None:
     forward = tower.forward
     tower.forward = lambda pixels, grids: calls.append(len(grids)) or forward(pixels, grids)
     assert run(det, [1, 0, 2]) == alone
-    assert sorted(calls) == [1, 1, 2]  # a call per request (here the bits agree either way)
+    assert calls == [1, 1, 1, 1]  # a call per image (here the bits agree either way)
     chunked = LLM(vl_ckpt, enable_deterministic_inference=True, max_num_batched_tokens=16)
     assert run(chunked, [2, 0]) == alone
     det.check_integrity()

@@ -226,6 +226,10 @@ def test_chat_prompt_equals_moonshots_and_tokens_the_engines(
         "max_output_tokens": 6, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["input_tokens"] == len(thinking_ids) - 3
+    items = http.get(f"/v1/responses/{r.json()['id']}/input_items").json()["data"]
+    assert [p["type"] for p in items[0]["content"]] == ["input_text", "input_image"] * 2 + [
+        "input_text"]
+    assert items[0]["content"][1]["image_url"] == data_url(PNG)
 
 
 def test_second_turn_about_the_same_image_hits_the_cache(http: httpx.Client,
@@ -281,6 +285,8 @@ def _hostile(host: MediaHost) -> list[tuple[str, Any, str]]:
         ("missing", image_part(host.url("/nothing.png")), "HTTP 404"),
         ("slow", image_part(host.url("/slow.png")), "--media-fetch-timeout"),
         ("file path", image_part("/etc/passwd"), "data: URL or an http"),
+        ("bad port", image_part(host.url("/a.jpg").replace(f":{host.port}", ":port")),
+         "malformed image URL"),
         ("detail", {"type": "image_url", "image_url": {"url": data_url(PNG), "detail": "high"}},
          "detail 'high'"),
         ("too many", [image_part(data_url(JPEG))] * 4, "--limit-mm-per-prompt"),
