@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from kdaserve.image_processor import ProcessedImage, image_prompt, process
+from kdaserve.image_processor import (
+    DEFAULT,
+    ProcessedImage,
+    ProcessorConfig,
+    image_prompt,
+    process,
+)
 
 
 @dataclass(eq=False)
@@ -62,10 +68,11 @@ def content_key(image: ProcessedImage) -> int:
 
 
 def expand(ids: list[int], images: list[Image.Image], pad_id: int,
-           encode: Callable[[str], list[int]]) -> tuple[list[int], ImageInputs]:
+           encode: Callable[[str], list[int]], processor: ProcessorConfig = DEFAULT,
+           ) -> tuple[list[int], ImageInputs]:
     """The prompt with image i's prompt in place of its i-th `<|media_pad|>` marker."""
     check_markers(ids, len(images), pad_id)
-    return expand_processed(ids, [process(img) for img in images], pad_id, encode)
+    return expand_processed(ids, [process(img, processor) for img in images], pad_id, encode)
 
 
 def check_markers(ids: list[int], images: int, pad_id: int) -> None:

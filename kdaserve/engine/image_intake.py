@@ -6,21 +6,24 @@ from __future__ import annotations
 
 from PIL import Image
 
+from kdaserve.image_processor import DEFAULT, ProcessorConfig
 from kdaserve.multimodal import ImageInputs, expand
 from kdaserve.tokenizer import Tokenizer
 
 
 class ImageIntake:
     def __init__(self, pad_id: int | None, tokenizer: Tokenizer | None,
-                 refusal: str | None) -> None:
+                 refusal: str | None, processor: ProcessorConfig = DEFAULT) -> None:
         self.pad_id = pad_id  # `<|media_pad|>`, which marks an image (None: no tower)
         self.tokenizer = tokenizer
         self.refusal = refusal  # why images are refused (None: they are taken)
+        self.processor = processor  # the checkpoint's preprocessor_config.json
 
     @property
     def info(self) -> dict[str, object]:
         """What a server needs to prepare images for this engine."""
-        return {"media_pad_id": self.pad_id, "image_refusal": self.refusal}
+        return {"media_pad_id": self.pad_id, "image_refusal": self.refusal,
+                "image_processor": self.processor}
 
     def expand(self, ids: list[int], images: list[Image.Image],
                ) -> tuple[list[int], ImageInputs | None]:
@@ -31,7 +34,7 @@ class ImageIntake:
         if self.refusal is not None:
             raise ValueError(self.refusal)
         assert self.pad_id is not None and self.tokenizer is not None
-        return expand(ids, images, self.pad_id, self.tokenizer.encode)
+        return expand(ids, images, self.pad_id, self.tokenizer.encode, self.processor)
 
     def check(self, ids: list[int], images: ImageInputs | None) -> None:
         """An expanded prompt's images: each pad has its row, and no marker goes without."""

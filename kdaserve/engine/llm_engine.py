@@ -37,6 +37,7 @@ from kdaserve.engine.rl import EngineAsleep, RLControl
 from kdaserve.engine.sampler import Sampler
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.tensor_parallel import Followers, join_expert_parallel, with_init_addr
+from kdaserve.image_processor import ProcessorConfig
 from kdaserve.kernels import resolve_kernels
 from kdaserve.kernels.host_memory import keep_freed_memory
 from kdaserve.layers.parallel import SINGLE, SINGLE_EP
@@ -136,9 +137,10 @@ class LLMEngine:
         self.overlap = (self.device.type == "cuda" and not config.disable_overlap_schedule
                         and self.spec is None and self.pd is None and self.ep.size == 1
                         and self.followers is None and config.itl_target_ms is None)
-        self.images = ImageIntake(None if self.vision is None else
-                                  self.vision.config.media_pad_id, self.tokenizer,
-                                  self.image_refusal())
+        self.images = ImageIntake(
+            None if self.vision is None else self.vision.config.media_pad_id, self.tokenizer,
+            self.image_refusal(), ProcessorConfig.from_pretrained(self.path)
+            if self.vision is not None else ProcessorConfig())
         torch.manual_seed(config.seed)  # unseeded sampling: reproducible per engine run
 
     def _build(self, config: EngineConfig) -> None:

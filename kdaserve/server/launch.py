@@ -273,7 +273,8 @@ async def _serve(args: argparse.Namespace) -> str | None:
                          if isinstance(v, str | int | float | bool | None) and k != "api_key"})
         if tokenizer is not None:
             state.media = MediaLoader(image_limits, engine.info.get("media_pad_id"),
-                                      engine.info.get("image_refusal"), tokenizer.encode)
+                                      engine.info.get("image_refusal"), tokenizer.encode,
+                                      engine.info["image_processor"])
         engine.on_restart.append(state.engine_restarted)
         app = create_app(state)
         server = _server_class()(uvicorn.Config(

@@ -22,7 +22,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 import httpx
 from PIL import Image
 
-from kdaserve.image_processor import ProcessedImage, num_tokens, process
+from kdaserve.image_processor import DEFAULT, ProcessedImage, ProcessorConfig, num_tokens, process
 from kdaserve.multimodal import ImageInputs, check_markers, expand_processed
 
 # what Pillow may decode: the web's image formats (not its many exotic plug-ins)
@@ -62,11 +62,13 @@ def parse_mm_limit(raw: str | None) -> int | None:
 
 class MediaLoader:
     def __init__(self, limits: MediaLimits, pad_id: int | None, refusal: str | None,
-                 encode: Callable[[str], list[int]]) -> None:
+                 encode: Callable[[str], list[int]], processor: ProcessorConfig = DEFAULT,
+                 ) -> None:
         self.limits = limits
         self.pad_id = pad_id  # the engine's <|media_pad|> (None: it has no vision tower)
         self.refusal = refusal  # why the engine takes no images (None: it takes them)
         self.encode = encode  # the tokenizer's, special tokens allowed (the image prompts)
+        self.processor = processor  # the checkpoint's preprocessor_config.json
         self.executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="media")
 
     def prepare(self, ids: list[int], sources: list[tuple[str, str]],
@@ -97,7 +99,7 @@ class MediaLoader:
             if room is not None and len(ids) + tokens > room:
                 raise ValueError(f"the request's images take {tokens} tokens or more; with "
                                  f"its text that is over the {room} tokens of the context")
-            processed.append(process(self.decoded(image, where)))
+            processed.append(process(self.decoded(image, where), self.processor))
         return expand_processed(ids, processed, self.pad_id, self.encode)
 
     def open(self, url: str, where: str, bare_base64: bool = False) -> Image.Image:

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -306,3 +308,74 @@ def test_image_prompts_match_mlx_vlm_on_the_real_tokenizer() -> None:
                                "<|kimi_image_placeholder|>and<|kimi_image_placeholder|>.")
     assert ours == np.array(out["input_ids"])[0].tolist()
     assert inputs.pad_positions.tolist() == [i for i, t in enumerate(ours) if t == pad]
+
+
+def alpha_images() -> list[Image.Image]:
+    """Images with transparency of each kind: RGBA with graded alpha, LA, palette with a
+    transparent index, and an RGB one (no alpha)."""
+    g = np.random.RandomState(5)
+    rgba = g.randint(0, 256, (70, 90, 4), np.uint8)
+    rgba[..., 3] = np.linspace(0, 255, 90, dtype=np.uint8)[None, :]
+    la = np.stack([g.randint(0, 256, (40, 30), np.uint8),
+                   g.randint(0, 256, (40, 30), np.uint8)], -1)
+    pal = Image.fromarray(g.randint(0, 256, (30, 50, 3), np.uint8)).convert("P")
+    pal.info["transparency"] = 3
+    return [Image.fromarray(rgba, "RGBA"), Image.fromarray(la, "LA"), pal,
+            Image.fromarray(g.randint(0, 256, (28, 28, 3), np.uint8))]
+
+
+@pytest.mark.parametrize(("background", "stage"), [
+    ({"pattern": "chessboard", "chessboard_square_size": 4}, "before_resize"),
+    ({"pattern": "chessboard", "chessboard_square_on_top_left": False,
+      "chessboard_gray_value": 90}, "after_resize"),
+    ({"pattern": "white"}, "after_resize"),
+    ({"pattern": "gray"}, "before_resize"),
+    (None, "before_resize"),
+])
+def test_transparent_pixels_filled_as_mlx_vlm(background: Any, stage: str) -> None:
+    """With the checkpoint's transparent_bg_config, each kind of transparent image's patches
+    equal mlx-vlm's processor's with the same config, before or after the resize."""
+    from kdaserve.image_processor import ProcessorConfig
+
+    config = ProcessorConfig.from_dict({"transparent_bg_config": background,
+                                        "transparent_bg_fill_stage": stage})
+    ref = kimi_k3.ImageProcessor(transparent_bg_config=background,
+                                 transparent_bg_fill_stage=stage)
+    big = Image.fromarray(np.random.RandomState(6).randint(0, 256, (600, 900, 4), np.uint8))
+    for img in [*alpha_images(), big]:  # the big one is resized
+        out = ref([img])
+        assert torch.equal(process(img, config).pixels,
+                           torch.from_numpy(np.array(out["pixel_values"]))), img.mode
+
+
+def test_the_checkpoints_processor_config_is_used(vl_ckpt: Path, tmp_path: Path) -> None:
+    """preprocessor_config.json's media_proc_cfg reaches the engine's and the server's image
+    processing; a value K3's processor does not have is refused by name."""
+    import shutil
+
+    from kdaserve import LLM
+    from kdaserve.image_processor import ProcessorConfig
+    from kdaserve.server.media import MediaLimits, MediaLoader
+
+    ckpt = tmp_path / "vl"
+    shutil.copytree(vl_ckpt, ckpt)
+    cfg = {"transparent_bg_config": {"pattern": "white"}, "patch_size": 14,
+           "merge_kernel_size": 2, "image_mean": [0.5, 0.5, 0.5]}
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": cfg}))
+    want = process(alpha_images()[0], ProcessorConfig.from_dict(cfg))
+    assert not torch.equal(want.values, process(alpha_images()[0]).values)
+    engine = LLM(ckpt).engine
+    _, inputs = engine.images.expand(engine.encode("x<|media_pad|>"), alpha_images()[:1])
+    assert inputs is not None and torch.equal(inputs.images[0].values, want.values)
+    assert engine.images.info["image_processor"] == ProcessorConfig.from_dict(cfg)
+    buf = io.BytesIO()
+    alpha_images()[0].save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    loader = MediaLoader(MediaLimits(), engine.images.pad_id, None, engine.tokenizer.encode,
+                         engine.images.info["image_processor"])
+    _, served = loader.prepare(engine.encode("x<|media_pad|>"), [("image", url)])
+    assert served is not None and torch.equal(served.images[0].values, want.values)
+    (ckpt / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": {
+        "patch_size": 16}}))
+    with pytest.raises(ValueError, match="media_proc_cfg.patch_size=16"):
+        LLM(ckpt)
