@@ -26,6 +26,7 @@ from kdaserve.request import SamplingParams
 from kdaserve.server import native, response_store, rl
 from kdaserve.server import openapi as oa
 from kdaserve.server.chat import chat_handler
+from kdaserve.server.chat_template import image_parts
 from kdaserve.server.completions import create_completion
 from kdaserve.server.guards import ApiKeyMiddleware, BodyGuard
 from kdaserve.server.protocol import (
@@ -42,7 +43,6 @@ from kdaserve.server.serving import (
     QueueFullError,
     ServerState,
     check_model,
-    has_images,
     off_loop,
     until_disconnect,
 )
@@ -261,8 +261,8 @@ def _sglang_routes(app: FastAPI, state: ServerState) -> None:
               responses=oa.responses(oa.TokenizeResponse, {**oa.BODY, 404: oa._error(
                   "unknown model")}))
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        return await off_loop(state, has_images(req.messages or []), native.tokenize, state,
-                              req)
+        return await off_loop(state, bool(image_parts(req.messages or [])), native.tokenize,
+                              state, req)
 
     @app.post("/detokenize", response_model=oa.DetokenizeResponse,
               responses=oa.responses(oa.DetokenizeResponse, {**oa.BODY, 404: oa._error(

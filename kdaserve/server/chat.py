@@ -35,7 +35,7 @@ from kdaserve.server.chat_request import (
     resolve_thinking,
     resolve_tool_choice,
 )
-from kdaserve.server.chat_template import ChatTemplate
+from kdaserve.server.chat_template import ChatTemplate, image_parts
 from kdaserve.server.k3_parser import Event
 from kdaserve.server.k3_render import CONTROL_TOKENS as K3_CONTROL_TOKENS
 from kdaserve.server.k3_render import K3Renderer, is_kimi_k3
@@ -49,7 +49,6 @@ from kdaserve.server.serving import (
     check_length,
     check_model,
     first_then_rest,
-    has_images,
     last,
     off_loop,
     sse,
@@ -155,9 +154,7 @@ class ChatHandler:
         """The prompt's ids with each image's prompt in place (`media` loads and processes
         them, the prompt within `room` tokens; None: the server takes no images)."""
         tok = self.tokenizer
-        where = {id(part): f"messages[{i}].content[{j}]" for i, m in enumerate(messages)
-                 if isinstance(m.get("content"), list) for j, part in enumerate(m["content"])
-                 if isinstance(part, dict) and part.get("type") == "image_url"}
+        where = {id(part): at for at, part in image_parts(messages)}
         if where:  # why images cannot be taken, before any is loaded
             first = next(iter(where.values()))
             if media is None or media.refusal is not None:
@@ -255,7 +252,7 @@ class ChatHandler:
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from e
         # off the event loop: rendering and tokenizing a long conversation takes a while
-        plan = await off_loop(state, has_images(req.messages), self.plan, req,
+        plan = await off_loop(state, bool(image_parts(req.messages)), self.plan, req,
                               state.max_request_tokens, state.media)
         check_model(state, req.model)
         admit(state, plan.params.n)

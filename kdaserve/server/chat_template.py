@@ -182,11 +182,10 @@ class ChatTemplate:
         """Prompt text for `messages` (OpenAI chat format) and optional OpenAI `tools`. `kwargs`
         (e.g. a request's `chat_template_kwargs`) become template variables."""
         validate_messages(messages)
-        for i, m in enumerate(messages):  # a template would render them as text, or drop them
-            for j, part in enumerate(m["content"] if isinstance(m.get("content"), list) else []):
-                if part.get("type") == "image_url":
-                    raise ValueError(f"messages[{i}].content[{j}]: images need Kimi K3's chat "
-                                     f"format, not this chat template ({self.origin})")
+        images = image_parts(messages)  # a template would render them as text, or drop them
+        if images:
+            raise ValueError(f"{images[0][0]}: images need Kimi K3's chat format, not this chat "
+                             f"template ({self.origin})")
         if tools is not None:
             check_tools(tools, "tools")
             tools = deep_sort(tools)  # as Moonshot's apply_chat_template: keys sorted
@@ -242,6 +241,18 @@ def _config_template(value: Any, config_path: Path) -> str | None:
         f"chat_template in {config_path} must be a string or a list of named templates, "
         f"got {type(value).__name__}"
     )
+
+
+def image_parts(messages: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(where, part) of each `image_url` part, in message order; messages as dicts or as the
+    request's message models."""
+    found = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, Mapping) else getattr(m, "content", None)
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if isinstance(part, Mapping) and part.get("type") == "image_url":
+                found.append((f"messages[{i}].content[{j}]", part))
+    return found
 
 
 def validate_messages(messages: Any) -> None:

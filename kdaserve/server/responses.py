@@ -22,6 +22,7 @@ from pydantic import Field
 
 from kdaserve.client.request_client import EngineError
 from kdaserve.server.chat import ChatPlan, chat_handler
+from kdaserve.server.chat_template import image_parts
 from kdaserve.server.k3_parser import Event
 from kdaserve.server.protocol import ChatCompletionRequest, Seed, Strict
 from kdaserve.server.response_store import (
@@ -34,7 +35,6 @@ from kdaserve.server.serving import (
     admit,
     check_model,
     first_then_rest,
-    has_images,
     off_loop,
     sse,
     timed,
@@ -333,7 +333,7 @@ async def create_response(state: ServerState, req: ResponsesRequest) -> Response
     turn = to_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     creq = to_chat(req, system + history + turn)
-    plan = await off_loop(state, has_images(creq.messages), chat.plan, creq,
+    plan = await off_loop(state, bool(image_parts(creq.messages)), chat.plan, creq,
                           state.max_request_tokens, state.media)
     check_model(state, req.model)
     admit(state, 1)

@@ -149,16 +149,6 @@ async def off_loop(state: ServerState, images: bool, fn: Callable[..., T], *args
     return await asyncio.to_thread(fn, *args)
 
 
-def has_images(messages: list[Any]) -> bool:
-    """Whether chat messages (dicts or models) have image parts."""
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else getattr(m, "content", None)
-        if isinstance(content, list) and any(
-                isinstance(p, dict) and p.get("type") == "image_url" for p in content):
-            return True
-    return False
-
-
 def admit(state: ServerState, sequences: int) -> None:
     """Room for a request's sequences (prompts x n) among those in flight, checked before it
     starts: 429 when the server is full now, 400 when it never could take this many."""
