@@ -21,6 +21,9 @@ class BlockPool:
         self.kv = torch.zeros(len(config.mla_layers), num_blocks + 1, block_size,
                               config.latent_dim, dtype=dtype, device=device)
         self.refcount = [0] * num_blocks
+        # bumped each time a block is handed out: what was written into a block for earlier
+        # tokens (a context drafter's pages, speculative/context_pages.py) is then stale
+        self.generation = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
 
     @staticmethod
@@ -41,6 +44,7 @@ class BlockPool:
         out = [self._free.pop() for _ in range(n)]
         for b in out:
             self.refcount[b] = 1
+            self.generation[b] += 1
         return out
 
     def share(self, blocks: list[int]) -> None:

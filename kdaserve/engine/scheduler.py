@@ -57,6 +57,7 @@ class RequestHooks(Protocol):
     follows the request's caches)."""
 
     def on_admit(self, req: Request) -> None: ...
+    def on_release(self, req: Request) -> None: ...  # before its blocks are freed
     def on_finish(self, req: Request) -> None: ...
     def on_abort(self, req: Request) -> None: ...
     def on_preempt(self, req: Request) -> None: ...
@@ -120,6 +121,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _release(self, req: Request) -> None:
+        if self.hooks is not None and req.block_ids:
+            self.hooks.on_release(req)
         if req.cache_node is not None:
             assert self.cache is not None
             self.cache.unlock(req.cache_node)

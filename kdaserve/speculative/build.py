@@ -4,6 +4,7 @@ target, and the adaptive policy."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ from kdaserve.speculative.schedule import StepCost
 from kdaserve.speculative.token_map import load_token_map
 from kdaserve.speculative.verify import Speculator
 
+logger = logging.getLogger("kdaserve")
+
 
 def build_speculator(c: EngineConfig, draft_path: Path | None, model: KimiLinearForCausalLM,
                      kernels: Kernels, dtype: torch.dtype, device: torch.device,
@@ -45,7 +48,9 @@ def build_speculator(c: EngineConfig, draft_path: Path | None, model: KimiLinear
         drafter = NgramDrafter(k, c.speculative_ngram_max, c.speculative_ngram_min)
     elif published and c.speculative_algorithm in ("dspark", "dflash"):
         assert draft_path is not None
-        drafter = ContextDrafter.load(draft_path, model, dtype, device)
+        drafter = ContextDrafter.load(draft_path, model, dtype, device, blocks)
+        logger.info("drafter context pages: %d blocks x %d tokens, %.1f MiB",
+                    blocks.num_blocks, blocks.block_size, drafter.pages.nbytes / 2**20)
         drafter.configure(c.speculative_num_draft_tokens, c.speculative_dspark_block_size)
     else:
         assert draft_path is not None  # EngineConfig checks

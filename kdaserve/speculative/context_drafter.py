@@ -3,11 +3,11 @@ config.json and tensors, with a context cache per request.
 
 The target taps every position it commits (prefill chunks, the accepted part of a verify:
 `Drafter.context_stream`), and `on_context` turns those rows into the drafter's per-layer
-cache entries at once: GQA keys and values, or MLA's normed latent and roped k_pe. A position
-whose taps never came (a prefix-cache hit's tokens, a request that arrived from a prefill
-server) is simply not in the context: the cache holds positions [start, start + n), and
-drafts stay lossless, only less often accepted. A preempted request drops its cache and
-rebuilds it as it is recomputed. Verification is greedy against point-mass drafts, as for
+cache entries at once: GQA keys and values, or MLA's normed latent and roped k_pe. The entries
+are paged in the target's KV blocks (`context_pages.py`), so a prefix-cache hit brings the
+context of the tokens it skips; a position whose taps never came (taps stopped while nothing
+drafted, a request that arrived from a prefill server) is masked: drafts stay lossless, only
+less often accepted. Verification is greedy against point-mass drafts, as for
 every drafter (`speculative/verify.py`).
 """
 
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from kdaserve.cache.block_pool import BlockPool
 from kdaserve.config import ModelConfig
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
@@ -36,6 +37,7 @@ from kdaserve.speculative.context_net import (
     config_dict,
     random_weights,
 )
+from kdaserve.speculative.context_pages import ContextPages
 from kdaserve.speculative.drafter import Drafter
 
 # what the target shares with its drafter: skipped where a checkpoint holds a copy
@@ -211,68 +213,54 @@ def make_context_drafter(out: str | Path, target: ModelConfig, fmt: str, seed: i
     return save_net(c, random_weights(ContextDraftNet(c), seed), out)
 
 
-# A context's taps wait unprojected until the request drafts (or this many rows wait: K3's
-# five taps are 72 KB a position in bf16, the projected entries 5.8 KB): a request that never
-# drafts (its drafts stopped, a batch too large to pay) costs copies, not projections.
-# Measured on k3-bench at batch 16 (16 five-shot prompts a wave): projecting every prompt row
-# as it came cost 16-31 ms a step.
+# A request's taps wait unprojected until it drafts (or this many rows wait: K3's five taps
+# are 72 KB a position in bf16, the projected entries 5.8 KB): a request that never drafts
+# (its drafts stopped, a batch too large to pay) costs copies, not projections. Measured on
+# k3-bench at batch 16 (16 five-shot prompts a wave): projecting every prompt row as it came
+# cost 16-31 ms a step.
 FLUSH_ROWS = 4096
 
 
 @dataclass
-class ContextCache:
-    """A request's drafter context: positions [start, start + n) as per-layer entries
-    ([capacity, ...] each), then `pending` taps not projected yet."""
+class Pending:
+    """A request's taps not projected yet, as (first position, rows) parts."""
 
-    start: int
-    layers: list[torch.Tensor] = field(default_factory=list)
-    n: int = 0
-    pending: list[torch.Tensor] = field(default_factory=list)
-    num_pending: int = 0
-
-    @property
-    def end(self) -> int:
-        """The next position the context expects."""
-        return self.start + self.n + self.num_pending
-
-    def append(self, entries: list[torch.Tensor]) -> None:
-        m = entries[0].shape[0]
-        if not self.layers or self.n + m > self.layers[0].shape[0]:  # grow by doubling
-            cap = max(2 * (self.n + m), 16)
-            grown = [e.new_empty(cap, *e.shape[1:]) for e in entries]
-            for g, old in zip(grown, self.layers, strict=False):
-                g[:self.n] = old[:self.n]
-            self.layers = grown
-        for layer, e in zip(self.layers, entries, strict=True):
-            layer[self.n:self.n + m] = e
-        self.n += m
+    req: Request
+    parts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    num: int = 0
 
 
 class ContextDrafter(Drafter):
     wants_hidden = True
 
     def __init__(self, net: ContextDraftNet, target: KimiLinearForCausalLM,
-                 device: torch.device) -> None:
+                 device: torch.device, pool: BlockPool) -> None:
         self.net, self.target, self.device = net, target, device
         self.fmt: DrafterFormat = net.c.fmt
         self.taps = net.c.taps
         self.context_stream = net.c.fmt.tap_stream
-        self.caches: dict[int, ContextCache] = {}  # id(req) -> its context
+        dtype = next(net.parameters()).dtype
+        # the projected context, in the target's blocks (context_pages.py)
+        self.pages = ContextPages(pool, net.c.cache_width, net.c.num_layers, dtype, device)
+        self.pending: dict[int, Pending] = {}  # id(req) -> its taps not projected yet
+        # requests that have drafted: their last taps are projected before their blocks go
+        # to the prefix cache (one that never drafted leaves its positions empty there)
+        self.drafting: set[int] = set()
         self._survival: dict[int, list[float]] = {}
         self.configure(None, None)
 
     @classmethod
     def load(cls, path: Path, target: KimiLinearForCausalLM, dtype: torch.dtype,
-             device: torch.device) -> ContextDrafter:
+             device: torch.device, pool: BlockPool) -> ContextDrafter:
         """The projections and norms run the target's kernels (its `linear` and
-        `rms_norm` ops, chosen at its build)."""
+        `rms_norm` ops, chosen at its build); the context is paged in `pool`'s blocks."""
         net = load_net(path, target.config, dtype, device)
         for m in net.modules():
             if isinstance(m, Proj):
                 m.op = target.kernels.linear
             elif isinstance(m, RMSNorm):
                 m.op = target.kernels.rms_norm
-        return cls(net, target, device)
+        return cls(net, target, device, pool)
 
     def configure(self, num_draft_tokens: int | None, dspark_block_size: int | None) -> None:
         """SGLang's meaning of the flags: DSpark's block has gamma rows
@@ -293,29 +281,29 @@ class ContextDrafter(Drafter):
         self.k = self.block_size - self.fmt.first_draft_row
 
     def on_context(self, req: Request, rows: torch.Tensor, start: int) -> None:
-        cache = self.caches.get(id(req))
-        if cache is None or cache.end != start:  # new, or after a gap: from here on
-            cache = self.caches[id(req)] = ContextCache(start)
-        cache.pending.append(rows.clone())  # not a view that keeps the whole forward's taps
-        cache.num_pending += rows.shape[0]
-        if cache.num_pending >= FLUSH_ROWS:
-            self.project([cache])
+        p = self.pending.setdefault(id(req), Pending(req))
+        p.parts.append((start, rows.clone()))  # not a view that keeps the whole forward's taps
+        p.num += rows.shape[0]
+        if p.num >= FLUSH_ROWS:
+            self.project([p])
 
     @torch.inference_mode()
-    def project(self, caches: list[ContextCache]) -> None:
-        """The caches' pending taps into context entries, in one pass for all of them."""
-        waiting = [c for c in caches if c.num_pending]
+    def project(self, waiting: list[Pending]) -> None:
+        """Pending taps into context entries in their requests' pages, in one pass for all
+        of them (the requests hold the blocks of every pending position)."""
+        waiting = [p for p in waiting if p.num]
         if not waiting:
             return
-        rows = torch.cat([r for c in waiting for r in c.pending])
-        pos = torch.cat([torch.arange(c.start + c.n, c.end, device=self.device)
-                         for c in waiting])
+        rows = torch.cat([r for p in waiting for _, r in p.parts])
+        pos = torch.cat([torch.arange(s, s + r.shape[0], device=self.device)
+                         for p in waiting for s, r in p.parts])
         entries = self.net.context(rows, pos)
         at = 0
-        for c in waiting:
-            c.append([e[at:at + c.num_pending] for e in entries])
-            at += c.num_pending
-            c.pending, c.num_pending = [], 0
+        for p in waiting:
+            self.pages.write(p.req.block_ids, pos[at:at + p.num],
+                             [e[at:at + p.num] for e in entries])
+            at += p.num
+            p.parts, p.num = [], 0
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request]) -> None:
@@ -325,25 +313,21 @@ class ContextDrafter(Drafter):
         k = max((self.max_draft_tokens(r) for r in reqs), default=0)
         if k == 0:
             return
-        self.project([c for c in (self.caches.get(id(r)) for r in reqs) if c is not None])
-        B, N, S = len(reqs), self.block_size, max(
-            (c.n for c in (self.caches.get(id(r)) for r in reqs) if c), default=0)
-        widths = self.net.c.cache_width
-        dtype = next(self.net.parameters()).dtype
-        mask = torch.zeros(B, S, dtype=torch.bool, device=self.device)
-        one = self.caches.get(id(reqs[0])) if B == 1 and S else None
-        if one is not None:  # one request: its cache as it is, no padded copy
-            ctx = [layer[None, :one.n] for layer in one.layers]
-            mask[:] = True
+        self.drafting.update(id(r) for r in reqs)
+        self.project([p for p in (self.pending.get(id(r)) for r in reqs) if p is not None])
+        read = [self.pages.read(r.block_ids, r.num_computed_tokens) for r in reqs]
+        B, N, S = len(reqs), self.block_size, max(r.num_computed_tokens for r in reqs)
+        if B == 1:  # one request: its entries as read, no padded copy
+            ctx = [e[None] for e in read[0][0]]
+            mask = read[0][1][None]
         else:
-            ctx = [torch.zeros(B, S, *widths, dtype=dtype, device=self.device)
-                   for _ in range(self.net.c.num_layers)]
-            for b, req in enumerate(reqs):
-                cache = self.caches.get(id(req))
-                if cache is not None and cache.n:
-                    for dst, src in zip(ctx, cache.layers, strict=True):
-                        dst[b, :cache.n] = src[:cache.n]
-                    mask[b, :cache.n] = True
+            mask = torch.zeros(B, S, dtype=torch.bool, device=self.device)
+            ctx = [layer.new_zeros(B, S, *layer.shape[2:]) for layer in self.pages.layers]
+            for b, (entries, valid) in enumerate(read):
+                for dst, src in zip(ctx, entries, strict=True):
+                    dst[b, :src.shape[0]] = src
+                mask[b, :valid.shape[0]] = valid
+        dtype = next(self.net.parameters()).dtype
         anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.device)
         ids = torch.full((B, N), self.net.c.mask_token_id, device=self.device)
         ids[:, 0] = anchors
@@ -361,8 +345,17 @@ class ContextDrafter(Drafter):
     def survival(self, req: Request) -> list[float] | None:
         return self._survival.get(id(req))
 
+    def on_release(self, req: Request) -> None:
+        """req's blocks are about to go (to the prefix cache, or free): a request that has
+        drafted projects its last taps into them, for a later turn or its own recompute."""
+        p = self.pending.get(id(req))
+        if p is not None and id(req) in self.drafting:
+            self.project([p])
+
     def on_finish(self, req: Request) -> None:
-        self.caches.pop(id(req), None)
+        self.pending.pop(id(req), None)
+        self.drafting.discard(id(req))
 
     def check_integrity(self, idle: bool = False) -> None:
-        assert not (idle and self.caches), "drafter contexts of finished requests not released"
+        assert not (idle and (self.pending or self.drafting)), \
+            "drafter state of finished requests not released"

@@ -65,6 +65,10 @@ class Drafter:
         start + m - 1, which this step committed (a prefill chunk's, or a verify's anchor and
         accepted drafts)."""
 
+    def on_release(self, req: Request) -> None:
+        """req's KV blocks are about to be released (it finished or was preempted; the prefix
+        cache may keep them): state kept in them is written now."""
+
     def on_finish(self, req: Request) -> None:
         """req finished (stop or length): release its drafter state."""
 

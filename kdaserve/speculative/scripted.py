@@ -74,6 +74,10 @@ class ScriptedDrafter(Drafter):
         if self.inner is not None:
             self.inner.on_admit(req)
 
+    def on_release(self, req: Request) -> None:
+        if self.inner is not None:
+            self.inner.on_release(req)
+
     def on_finish(self, req: Request) -> None:
         self.proposed.pop(id(req), None)
         if self.inner is not None:

@@ -256,6 +256,9 @@ class Speculator:
     def on_admit(self, req: Request) -> None:
         self.drafter.on_admit(req)
 
+    def on_release(self, req: Request) -> None:
+        self.drafter.on_release(req)
+
     def on_finish(self, req: Request) -> None:
         self.adaptive.forget(req)
         self.drafter.on_finish(req)

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kdaserve import LLM, SamplingParams
+from kdaserve.cache.block_pool import BlockPool
 from kdaserve.checkpoint import preset_config
 from kdaserve.request import Request
 from kdaserve.speculative.context_drafter import (
-    ContextCache,
     ContextDrafter,
     load_net,
     make_context_drafter,
@@ -136,7 +136,7 @@ class Recording(ContextDrafter):
     """Keeps every context row the engine hands over: (prompt, first position, rows)."""
 
     def __init__(self, inner: ContextDrafter) -> None:
-        super().__init__(inner.net, inner.target, inner.device)
+        super().__init__(inner.net, inner.target, inner.device, inner.pages.pool)
         self.seen: list[tuple[tuple[int, ...], int, torch.Tensor]] = []
 
     def on_context(self, req: Request, rows: torch.Tensor, start: int) -> None:
@@ -236,40 +236,138 @@ def test_engine_paths_keep_plain_tokens(k3_ckpt: Path, drafters: dict[str, Path]
     tight.check_integrity()
 
 
+def paged_drafter(path: Path, plain: LLM, block_size: int = 4) -> ContextDrafter:
+    pool = BlockPool(plain.engine.model_config, 64, block_size, torch.float32)
+    return ContextDrafter.load(path, plain.engine.model, torch.float32, torch.device("cpu"),
+                               pool)
+
+
+def holding(drafter: ContextDrafter, name: str, prompt: list[int], computed: int) -> Request:
+    """A request that has computed `computed` tokens of prompt, holding blocks for them."""
+    req = Request(name, prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    req.num_computed_tokens = computed
+    pool = drafter.pages.pool
+    req.block_ids = pool.allocate(pool.blocks_needed(computed))
+    return req
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_batched_padded_incremental_pass_equals_one_piece(k3_ckpt: Path, plain: LLM,
                                                           drafters: dict[str, Path],
                                                           prompts: list[list[int]],
                                                           fmt: str) -> None:
     """Two requests of different context lengths drafted together (padded keys masked), their
-    contexts appended in chunks, equal each drafted alone from its whole context at once."""
-    drafter = ContextDrafter.load(drafters[fmt], plain.engine.model, torch.float32,
-                                  torch.device("cpu"))
-    reqs = []
+    contexts appended in chunks with a gap, equal each drafted alone from the same context
+    written in one piece."""
+    drafter = paged_drafter(drafters[fmt], plain)
+    reqs, taps = [], []
     for n, p in enumerate(prompts[1:]):
-        req = Request(f"r{n}", p, SamplingParams(temperature=0.0, max_tokens=8))
-        req.num_computed_tokens = len(p) - 1
-        _, taps = plain.prefill_taps(p[:-1], drafter.taps, drafter.context_stream)
-        assert taps is not None
-        for a in range(0, len(p) - 1, 5):  # in chunks of 5
-            drafter.on_context(req, taps[a:a + 5], a)
+        req = holding(drafter, f"r{n}", p, len(p) - 1)
+        _, t = plain.prefill_taps(p[:-1], drafter.taps, drafter.context_stream)
+        assert t is not None
+        for a in range(0, len(p) - 1, 5):  # in chunks of 5, positions 5-9 never tapped
+            if a != 5:
+                drafter.on_context(req, t[a:a + 5], a)
         reqs.append(req)
+        taps.append(t)
     drafter.propose(reqs)
     together = [(r.draft_ids, drafter.survival(r)) for r in reqs]
     assert all(len(d) == drafter.k for d, _ in together)
-    caches = dict(drafter.caches)
-    for req, (drafts, survival) in zip(reqs, together, strict=True):
-        cache = caches[id(req)]
-        whole = ContextCache(0)
-        whole.append([layer[:cache.n] for layer in cache.layers])
-        drafter.caches = {id(req): whole}
-        drafter.propose([req])
-        assert req.draft_ids == drafts
+    for req, t, (drafts, survival) in zip(reqs, taps, together, strict=True):
+        alone = paged_drafter(drafters[fmt], plain)
+        one = holding(alone, "alone", req.prompt_ids, req.num_computed_tokens)
+        alone.on_context(one, t, 0)  # in one piece, then positions 5-9 marked unwritten
+        alone.project(list(alone.pending.values()))
+        alone.pages.stamp[one.block_ids[1], 1:] = 0
+        alone.pages.stamp[one.block_ids[2], :2] = 0
+        alone.propose([one])
+        assert one.draft_ids == drafts
         if FORMATS[fmt].dspark:
-            torch.testing.assert_close(torch.tensor(drafter.survival(req)),
+            torch.testing.assert_close(torch.tensor(alone.survival(one)),
                                        torch.tensor(survival), atol=1e-6, rtol=1e-5)
         else:
-            assert drafter.survival(req) is None
+            assert alone.survival(one) is None
+
+
+def test_pages_read_only_what_was_written_since_the_block_was_handed_out(
+        k3_ckpt: Path, plain: LLM, drafters: dict[str, Path]) -> None:
+    """A row reads as valid once written; a block freed and handed out again reads as empty
+    until its new owner writes it; entries are read back in position order."""
+    drafter = paged_drafter(drafters["k3-dspark-gqa"], plain, block_size=4)
+    pages, pool = drafter.pages, drafter.pages.pool
+    blocks = pool.allocate(3)
+    width = pages.layers[0].shape[2:]
+    rows = [torch.randn(6, *width) for _ in pages.layers]
+    pages.write(blocks, torch.arange(3, 9), rows)
+    entries, valid = pages.read(blocks, 10)
+    assert valid.tolist() == [False] * 3 + [True] * 6 + [False]
+    for got, want in zip(entries, rows, strict=True):
+        torch.testing.assert_close(got[3:9], want)
+    pool.free(blocks[1:])
+    again = pool.allocate(2)
+    assert sorted(again) == sorted(blocks[1:])  # the same blocks, stale rows
+    _, valid = pages.read([blocks[0], *again], 10)
+    assert valid.tolist() == [False] * 3 + [True] + [False] * 6
+    entries, valid = pages.read(blocks, 0)
+    assert valid.numel() == 0 and entries[0].shape[0] == 0
+
+
+def first_proposal(llm: LLM, ids: list[int]) -> tuple[list[int], int, list[torch.Tensor],
+                                                      torch.Tensor]:
+    """Generates from ids; returns the tokens and, as the request's first proposal saw it,
+    its cached prompt tokens and its context pages (entries, valid)."""
+    spec = llm.engine.spec
+    assert spec is not None and isinstance(spec.drafter, ContextDrafter)
+    drafter = spec.drafter
+    seen: list[tuple[int, list[torch.Tensor], torch.Tensor]] = []
+    propose = drafter.propose
+
+    def spy(reqs: list[Request]) -> None:
+        propose(reqs)
+        if not seen:
+            r = reqs[0]
+            seen.append((r.num_cached_prompt,
+                         *drafter.pages.read(r.block_ids, r.num_computed_tokens)))
+
+    drafter.propose = spy  # type: ignore[method-assign]
+    try:
+        out = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0].token_ids
+    finally:
+        del drafter.propose
+    return out, *seen[0]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_second_turn_drafts_from_the_cached_turns_context(
+        k3_ckpt: Path, drafters: dict[str, Path], plain: LLM, prompts: list[list[int]],
+        want: list[list[int]], fmt: str) -> None:
+    """A second chat turn resumes from the first turn's cached blocks: the drafter's context
+    there is the first turn's (paged in the same blocks), so at its first proposal every
+    position is in the context, equal to the entries of one plain forward's taps; a turn
+    whose first turn never drafted finds those positions empty; tokens stay plain's."""
+    turn2 = prompts[2] + want[2] + prompts[0]
+    second = plain.generate(prompt_token_ids=[turn2], sampling_params=GREEDY)[0].token_ids
+    net = load_net(drafters[fmt], plain.engine.model_config, torch.float32, torch.device("cpu"))
+    _, taps = plain.prefill_taps(turn2, net.c.taps, FORMATS[fmt].tap_stream)
+    assert taps is not None
+    llm = engine(k3_ckpt, drafters[fmt], fmt, block_size=4, snapshot_interval=8)
+    llm.generate(prompt_token_ids=[prompts[2]], sampling_params=GREEDY)
+    got, hit, entries, valid = first_proposal(llm, turn2)
+    assert got == second and hit >= 32  # most of the first turn
+    assert valid.all()  # the first turn's positions, and the second's own
+    n = valid.shape[0]
+    with torch.inference_mode():
+        expect = net.context(taps[:n], torch.arange(n))
+    for e, x in zip(entries, expect, strict=True):
+        torch.testing.assert_close(e, x, atol=1e-3, rtol=1e-3)
+    llm.check_integrity()
+    # the first turn drafted nothing (one token): its positions are not in the context
+    llm = engine(k3_ckpt, drafters[fmt], fmt, block_size=4, snapshot_interval=8)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[prompts[2]], sampling_params=one)[0].token_ids
+    _, hit, _, valid = first_proposal(llm, prompts[2] + out + prompts[0])
+    assert hit >= 32 and not valid[:hit].any() and valid[hit:].all()
+    llm.check_integrity()
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
