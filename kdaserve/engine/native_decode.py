@@ -4,9 +4,10 @@ On a CPU with the `native` kernels a small model's decode step spends a large pa
 time in Python between the kernels (the hidden-256 MoE: ~1.7 of 5 ms at batch 1). Where every
 op of a decode batch would take the native kernel anyway, this runs the whole forward, from
 the embedding to the final norm, as one C++ call that makes the same kernel calls in the same
-order, so the hidden states equal the per-op forward's bit for bit (tested). Anything else
-(prefill chunks, verifies, taps, routing capture, parallel ranks, other backends, dtypes or
-row counts the native kernels do not take) runs the per-op forward.
+order, so the hidden states equal the per-op forward's bit for bit (tested), and a context
+drafter's taps come with them. Anything else (prefill chunks, verifies, routing capture,
+parallel ranks, other backends, dtypes or row counts the native kernels do not take) runs
+the per-op forward.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class NativeDecode:
 
     def takes(self, batch: ForwardBatch) -> bool:
         """Whether this batch is one this forward runs (the plan is checked at the call)."""
-        return batch.is_decode and batch.record is None and not batch.taps \
+        return batch.is_decode and batch.record is None \
             and batch.routing is None and batch.snapshots is None \
             and batch.embed_rows is None \
             and batch.logits_indices.shape[0] == batch.input_ids.shape[0]
@@ -128,10 +129,20 @@ class NativeDecode:
         lens = batch.context_lens.to(i64).contiguous()
         cu = batch.cu_seqlens.to(i64).contiguous()
         mapping = batch.slot_mapping.to(i64).contiguous()
-        out = torch.empty(B, self.model.config.hidden_size, dtype=torch.float32)
+        D = self.model.config.hidden_size
+        out = torch.empty(B, D, dtype=torch.float32)
+        # a drafter's taps: a decode batch's rows are its logits rows, so tap_all_rows or
+        # not, every row (K3's aggregated stream: the next site's mix, models/kimi_linear.py)
+        taps = torch.tensor(batch.taps, dtype=i64)
+        tapped = torch.empty(B, len(batch.taps) * D, dtype=torch.float32)
+        aggregated = int(batch.tap_stream == "aggregated")
         library().decode_forward_f32(model_bytes, layer_bytes, ids.data_ptr(), slots.data_ptr(),
                                      table.data_ptr(), table.shape[1], lens.data_ptr(),
-                                     cu.data_ptr(), mapping.data_ptr(), out.data_ptr(), B)
+                                     cu.data_ptr(), mapping.data_ptr(), out.data_ptr(), B,
+                                     taps.data_ptr(), len(batch.taps), aggregated,
+                                     tapped.data_ptr())
+        if batch.taps:
+            batch.tapped = tapped
         return out
 
     def most_rows(self) -> int:

@@ -4,7 +4,8 @@ A context drafter (K3's published ones, `context_drafter.py`) needs the target's
 position, which cost a decode step its one-call native path and the drafter a context write:
 measured on k3-bench at batch 1, 71.7 tok/s plain against 53.5 with a drafter that drafted 1%
 of steps. So the taps stop once no request will draft soon (the schedule has skipped
-TAPS_OFF_AFTER steps in a row, or every request is switched off for longer than TAPS_WARMUP
+TAPS_OFF_AFTER steps in a row after drafting that paid, or an exploration
+ended, or every request is switched off for longer than TAPS_WARMUP
 tokens) and come back TAPS_WARMUP steps before drafting may (an exploration warms up that
 long: speculative/explore.py): the context then restarts there (a gap costs acceptance, never
 correctness). Prefill chunks are always tapped.

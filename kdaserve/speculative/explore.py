@@ -25,7 +25,7 @@ from __future__ import annotations
 
 EXPLORE_AFTER = 32
 EXPLORE_STEPS = 4
-EXPLORE_SHARE = 0.03
+EXPLORE_SHARE = 0.02
 PLAIN_EMA = 0.1  # weight of the newest plain decode step in its typical time, per batch size
 
 IDLE, WARMING, EXPLORING = "idle", "warming", "exploring"
@@ -52,11 +52,15 @@ class Explorer:
         self.phase, self.left, self.spent = EXPLORING, 0, 0.0
         self.num_explorations += 1
 
+    def may_start(self, skipped_in_row: int) -> bool:
+        """Whether `due` could start or continue an exploration now."""
+        return self.phase != IDLE or (skipped_in_row >= EXPLORE_AFTER
+                                      and self.plain_seconds * EXPLORE_SHARE >= self.cost)
+
     def due(self, skipped_in_row: int) -> bool:
         """Asked on each decode step the schedule would not draft: whether this one explores
         (an exploration's warm-up steps do not; its EXPLORE_STEPS after them do)."""
-        if self.phase == IDLE and skipped_in_row >= EXPLORE_AFTER \
-                and self.plain_seconds * EXPLORE_SHARE >= self.cost:
+        if self.phase == IDLE and self.may_start(skipped_in_row):
             self.phase, self.left, self.spent = WARMING, self.warmup_steps, 0.0
         if self.phase == WARMING:
             if self.left > 0:

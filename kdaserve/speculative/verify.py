@@ -60,6 +60,10 @@ DRAFT_EMA = 0.2  # weight of the newest drafting pass in its typical wall time
 # verified drafts that cost more than they returned (0.93-0.98x plain decoding at batch 16).
 CALIBRATION_PRIOR = 8.0
 CALIBRATION_DECAY = 0.998
+# A decision not to draft stands for this many steps while the batch and the typical survival
+# stay the same (only the slowly drifting cost fit could change it): planning every step cost
+# ~15 us, 3% of a 0.45 ms decode step of k3-tiny, on a path that drafts nothing.
+REPLAN_EVERY = 16
 
 
 @dataclass
@@ -96,8 +100,13 @@ class Speculator:
         # how often the schedule kept n drafts of a non-empty proposal (benchmarks, tests)
         self.lengths: Counter[int] = Counter()
         self.typical: list[float] = []  # recent proposals' mean survival by position
+        self.typical_version = 0  # bumped when `typical` changes
+        # the standing decision not to draft: ((running, eligible, decoding,
+        # typical_version), steps left)
+        self.skip_plan: tuple[tuple[int, int, int, int], int] | None = None
         self.draft_seconds = 0.0  # recent drafting passes' wall time
         self.skipped_in_row = 0
+        self.explored_last = False  # the last drafted step was an exploration's
         self.cold = True  # this step drafts after plain ones: not timed for the fit
         self.num_schedule_skips = 0  # steps not drafted: no draft would have paid
         self.num_verifies = 0
@@ -130,6 +139,9 @@ class Speculator:
         self.drafter.limit = None  # this step's, set below when the schedule plans one
         for req in running:
             req.draft_ids = []
+        decoding = sum(not r.is_prefilling for r in running)
+        if self._skip_stands(len(running), decoding):
+            return
         if not self.adaptive.batch_allows(running):
             return
         for req in running:
@@ -141,9 +153,7 @@ class Speculator:
                 eligible.append(req)
         if not eligible:
             return
-        decoding = sum(not r.is_prefilling for r in running)
         prefilling = decoding < len(running)
-        ratio = self.cost.slope_ratio()
         explore = False
         if not self.typical:  # a first try, of every request (speculative/explore.py)
             if prefilling and self.cost.fitted:
@@ -151,11 +161,7 @@ class Speculator:
             if self.cost.fitted:
                 self.explorer.first_try()
         else:  # drafting itself costs: draft only what typically pays for it
-            fit = self.cost.fit()
-            # a context drafter's context writes are a cost of drafting too
-            spent = self.draft_seconds + (self.context.seconds if self.context else 0.0)
-            draft_cost = spent / fit[0] if fit is not None and fit[0] > 0 else 0.0
-            planned = plan_drafting(self.typical, len(eligible), ratio, decoding, draft_cost)
+            planned = self._plan(len(running), len(eligible), decoding)
             if planned:
                 self.explorer.stop()
                 # one more than typical pays: a request surer than typical may verify it
@@ -167,10 +173,12 @@ class Speculator:
                 self.num_schedule_skips += 1
                 self.cold = True
                 return
+        ratio = self.cost.slope_ratio()
         if explore:  # at the prior, so its drafts are verified: one request, in turn
             ratio = 1.0 / self.cost.prior_tokens
             eligible = [eligible[self.explorer.num_started % len(eligible)]]
         self.skipped_in_row = 0
+        self.explored_last = explore
         started = time.perf_counter()
         self.drafter.propose(eligible)
         seconds = time.perf_counter() - started
@@ -184,12 +192,44 @@ class Speculator:
         self._observe_survival(survival)
         for req, n in zip(eligible, choose_lengths(survival, ratio, decoding), strict=True):
             if req.draft_ids:
+                # an exploration verifies one draft at least: what it is for is an outcome
+                # (a drafter whose record says its drafts miss would otherwise draft, verify
+                # nothing and never learn that the text changed)
+                n = max(n, 1) if explore else n
                 del req.draft_ids[n:]
                 self.lengths[n] += 1
+
+    def _skip_stands(self, running: int, decoding: int) -> bool:
+        """Whether a decision not to draft still stands for this batch, with no exploration
+        due: then this step is skipped without looking at each request."""
+        plan = self.skip_plan
+        if plan is None or plan[1] <= 0 or plan[0][0] != running or plan[0][2] != decoding \
+                or plan[0][3] != self.typical_version or self.explorer.may_start(
+                    self.skipped_in_row + 1):
+            return False
+        self.skip_plan = (plan[0], plan[1] - 1)
+        self.skipped_in_row += 1
+        self.num_schedule_skips += 1
+        self.cold = True
+        return True
+
+    def _plan(self, running: int, eligible: int, decoding: int) -> int:
+        """Drafts per request worth drafting this step (`plan_drafting`); a decision not to
+        draft stands REPLAN_EVERY steps for the same batch and typical survival."""
+        key = (running, eligible, decoding, self.typical_version)
+        fit = self.cost.fit()
+        ratio = self.cost.slope_ratio()
+        # a context drafter's context writes are a cost of drafting too
+        spent = self.draft_seconds + (self.context.seconds if self.context else 0.0)
+        draft_cost = spent / fit[0] if fit is not None and fit[0] > 0 else 0.0
+        planned = plan_drafting(self.typical, eligible, ratio, decoding, draft_cost)
+        self.skip_plan = None if planned else (key, REPLAN_EVERY)
+        return planned
 
     def _observe_survival(self, survival: list[list[float]]) -> None:
         """Folds a proposal's mean survival by position into `typical` (positions this
         proposal did not reach keep their value)."""
+        self.typical_version += 1
         for i in range(max(map(len, survival), default=0)):
             at = [s[i] for s in survival if len(s) > i]
             mean = sum(at) / len(at)
@@ -247,10 +287,12 @@ class Speculator:
 
     def drafting_soon(self) -> bool:
         """Whether a request may draft within TAPS_WARMUP steps (a context drafter's taps
-        are taken until then): before the first try, right after drafting, or while an
-        exploration warms up or runs."""
-        return not self.typical or self.skipped_in_row < TAPS_OFF_AFTER \
-            or self.explorer.active
+        are taken until then): before the first try, within TAPS_OFF_AFTER steps of a
+        drafted step the schedule planned, or while an exploration warms up or runs (not
+        after it: its drafts did not pay, and each tapped step leaves the one-call decode
+        path, on k3-tiny ten times a plain step)."""
+        return not self.typical or self.explorer.active \
+            or (self.skipped_in_row < TAPS_OFF_AFTER and not self.explored_last)
 
     # ---- lifecycle: the scheduler's hooks, relayed (tests swap the drafter) ----
     def on_admit(self, req: Request) -> None:
@@ -393,8 +435,6 @@ class Speculator:
         """A step with drafts: the verifying requests' states saved, the forward (asked for
         the drafter's hidden rows, recording the KDA steps for a rollback), the drafts
         verified, the scratch slots freed whatever happens."""
-        decode_only = all(n == 1 + len(r.draft_ids)
-                          for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True))
         taps: tuple[int, ...] | None = self.drafter.taps if self.drafter.wants_hidden else None
         self.step_requests, self.step_tapped = len(batch.reqs), False
         if self.context is not None:
@@ -403,6 +443,18 @@ class Speculator:
                 self.step_tapped = True
             else:
                 taps = None
+        if not any(r.draft_ids for r in batch.reqs):
+            # a plain step (the schedule's usual answer when drafting does not pay): nothing
+            # to save, record or verify (a drafter's rows are still asked for)
+            before = time.perf_counter()
+            out = forward(taps, None)
+            self.seconds["plain"] += time.perf_counter() - before
+            self.steps["plain"] += 1
+            verified = Verified.nothing_drafted(out.to_sample)
+            verified.decode_only = batch.num_tokens == len(batch.reqs)
+            return out, verified
+        decode_only = all(n == 1 + len(r.draft_ids)
+                          for r, n in zip(batch.reqs, batch.num_new_tokens, strict=True))
         started = time.perf_counter()
         saved = self.save(batch)
         try:

@@ -91,8 +91,9 @@ def test_native_decode_runs_k3(k3_ckpt: Path, k3_mxfp4_ckpt: Path, options: dict
 
 
 def test_native_decode_steps_aside(tiny_ckpt: Path) -> None:
-    """Other backends get no native forward; prefill chunks, verify records, taps, routing
-    capture and snapshots run the per-op forward."""
+    """Other backends get no native forward; prefill chunks, verify records, routing capture
+    and snapshots run the per-op forward (a drafter's taps do not: the native forward takes
+    them)."""
     with use_backend("cpu"):
         assert LLM(tiny_ckpt).engine.runner.native_decode is None
     llm = LLM(tiny_ckpt)
@@ -111,9 +112,56 @@ def test_native_decode_steps_aside(tiny_ckpt: Path) -> None:
     assert asked == [False, True, True]
     decode_batch = ForwardBatch.build([[5], [6]], [3, 4], [0, 1], [[0], [1]], 16)
     assert native.takes(decode_batch)
-    for change in ({"taps": (1,)}, {"routing": []}, {"record": StepRecord([0, 1], {}, "cpu")},
+    assert native.takes(dataclasses.replace(decode_batch, taps=(1,)))  # taps come with it
+    for change in ({"routing": []}, {"record": StepRecord([0, 1], {}, "cpu")},
                    {"snapshots": (torch.zeros(1, dtype=torch.int64),) * 3}):
         assert not native.takes(dataclasses.replace(decode_batch, **change))
+
+
+class TapChecked(Checked):
+    """Checked, with a drafter's taps asked of every decode batch: the native forward's tapped
+    rows equal the per-op forward's (the partial sum and the residual stream are copies, bit
+    for bit; K3's aggregated stream is the next site's mix, computed by the native kernel
+    where the per-op path runs kernels/ref/attn_res.py's)."""
+
+    def __init__(self, llm: LLM, stream: str) -> None:
+        super().__init__(llm)
+        L = llm.engine.model_config.num_hidden_layers
+        self.taps, self.stream = (0, L // 2, L - 1), stream
+        self.tapped = 0
+
+    def __call__(self, batch, states, blocks):  # noqa: ANN001, ANN204
+        asked = dataclasses.replace(batch, taps=self.taps, tap_stream=self.stream,
+                                    tap_all_rows=True, tapped=None)
+        s2, b2 = copy.copy(states), copy.copy(blocks)
+        s2.recurrent, s2.conv, b2.kv = states.recurrent.clone(), states.conv.clone(), \
+            blocks.kv.clone()
+        want = self.model.forward_hidden(asked, s2, b2)
+        want_taps, asked.tapped = asked.tapped, None
+        got = self.native(asked, states, blocks)
+        assert got is not None and torch.equal(got, want)
+        assert want_taps is not None and asked.tapped is not None
+        if self.stream == "aggregated" and self.model.config.attn_res_block_size:
+            torch.testing.assert_close(asked.tapped, want_taps, atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(asked.tapped, want_taps)
+        self.tapped += 1
+        return got
+
+
+@pytest.mark.parametrize("stream", ["partial", "aggregated"])
+def test_native_decode_taps_equal_the_per_op_forwards(tiny_ckpt: Path, k3_ckpt: Path,
+                                                      stream: str) -> None:
+    """A context drafter's taps (K3's partial and aggregated streams, Kimi Linear's residual
+    stream) come out of the one-call forward as the per-op forward computes them, batch 1
+    and 3; the hidden states stay bit-equal."""
+    for ckpt in (tiny_ckpt, k3_ckpt):
+        llm = LLM(ckpt)
+        checked = TapChecked(llm, stream)
+        llm.engine.runner.native_decode = checked
+        for B in (1, 3):
+            decode(llm, B, seed=B)
+        assert checked.tapped == 2 * 3
 
 
 def test_native_decode_follows_replaced_weights(tiny_ckpt: Path) -> None:

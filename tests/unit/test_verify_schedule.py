@@ -206,3 +206,41 @@ def test_explorations_are_budgeted() -> None:
     e.observe(6, plain + 0.020, drafted=True, tapped=False)
     # (a first try is one step: the budget counts a whole exploration of them)
     assert not e.active and e.cost == pytest.approx(explore.EXPLORE_STEPS * 0.020)
+
+
+def test_a_standing_skip_replans_rarely_and_explorations_verify_a_draft(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drafter whose record says every draft misses: the schedule skips, re-planning once
+    per REPLAN_EVERY steps of the same batch (not every step), and each exploration step
+    still verifies one draft (its record alone would verify none, and nothing would be
+    learnt)."""
+    from kdaserve.request import Request, SamplingParams
+    from kdaserve.speculative import explore, verify
+    from kdaserve.speculative.drafter import Drafter
+
+    class Fixed(Drafter):
+        k = 4
+
+        def propose(self, reqs: list[Request]) -> None:
+            for r in reqs:
+                r.draft_ids = [1, 2, 3, 4][:self.max_draft_tokens(r)]
+
+    plans = []
+    real = verify.plan_drafting
+    monkeypatch.setattr(verify, "plan_drafting", lambda *a: plans.append(a) or real(*a))
+    spec = verify.Speculator(Fixed(), None, None)  # type: ignore[arg-type]
+    spec.typical, spec.drafted_at, spec.accepted_at = [0.01] * 4, [99] * 4, [0] * 4
+    req = Request("r", [5, 6, 7], SamplingParams(max_tokens=10_000))
+    req.num_computed_tokens, req.output_ids = 3, [8]
+    drafted = []
+    steps = 400
+    for _ in range(steps):
+        spec.propose([req])
+        drafted.append(len(req.draft_ids))
+        spec.observe_step(1 + len(req.draft_ids), 0.001 + 0.01 * bool(req.draft_ids),
+                          bool(req.draft_ids))
+        req.draft_ids = []
+    explored = [n for n in drafted if n]
+    assert explored and set(explored) == {1}  # one draft, verified, per exploring step
+    assert len(explored) % explore.EXPLORE_STEPS == 0
+    assert len(plans) <= steps // verify.REPLAN_EVERY + 2 * len(explored) + 2

@@ -130,6 +130,26 @@ void add(float* h, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) h[i] = h[i] + x[i];
 }
 
+// A context drafter's taps (ForwardBatch.taps): the rows after each of `layers` go to column
+// block j of out [B, n * D]; with `aggregated` on K3, the mix the next site would form (the
+// output site's after the last layer) rather than the partial sum (models/kimi_linear.py
+// `_tap`). n = 0: no taps.
+struct Taps {
+  const int64_t* layers;
+  int64_t n, aggregated;
+  float* out;
+
+  int64_t index(int64_t layer) const {
+    for (int64_t j = 0; j < n; ++j)
+      if (layers[j] == layer) return j;
+    return -1;
+  }
+  void put(int64_t j, const float* rows, int64_t B, int64_t D) const {
+    for (int64_t b = 0; b < B; ++b)
+      std::memcpy(out + (b * n + j) * D, rows + b * D, D * sizeof(float));
+  }
+};
+
 // One growable scratch buffer per role, reused across layers.
 struct Scratch {
   std::vector<float> a, b, c, d, e, f;
@@ -297,7 +317,7 @@ void site_query(const int64_t site[2], float* w, int64_t D) {
 void attn_res_layers(const Model* model, const Layer* layers, float* partial, int64_t B,
                      const int64_t* slots, const int64_t* table, int64_t table_width,
                      const int64_t* lens, const int64_t* cu, const int64_t* slot_mapping,
-                     float* out) {
+                     const Taps& taps, float* out) {
   const int64_t D = model->hidden, block = model->attn_res_block;
   const float eps = static_cast<float>(model->eps), site_eps = static_cast<float>(model->site_eps);
   std::vector<float> bank(((model->num_layers + block - 1) / block) * B * D), x(B * D),
@@ -328,6 +348,16 @@ void attn_res_layers(const Model* model, const Layer* layers, float* partial, in
     else
       mlp(L, L.gate_up, L.down, x.data(), y.data(), B, s);
     add(partial, y.data(), B * D);
+    const int64_t j = taps.index(i);
+    if (j >= 0 && taps.aggregated) {  // what the next site mixes, before its norm
+      site_query(i + 1 < model->num_layers ? layers[i + 1].attn_site : model->out_site,
+                 w.data(), D);
+      attn_res_norm_f32(bank.data(), banked, partial, w.data(), site_eps, nullptr, 0.0f,
+                        x.data(), B, D);
+      taps.put(j, x.data(), B, D);
+    } else if (j >= 0) {
+      taps.put(j, partial, B, D);
+    }
   }
   site_query(model->out_site, w.data(), D);
   attn_res_norm_f32(bank.data(), banked, partial, w.data(), site_eps,
@@ -339,11 +369,15 @@ void attn_res_layers(const Model* model, const Layer* layers, float* partial, in
 extern "C" {
 
 // ids, slots, context_lens, slot_mapping [B]; block_table [B, table_width]; cu [B + 1] (0..B);
-// out [B, D]: the final-normed hidden states of every row (the lm_head runs apart).
+// out [B, D]: the final-normed hidden states of every row (the lm_head runs apart);
+// tap_layers [num_taps] and tapped [B, num_taps * D]: a drafter's taps (struct Taps).
 void decode_forward_f32(const Model* model, const Layer* layers, const int64_t* ids,
                         const int64_t* slots, const int64_t* block_table, int64_t table_width,
                         const int64_t* context_lens, const int64_t* cu,
-                        const int64_t* slot_mapping, float* out, int64_t B) {
+                        const int64_t* slot_mapping, float* out, int64_t B,
+                        const int64_t* tap_layers, int64_t num_taps, int64_t aggregated,
+                        float* tapped) {
+  const Taps taps{tap_layers, num_taps, aggregated, tapped};
   const int64_t D = model->hidden;
   std::vector<float> h(B * D), x(B * D), y(B * D);
   const float* embed = ptr<float>(model->embed);
@@ -351,7 +385,7 @@ void decode_forward_f32(const Model* model, const Layer* layers, const int64_t* 
     std::memcpy(h.data() + b * D, embed + ids[b] * D, D * sizeof(float));
   if (model->attn_res_block > 0)
     return attn_res_layers(model, layers, h.data(), B, slots, block_table, table_width,
-                           context_lens, cu, slot_mapping, out);
+                           context_lens, cu, slot_mapping, taps, out);
   Scratch s;
   for (int64_t i = 0; i < model->num_layers; ++i) {
     const Layer& L = layers[i];
@@ -367,6 +401,8 @@ void decode_forward_f32(const Model* model, const Layer* layers, const int64_t* 
     else
       mlp(L, L.gate_up, L.down, x.data(), y.data(), B, s);
     add(h.data(), y.data(), B * D);
+    const int64_t j = taps.index(i);
+    if (j >= 0) taps.put(j, h.data(), B, D);  // the residual stream
   }
   rms_norm_f32(h.data(), D, ptr<float>(model->final_norm), out, B, D,
                static_cast<float>(model->eps));

@@ -55,7 +55,8 @@ void situ_mul_f32(const float* gu, float* y, int64_t rows, int64_t I, float beta
 // attn_res.py): per token, the NB bank rows and the partial sum scored by <v / rms(v), w_eff>,
 // softmaxed over the NB + 1 sources, the values mixed, then normalised and scaled by norm_w.
 // bank [NB, T, D]; partial, out [T, D]; w_eff, norm_w [D]. One pass over each source for
-// its dot and square sum, one for the mix: the sources stay in L1/L2 for a token.
+// its dot and square sum, one for the mix: the sources stay in L1/L2 for a token. A null
+// norm_w leaves the mix unnormalised (a context drafter's aggregated tap, decode_step.cpp).
 void attn_res_norm_f32(const float* bank, int64_t NB, const float* partial, const float* w_eff,
                        float eps, const float* norm_w, float norm_eps, float* out, int64_t T,
                        int64_t D) {
@@ -88,6 +89,7 @@ void attn_res_norm_f32(const float* bank, int64_t NB, const float* partial, cons
       o[d] = m;
       ms += m * m;
     }
+    if (norm_w == nullptr) continue;
     const float r = 1.0f / std::sqrt(ms / static_cast<float>(D) + norm_eps);
     for (int64_t d = 0; d < D; ++d) o[d] = norm_w[d] * (o[d] * r);
   }
