@@ -259,6 +259,7 @@ def main(args: argparse.Namespace) -> None:
                     raise RuntimeError(f"speculation ({name}, K={k}, batch {b}) changed "
                                        "greedy outputs")
                 m = llm.get_metrics()
+                record = spec.survival  # verifies by draft position
                 results.append({
                     "batch": b, "drafter": name, "k": k, "tok_s": tps, "decode_tok_s": dec,
                     "acceptance_length": m["spec_mean_acceptance_length"] or 1.0,
@@ -272,8 +273,9 @@ def main(args: argparse.Namespace) -> None:
                     "mean_verify_length": sum(n * c for n, c in spec.lengths.items())
                     / max(spec.lengths.total(), 1),
                     "kept_by_position": [a / d if d else 0.0 for a, d in
-                                         zip(spec.accepted_at, spec.drafted_at, strict=True)],
-                    "drafted_by_position": list(spec.drafted_at),
+                                         zip(record.accepted_at, record.drafted_at,
+                                             strict=True)],
+                    "drafted_by_position": list(record.drafted_at),
                     # the cost split: ms per step of each kind (draft and bookkeeping per
                     # step of either kind), and how many steps drafted
                     "ms_per_step": cost_split(m)})

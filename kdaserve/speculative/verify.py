@@ -34,6 +34,7 @@ from kdaserve.speculative.context_taps import TAPS_OFF_AFTER, TAPS_WARMUP, Conte
 from kdaserve.speculative.drafter import Drafter
 from kdaserve.speculative.explore import Explorer
 from kdaserve.speculative.schedule import StepCost, choose_lengths, plan_drafting
+from kdaserve.speculative.survival import SurvivalRecord
 from kdaserve.step_record import StepRecord
 
 
@@ -47,19 +48,10 @@ class Forwarded(Protocol):
 
 F = TypeVar("F", bound=Forwarded)
 
-SURVIVAL_EMA = 0.2  # weight of the newest proposal in the typical survival by position
 DRAFT_EMA = 0.2  # weight of the newest drafting pass in its typical wall time
 # The first drafted step after plain ones is not timed for the fit: it runs cold (the verify
 # path's buffers out of cache, new GEMM shapes), and an exploring step timed alone measured
 # 50-54 ms at 58 tokens where warm verify steps of 64 took ~31 ms.
-# A drafter's own survival estimates are calibrated against what verification keeps: by
-# position, (kept + CALIBRATION_PRIOR) / (predicted + CALIBRATION_PRIOR) over recent verified
-# drafts (each past one weighted CALIBRATION_DECAY per new one: ~500 of memory). The trained
-# DSpark's confidences were measured optimistic (GSM8K target, K = 4, batch 16: predicted
-# survival 0.87 0.75 0.64 0.54 by position, kept 0.82 0.65 0.53 0.45), and the schedule then
-# verified drafts that cost more than they returned (0.93-0.98x plain decoding at batch 16).
-CALIBRATION_PRIOR = 8.0
-CALIBRATION_DECAY = 0.998
 # A decision not to draft stands for this many steps while the batch and the typical survival
 # stay the same (only the slowly drifting cost fit could change it): planning every step cost
 # ~15 us, 3% of a 0.45 ms decode step of k3-tiny, on a path that drafts nothing.
@@ -99,8 +91,7 @@ class Speculator:
         self.cost = cost or StepCost()  # the verify-length schedule's model of a step
         # how often the schedule kept n drafts of a non-empty proposal (benchmarks, tests)
         self.lengths: Counter[int] = Counter()
-        self.typical: list[float] = []  # recent proposals' mean survival by position
-        self.typical_version = 0  # bumped when `typical` changes
+        self.survival = SurvivalRecord()  # drafts' chances: typical, by position, calibrated
         # the standing decision not to draft: ((running, eligible, decoding,
         # typical_version), steps left)
         self.skip_plan: tuple[tuple[int, int, int, int], int] | None = None
@@ -112,13 +103,6 @@ class Speculator:
         self.num_verifies = 0
         self.num_drafted = 0
         self.num_accepted = 0
-        # per draft position i: verifies that drafted it, and that kept it (and all before)
-        self.drafted_at: list[int] = []
-        self.accepted_at: list[int] = []
-        # per position, decayed sums over verified drafts of the drafter's own survival
-        # estimate and of the outcome (1 if kept): its calibration
-        self.predicted_sum: list[float] = []
-        self.kept_sum: list[float] = []
         # a context drafter's taps (speculative/context_taps.py)
         self.context = ContextTaps(self.adaptive) \
             if drafter.context_stream is not None else None
@@ -155,7 +139,7 @@ class Speculator:
             return
         prefilling = decoding < len(running)
         explore = False
-        if not self.typical:  # a first try, of every request (speculative/explore.py)
+        if not self.survival.typical:  # a first try, of every request (speculative/explore.py)
             if prefilling and self.cost.fitted:
                 return  # in a decode step: a prefill chunk's verify is not what is learnt
             if self.cost.fitted:
@@ -184,12 +168,13 @@ class Speculator:
         seconds = time.perf_counter() - started
         self.seconds["draft"] += seconds
         self.explorer.spend(seconds)
-        self.draft_seconds = seconds if not self.typical else \
+        self.draft_seconds = seconds if not self.survival.typical else \
             (1 - DRAFT_EMA) * self.draft_seconds + DRAFT_EMA * seconds
         for req in eligible:  # a drafter's contract, enforced: never past max_tokens
             del req.draft_ids[self.drafter.max_draft_tokens(req):]
-        survival = [self._survival(req) for req in eligible]
-        self._observe_survival(survival)
+        survival = [self.survival.estimate(len(req.draft_ids), self.drafter.survival(req))
+                    for req in eligible]
+        self.survival.observe(survival)
         for req, n in zip(eligible, choose_lengths(survival, ratio, decoding), strict=True):
             if req.draft_ids:
                 # an exploration verifies one draft at least: what it is for is an outcome
@@ -204,7 +189,7 @@ class Speculator:
         due: then this step is skipped without looking at each request."""
         plan = self.skip_plan
         if plan is None or plan[1] <= 0 or plan[0][0] != running or plan[0][2] != decoding \
-                or plan[0][3] != self.typical_version or self.explorer.may_start(
+                or plan[0][3] != self.survival.typical_version or self.explorer.may_start(
                     self.skipped_in_row + 1):
             return False
         self.skip_plan = (plan[0], plan[1] - 1)
@@ -216,64 +201,15 @@ class Speculator:
     def _plan(self, running: int, eligible: int, decoding: int) -> int:
         """Drafts per request worth drafting this step (`plan_drafting`); a decision not to
         draft stands REPLAN_EVERY steps for the same batch and typical survival."""
-        key = (running, eligible, decoding, self.typical_version)
+        key = (running, eligible, decoding, self.survival.typical_version)
         fit = self.cost.fit()
         ratio = self.cost.slope_ratio()
         # a context drafter's context writes are a cost of drafting too
         spent = self.draft_seconds + (self.context.seconds if self.context else 0.0)
         draft_cost = spent / fit[0] if fit is not None and fit[0] > 0 else 0.0
-        planned = plan_drafting(self.typical, eligible, ratio, decoding, draft_cost)
+        planned = plan_drafting(self.survival.typical, eligible, ratio, decoding, draft_cost)
         self.skip_plan = None if planned else (key, REPLAN_EVERY)
         return planned
-
-    def _observe_survival(self, survival: list[list[float]]) -> None:
-        """Folds a proposal's mean survival by position into `typical` (positions this
-        proposal did not reach keep their value)."""
-        self.typical_version += 1
-        for i in range(max(map(len, survival), default=0)):
-            at = [s[i] for s in survival if len(s) > i]
-            mean = sum(at) / len(at)
-            if i < len(self.typical):
-                self.typical[i] = (1 - SURVIVAL_EMA) * self.typical[i] + SURVIVAL_EMA * mean
-            else:
-                self.typical.append(mean)
-
-    def _survival(self, req: Request) -> list[float]:
-        """The chance each of req's drafts survives (it and all before it accepted): the
-        drafter's own estimate where it has one, else this engine's record by position,
-        optimistic (one kept verify assumed: an unseen position is tried before it is
-        judged, else a drafter that starts in a large batch would never get a record)."""
-        k = len(req.draft_ids)
-        own = self.drafter.survival(req)
-        if own is not None:
-            out, p = [], 1.0
-            for i, x in enumerate(own[:k]):
-                p = min(p, x * self.calibration(i))
-                out.append(p)
-            return out
-        out, p = [], 1.0
-        for i in range(k):
-            seen = self.drafted_at[i] if i < len(self.drafted_at) else 0
-            kept = self.accepted_at[i] if i < len(self.accepted_at) else 0
-            p = min(p, (kept + 1) / (seen + 1))
-            out.append(p)
-        return out
-
-    def calibration(self, i: int) -> float:
-        """What to multiply the drafter's survival estimate at position i by (1 until
-        verifies show otherwise)."""
-        pred = self.predicted_sum[i] if i < len(self.predicted_sum) else 0.0
-        kept = self.kept_sum[i] if i < len(self.kept_sum) else 0.0
-        return (kept + CALIBRATION_PRIOR) / (pred + CALIBRATION_PRIOR)
-
-    def _calibrate(self, own: list[float], accepted: int) -> None:
-        d = CALIBRATION_DECAY
-        for i, x in enumerate(own):
-            if i == len(self.predicted_sum):
-                self.predicted_sum.append(0.0)
-                self.kept_sum.append(0.0)
-            self.predicted_sum[i] = d * self.predicted_sum[i] + x
-            self.kept_sum[i] = d * self.kept_sum[i] + (i < accepted)
 
     def observe_step(self, tokens: int, seconds: float, drafted: bool) -> None:
         """A decode/verify step's size and wall time (drafting not included), for the
@@ -291,7 +227,7 @@ class Speculator:
         drafted step the schedule planned, or while an exploration warms up or runs (not
         after it: its drafts did not pay, and each tapped step leaves the one-call decode
         path, on k3-tiny ten times a plain step)."""
-        return not self.typical or self.explorer.active \
+        return not self.survival.typical or self.explorer.active \
             or (self.skipped_in_row < TAPS_OFF_AFTER and not self.explored_last)
 
     # ---- lifecycle: the scheduler's hooks, relayed (tests swap the drafter) ----
@@ -368,14 +304,7 @@ class Speculator:
         self.num_drafted += len(drafts)
         self.num_accepted += j
         self.adaptive.record(req, len(drafts), j)
-        if own is not None:
-            self._calibrate(own[:len(drafts)], j)
-        while len(self.drafted_at) < len(drafts):
-            self.drafted_at.append(0)
-            self.accepted_at.append(0)
-        for i in range(len(drafts)):
-            self.drafted_at[i] += 1
-            self.accepted_at[i] += i < j
+        self.survival.verified(len(drafts), j, own)
         return drafts[:j] + [bonus], j < len(drafts)
 
     def verify(self, to_sample: list[Request], logits: torch.Tensor,

@@ -146,23 +146,22 @@ def test_drafter_confidences_are_calibrated_by_what_verification_keeps() -> None
     """A drafter that says 0.9 / 0.72 for drafts kept 60% / 30% of the time: the speculator's
     survival estimates move from the drafter's towards the kept rates (the prior holds them
     at the drafter's until verifies accumulate) and stay non-increasing by position."""
-    from types import SimpleNamespace
-
-    from kdaserve.speculative import verify
+    from kdaserve.speculative.survival import SurvivalRecord
 
     own = [0.9, 0.72]
-    drafter = SimpleNamespace(survival=lambda req: own, context_stream=None)
-    spec = verify.Speculator(drafter, None, None)  # type: ignore[arg-type]
-    req = SimpleNamespace(draft_ids=[5, 6])
-    assert spec._survival(req) == own  # type: ignore[arg-type]
+    record = SurvivalRecord()
+    assert record.estimate(2, own) == own
     outcomes = [2] * 3 + [1] * 3 + [0] * 4  # kept: position 0 in 6 of 10, position 1 in 3
     for _ in range(300):
         for j in outcomes:
-            spec._calibrate(own, j)
-    s = spec._survival(req)  # type: ignore[arg-type]
+            record.calibrate(own, j)
+    s = record.estimate(2, own)
     assert s[0] == pytest.approx(0.6, abs=0.02) and s[1] == pytest.approx(0.3, abs=0.02)
-    spec._calibrate([0.5, 0.5], 2)
-    assert spec.calibration(0) < 1 and s[1] <= s[0]
+    record.calibrate([0.5, 0.5], 2)
+    assert record.calibration(0) < 1 and s[1] <= s[0]
+    # without its own estimates: the record by position, one kept verify assumed
+    record.verified(2, 1, None)
+    assert record.estimate(3, None) == [1.0, 0.5, 0.5]
 
 
 def test_explorations_are_budgeted() -> None:
@@ -229,7 +228,8 @@ def test_a_standing_skip_replans_rarely_and_explorations_verify_a_draft(
     real = verify.plan_drafting
     monkeypatch.setattr(verify, "plan_drafting", lambda *a: plans.append(a) or real(*a))
     spec = verify.Speculator(Fixed(), None, None)  # type: ignore[arg-type]
-    spec.typical, spec.drafted_at, spec.accepted_at = [0.01] * 4, [99] * 4, [0] * 4
+    record = spec.survival
+    record.typical, record.drafted_at, record.accepted_at = [0.01] * 4, [99] * 4, [0] * 4
     req = Request("r", [5, 6, 7], SamplingParams(max_tokens=10_000))
     req.num_computed_tokens, req.output_ids = 3, [8]
     drafted = []
