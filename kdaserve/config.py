@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kdaserve.config_checks import check_disaggregation, check_parallel, check_speculative
 from kdaserve.hub_schema import (
     DENSE,
     KDA,
@@ -373,7 +372,45 @@ class EngineConfig:
                 or self.prefill_snapshot_stride % self.snapshot_interval):
             raise ValueError(f"prefill_snapshot_stride={self.prefill_snapshot_stride} must be 0 "
                              f"or a multiple of snapshot_interval={self.snapshot_interval}")
-        check_speculative(self)
+        if self.speculative_algorithm is not None:  # frozen: set once, here
+            object.__setattr__(self, "speculative_algorithm", self.speculative_algorithm.lower())
+        if self.speculative_algorithm not in (None, "ngram", "draft", "block", "dspark",
+                                              "dflash"):
+            raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} is not "
+                             "supported (ngram, draft, block, dspark or dflash)")
+        if self.speculative_algorithm in ("draft", "block", "dspark", "dflash") and \
+                not self.speculative_draft_model:
+            raise ValueError(f"speculative_algorithm={self.speculative_algorithm!r} needs "
+                             "speculative_draft_model (a checkpoint folder)")
+        if self.speculative_num_draft_tokens is not None and self.speculative_num_draft_tokens < 1:
+            raise ValueError("speculative_num_draft_tokens must be >= 1")
+        if self.speculative_dspark_block_size is not None and (
+                self.speculative_algorithm != "dspark" or self.speculative_dspark_block_size < 1):
+            raise ValueError("speculative_dspark_block_size (>= 1) applies to "
+                             "speculative_algorithm='dspark'")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError(f"need 1 <= speculative_ngram_min ({self.speculative_ngram_min}) "
+                             f"<= speculative_ngram_max ({self.speculative_ngram_max})")
+        if not 0 <= self.speculative_min_acceptance_rate <= 1:
+            raise ValueError("speculative_min_acceptance_rate must be in [0, 1]")
+        if self.speculative_disable_by_batch_size is not None and \
+                self.speculative_disable_by_batch_size < 1:
+            raise ValueError("speculative_disable_by_batch_size must be >= 1 (to turn "
+                             "speculation off, leave speculative_algorithm unset)")
+        # never accepted and ignored: knobs of a drafter that is not in use
+        changed = {f.name for f in fields(self)
+                   if f.name.startswith("speculative_") and getattr(self, f.name) != f.default}
+        if self.speculative_algorithm != "ngram" and \
+                changed & {"speculative_ngram_max", "speculative_ngram_min"}:
+            raise ValueError("speculative_ngram_max/min apply to speculative_algorithm='ngram'")
+        if self.speculative_algorithm not in ("block", "dspark") and \
+                self.speculative_token_map is not None:
+            raise ValueError("speculative_token_map applies to speculative_algorithm='block' "
+                             "or 'dspark' (the drafters with an output head to cut)")
+        if self.speculative_algorithm is None and changed & {
+                "speculative_min_acceptance_rate", "speculative_disable_by_batch_size"}:
+            raise ValueError("speculative_min_acceptance_rate and "
+                             "speculative_disable_by_batch_size need a speculative_algorithm")
         if self.cuda_graph_max_bs is not None and (
                 self.cuda_graph_max_bs < 1 or self.device == "cpu" or self.disable_cuda_graph
                 or self.tp_size > 1 or self.enable_dp_attention):
@@ -409,8 +446,65 @@ class EngineConfig:
             if self.kernel_backend not in (None, "batch_invariant"):
                 raise ValueError("enable_deterministic_inference chooses every kernel itself; "
                                  f"kernel_backend={self.kernel_backend!r} contradicts it")
-        check_disaggregation(self)
-        check_parallel(self)
+        self._check_disaggregation()
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        for name in ("tp_size", "dp_size", "ep_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.enable_dp_attention:
+            # every replica runs attention on its own requests; the MoE experts are spread
+            # over the replicas (expert parallelism), whose tokens each MoE layer gathers
+            if self.dp_size < 2 or self.ep_size not in (1, self.dp_size):
+                raise ValueError("enable_dp_attention needs dp_size >= 2 and ep_size equal to "
+                                 "it (the experts are spread over the data-parallel ranks)")
+            if self.tp_size > 1 or self.nnodes > 1:
+                raise ValueError("enable_dp_attention with tp_size or nnodes > 1 is not "
+                                 "supported yet")
+            if self.disaggregation_mode is not None:
+                raise ValueError("enable_dp_attention does not combine with disaggregation yet")
+        elif self.ep_size > 1:
+            raise ValueError("ep_size > 1 is expert parallelism over DP attention ranks: it "
+                             "needs enable_dp_attention")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={self.dp_rank} outside dp_size={self.dp_size}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} outside nnodes={self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size={self.tp_size} does not split evenly over "
+                             f"nnodes={self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
+        if self.dist_init_addr is not None and ":" not in self.dist_init_addr:
+            raise ValueError(f"dist_init_addr={self.dist_init_addr!r} is not host:port")
+        if self.tp_size > 1:
+            if self.device != "cpu":
+                raise ValueError("tensor parallelism runs on CPU ranks (gloo) so far")
+            if self.disaggregation_mode is not None or self.enable_deterministic_inference:
+                raise ValueError("tensor parallelism does not combine with disaggregation or "
+                                 "deterministic inference yet")
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation_mode not in (None, "prefill", "decode"):
+            raise ValueError(f"disaggregation_mode={self.disaggregation_mode!r}: prefill or "
+                             "decode (or none)")
+        if self.disaggregation_transfer_backend != "mooncake":
+            # NIXL's PyPI wheels (nixl-cu12, nixl-cu13) are CUDA builds
+            raise ValueError(f"disaggregation_transfer_backend="
+                             f"{self.disaggregation_transfer_backend!r} is not supported "
+                             "(mooncake)")
+        if self.disaggregation_mode is None:
+            return
+        if self.speculative_algorithm is not None:
+            raise ValueError("speculative decoding does not combine with disaggregation yet: "
+                             "the drafters' own caches are not shipped")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(f"disaggregation_bootstrap_port="
+                             f"{self.disaggregation_bootstrap_port} is not a port")
+        for name in ("disaggregation_timeout_s", "disaggregation_liveness_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
