@@ -133,15 +133,17 @@ class NativeDecode:
         out = torch.empty(B, D, dtype=torch.float32)
         # a drafter's taps: a decode batch's rows are its logits rows, so tap_all_rows or
         # not, every row (K3's aggregated stream: the next site's mix, models/kimi_linear.py)
-        taps = torch.tensor(batch.taps, dtype=i64)
-        tapped = torch.empty(B, len(batch.taps) * D, dtype=torch.float32)
-        aggregated = int(batch.tap_stream == "aggregated")
+        taps = tapped = None  # a plain step allocates neither (the hot path)
+        if batch.taps:
+            taps = torch.tensor(batch.taps, dtype=i64)
+            tapped = torch.empty(B, len(batch.taps) * D, dtype=torch.float32)
         library().decode_forward_f32(model_bytes, layer_bytes, ids.data_ptr(), slots.data_ptr(),
                                      table.data_ptr(), table.shape[1], lens.data_ptr(),
                                      cu.data_ptr(), mapping.data_ptr(), out.data_ptr(), B,
-                                     taps.data_ptr(), len(batch.taps), aggregated,
-                                     tapped.data_ptr())
-        if batch.taps:
+                                     0 if taps is None else taps.data_ptr(), len(batch.taps),
+                                     int(batch.tap_stream == "aggregated"),
+                                     0 if tapped is None else tapped.data_ptr())
+        if tapped is not None:
             batch.tapped = tapped
         return out
 

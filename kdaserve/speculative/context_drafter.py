@@ -281,7 +281,9 @@ class ContextDrafter(Drafter):
         self.k = self.block_size - self.fmt.first_draft_row
 
     def on_context(self, req: Request, rows: torch.Tensor, start: int) -> None:
-        p = self.pending.setdefault(id(req), Pending(req))
+        p = self.pending.get(id(req))
+        if p is None:  # not setdefault: that would build a Pending every tapped step
+            p = self.pending[id(req)] = Pending(req)
         p.parts.append((start, rows.clone()))  # not a view that keeps the whole forward's taps
         p.num += rows.shape[0]
         if p.num >= FLUSH_ROWS:

@@ -153,9 +153,7 @@ class Speculator:
             elif self.cost.fitted and not prefilling and self.explorer.due(self.skipped_in_row):
                 explore = True
             else:
-                self.skipped_in_row += 1
-                self.num_schedule_skips += 1
-                self.cold = True
+                self._skip()
                 return
         ratio = self.cost.slope_ratio()
         if explore:  # at the prior, so its drafts are verified: one request, in turn
@@ -193,10 +191,14 @@ class Speculator:
                     self.skipped_in_row + 1):
             return False
         self.skip_plan = (plan[0], plan[1] - 1)
+        self._skip()
+        return True
+
+    def _skip(self) -> None:
+        """This step drafts nothing: no draft would pay."""
         self.skipped_in_row += 1
         self.num_schedule_skips += 1
         self.cold = True
-        return True
 
     def _plan(self, running: int, eligible: int, decoding: int) -> int:
         """Drafts per request worth drafting this step (`plan_drafting`); a decision not to
