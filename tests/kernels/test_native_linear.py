@@ -16,11 +16,13 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 32, 33, 48, 64, 97])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 25, 32, 33, 48,
+                                  64, 97])
 @pytest.mark.parametrize("K", [16, 40, 43, 768])
 def test_linear_native_matches_torch(rows: int, K: int, monkeypatch) -> None:
-    """Row counts around the streamed rows (1-8 on AVX2, 1-3 on AVX-512), the dot tiles
-    (4-15 rows on AVX-512), the broadcast tiles' whole and padded vectors of x rows (8
+    """Row counts around the streamed rows (1-8 on AVX2, 1-3 on AVX-512), the narrow tiles
+    (fp32 at 5-8 rows on AVX2, 4-24 on AVX-512 in one, two or three 8-lane vectors; bf16 and
+    int8 take the dot tiles there), the broadcast tiles' whole and padded vectors of x rows (8
     lanes on AVX2, 16 on AVX-512) and x^T's column blocks (16 rows on AVX2, the last one
     narrower at 33 and 97; 48 on AVX-512, narrower at 97); K not a multiple of 16, and of 8
     (x^T's fill past its 8 x 8 transposes); 70 output columns, not a multiple of the tiles'
@@ -37,11 +39,11 @@ def test_linear_native_matches_torch(rows: int, K: int, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("N", range(49, 57))
-@pytest.mark.parametrize("rows", [9, 33])
+@pytest.mark.parametrize("rows", [6, 9, 20, 33])
 def test_linear_native_every_last_panel(N: int, rows: int, monkeypatch) -> None:
-    """The broadcast tiles (9+ rows) take weight rows in panels of 6 (AVX2) or 8 (AVX-512);
-    eight consecutive output counts leave every size of last panel, which runs as one tile of
-    that many rows."""
+    """The broadcast tiles (9+ rows) take weight rows in panels of 6 (AVX2) or 8 (AVX-512),
+    the narrow tiles (6 rows; 20 on AVX-512) in tiles of 8; eight consecutive output counts
+    leave every size of last panel or tile, which runs as one of that many rows."""
     from kdaserve.kernels.native import ops
 
     monkeypatch.setattr(ops, "onednn_native_max_rows", lambda elements, K: 64)
@@ -139,16 +141,16 @@ def test_fp32_gemm_takes_sgemm_on_intel_below_lm_head_size(
 
 
 def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """oneDNN's AVX-512 code wins from 5 rows on AMD, from 17 on Intel (9 for a large
-    weight); its AVX2 code only above 96 (64 for inputs wider than 512 or a large weight).
-    The native MoE kernel runs an expert's tokens as blocks from 16 of them on AVX-512, from
+    """oneDNN's AVX-512 code wins from 33 rows on AMD (the narrow tiles), from 17 on Intel (9
+    for a large weight); its AVX2 code only above 96 (64 for inputs wider than 512 or a large
+    weight). The native MoE kernel runs an expert's tokens as blocks from 16 of them on AVX-512, from
     8 elsewhere."""
     from kdaserve.kernels.native import isa, ops
 
     large, wide = ops.LARGE_WEIGHT, ops.WIDE_INPUT
     for level, vendor, elements, K, cap in (
-            ("avx512", "AuthenticAMD", 2**16, 256, 4),
-            ("avx512_bf16", "AuthenticAMD", large, 768, 4),
+            ("avx512", "AuthenticAMD", 2**16, 256, 32),
+            ("avx512_bf16", "AuthenticAMD", large, 768, 32),
             ("avx512", "GenuineIntel", 2**16, 256, 16), ("amx", "GenuineIntel", large, 768, 8),
             ("avx2", "GenuineIntel", 2**16, 256, 96), ("avx2", "AuthenticAMD", 2**20, wide, 96),
             ("avx2", "", 2**20, wide + 1, 64), ("avx2", "", large, 256, 64),
