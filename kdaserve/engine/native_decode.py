@@ -5,9 +5,11 @@ time in Python between the kernels (the hidden-256 MoE: ~1.7 of 5 ms at batch 1)
 op of a decode batch would take the native kernel anyway, this runs the whole forward, from
 the embedding to the final norm, as one C++ call that makes the same kernel calls in the same
 order, so the hidden states equal the per-op forward's bit for bit (tested), and a context
-drafter's taps come with them. Anything else (prefill chunks, verifies, routing capture,
-parallel ranks, other backends, dtypes or row counts the native kernels do not take) runs
-the per-op forward.
+drafter's taps come with them. A speculative verify (a few tokens per sequence, every row a
+logits row) runs here too, its KDA step inputs written into the step's record for the
+rollback, as the per-op forward's fused-step path keeps them. Anything else (prefill chunks,
+routing capture, parallel ranks, other backends, dtypes or row counts the native kernels do
+not take) runs the per-op forward.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from kdaserve.kernels.native import ops as native
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
 from kdaserve.kernels.registry import ONE_CALL_DECODE
 from kdaserve.layers.attn_res import AttnResSite
-from kdaserve.layers.kda import KDAttention
+from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS
+from kdaserve.layers.kda import FUSED_MAX_TOKENS, KDAttention
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import LATENT_NORM_EPS
 from kdaserve.layers.moe import MoE, situ_of
@@ -43,6 +46,9 @@ _NONE = (0, 0, 0, 0, 0)  # an absent projection
 DECODE_OPS = ("linear", "kda_decode", "mla_attention", "moe_route", "moe_experts", "rms_norm",
               "silu_mul", "situ_mul", "sigmoid_mul", "attn_res_norm")
 _MAX_SOURCES = 64  # the AttnRes kernel's bank rows + 1 (csrc/elementwise_cpu.cpp)
+# new tokens per sequence up to which the per-op forward runs KDA's fused step token by token
+# and MLA's verify kernel (layers/kda.py, kernels/native/ops.py), the calls this one makes
+_FEW_TOKENS = min(FUSED_MAX_TOKENS, VERIFY_MAX_TOKENS)
 
 
 class Unsupported(Exception):
@@ -89,6 +95,9 @@ class NativeDecode:
         self._scales = [(mod, name) for mod in model.modules() for name in
                         (("scale",) if isinstance(mod, Linear) else ("w13_scale", "w2_scale")
                          if isinstance(mod, MoE) else ())]
+        # (heads, head width) of each KDA layer in order: a verify's record entries
+        self._kda = [(layer.self_attn.num_heads, layer.self_attn.head_dim)
+                     for layer in model.layers if isinstance(layer.self_attn, KDAttention)]
 
     @classmethod
     def for_model(cls, model: KimiLinearForCausalLM) -> NativeDecode | None:
@@ -105,16 +114,18 @@ class NativeDecode:
         return cls(model)
 
     def takes(self, batch: ForwardBatch) -> bool:
-        """Whether this batch is one this forward runs (the plan is checked at the call)."""
-        return batch.is_decode and batch.record is None \
+        """Whether this batch is one this forward runs (the plan is checked at the call): a
+        decode batch, or sequences of a few new tokens each, all of them logits rows (a
+        verify), where the per-op forward runs KDA's fused step and MLA's verify kernel."""
+        return (batch.is_decode or 0 < batch.max_seqlen <= _FEW_TOKENS) \
             and batch.routing is None and batch.snapshots is None \
             and batch.embed_rows is None \
             and batch.logits_indices.shape[0] == batch.input_ids.shape[0]
 
     def __call__(self, batch: ForwardBatch, states: StatePool,
                  blocks: BlockPool) -> torch.Tensor | None:
-        """Final-normed hidden states [B, D] of a decode batch, or None where the native path
-        does not apply now (the caller runs the per-op forward)."""
+        """Final-normed hidden states [B, D] of the batch's B rows, or None where the native
+        path does not apply now (the caller runs the per-op forward)."""
         try:
             model_bytes, layer_bytes, most_rows = self._current_plan(states, blocks)
         except Unsupported:
@@ -131,20 +142,34 @@ class NativeDecode:
         mapping = batch.slot_mapping.to(i64).contiguous()
         D = self.model.config.hidden_size
         out = torch.empty(B, D, dtype=torch.float32)
-        # a drafter's taps: a decode batch's rows are its logits rows, so tap_all_rows or
+        # a drafter's taps: every row this takes is a logits row, so tap_all_rows or
         # not, every row (K3's aggregated stream: the next site's mix, models/kimi_linear.py)
         taps = tapped = None  # a plain step allocates neither (the hot path)
         if batch.taps:
             taps = torch.tensor(batch.taps, dtype=i64)
             tapped = torch.empty(B, len(batch.taps) * D, dtype=torch.float32)
+        # a verify's record: each KDA layer's pre-conv q|k|v, raw gate and beta logits, as the
+        # per-op forward hands them to StepRecord.add (written by the C++, never read there)
+        record: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        pointers = None
+        if batch.record is not None:
+            f32 = torch.float32
+            record = [(torch.empty(B, 3 * H * K, dtype=f32), torch.empty(B, H, K, dtype=f32),
+                       torch.empty(B, H, dtype=f32)) for H, K in self._kda]
+            pointers = torch.tensor([t.data_ptr() for steps in record for t in steps],
+                                    dtype=i64)
         library().decode_forward_f32(model_bytes, layer_bytes, ids.data_ptr(), slots.data_ptr(),
                                      table.data_ptr(), table.shape[1], lens.data_ptr(),
                                      cu.data_ptr(), mapping.data_ptr(), out.data_ptr(), B,
+                                     cu.shape[0] - 1,
                                      0 if taps is None else taps.data_ptr(), len(batch.taps),
                                      int(batch.tap_stream == "aggregated"),
-                                     0 if tapped is None else tapped.data_ptr())
+                                     0 if tapped is None else tapped.data_ptr(),
+                                     0 if pointers is None else pointers.data_ptr())
         if tapped is not None:
             batch.tapped = tapped
+        for steps in record:  # every KDA layer's, in order (the per-op forward's `add`)
+            batch.record.add(*steps)
         return out
 
     def most_rows(self) -> int:

@@ -1,6 +1,7 @@
 """The one-call native decode forward (engine/native_decode.py, csrc/decode_step.cpp) equals
-the per-op forward bit for bit (hidden states, KDA states, conv windows, latent cache), is the
-path decode steps take where it applies, and steps aside where it does not."""
+the per-op forward bit for bit (hidden states, KDA states, conv windows, latent cache, a
+verify's record), is the path decode and verify steps take where it applies, and steps aside
+where it does not."""
 
 from __future__ import annotations
 
@@ -16,18 +17,20 @@ from kdaserve import LLM, RequestOptions, SamplingParams
 from kdaserve.engine.native_decode import NativeDecode
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import use_backend
+from kdaserve.speculative.scripted import ScriptedDrafter
 from kdaserve.step_record import StepRecord
 
 
 class Checked:
     """Stands in for the model's NativeDecode: runs the per-op forward on copies of the pools
-    first, then the native one on the real pools, and asserts they agree exactly."""
+    (and a record of its own, for a verify) first, then the native one on the real pools, and
+    asserts they agree exactly."""
 
     def __init__(self, llm: LLM) -> None:
         self.model, self.runner = llm.model, llm.engine.runner
         self.native = self.runner.native_decode
         assert self.native is not None
-        self.calls = self.skipped = 0
+        self.calls = self.skipped = self.verifies = 0
 
     def takes(self, batch) -> bool:  # noqa: ANN001
         return self.native.takes(batch)
@@ -36,17 +39,33 @@ class Checked:
         s2, b2 = copy.copy(states), copy.copy(blocks)
         s2.recurrent, s2.conv, b2.kv = states.recurrent.clone(), states.conv.clone(), \
             blocks.kv.clone()
+        record = batch.record
+        if record is not None:
+            batch.record = copy.copy(record)
+            batch.record.layers = []
         want = self.model.forward_hidden(batch, s2, b2)  # the per-op forward
+        theirs, batch.record = batch.record, record
         got = self.native(batch, states, blocks)
-        if got is None:  # only above the native kernels' row caps (4 rows on AVX-512 hosts)
+        if got is None:  # only above the native kernels' row caps
             assert batch.input_ids.shape[0] > self.native.most_rows()
             self.skipped += 1
+            states.recurrent.copy_(s2.recurrent)  # the per-op forward's step, kept
+            states.conv.copy_(s2.conv)
+            blocks.kv.copy_(b2.kv)
+            if record is not None:
+                record.layers = theirs.layers
             return want
         self.calls += 1
         assert torch.equal(got, want)
         assert torch.equal(states.recurrent, s2.recurrent)
         assert torch.equal(states.conv, s2.conv)
         assert torch.equal(blocks.kv, b2.kv)
+        if record is not None:
+            self.verifies += 1
+            assert len(record.layers) == len(theirs.layers) > 0
+            for mine, per_op in zip(record.layers, theirs.layers, strict=True):
+                for a, b in zip(mine, per_op, strict=True):
+                    assert torch.equal(a, b)
         return got
 
 
@@ -91,9 +110,9 @@ def test_native_decode_runs_k3(k3_ckpt: Path, k3_mxfp4_ckpt: Path, options: dict
 
 
 def test_native_decode_steps_aside(tiny_ckpt: Path) -> None:
-    """Other backends get no native forward; prefill chunks, verify records, routing capture
-    and snapshots run the per-op forward (a drafter's taps do not: the native forward takes
-    them)."""
+    """Other backends get no native forward; prefill chunks, routing capture and snapshots run
+    the per-op forward (a drafter's taps and a verify's record do not: the native forward
+    takes them, and a verify's few tokens per sequence, all logits rows)."""
     with use_backend("cpu"):
         assert LLM(tiny_ckpt).engine.runner.native_decode is None
     llm = LLM(tiny_ckpt)
@@ -113,9 +132,18 @@ def test_native_decode_steps_aside(tiny_ckpt: Path) -> None:
     decode_batch = ForwardBatch.build([[5], [6]], [3, 4], [0, 1], [[0], [1]], 16)
     assert native.takes(decode_batch)
     assert native.takes(dataclasses.replace(decode_batch, taps=(1,)))  # taps come with it
-    for change in ({"routing": []}, {"record": StepRecord([0, 1], {}, "cpu")},
-                   {"snapshots": (torch.zeros(1, dtype=torch.int64),) * 3}):
+    assert native.takes(dataclasses.replace(decode_batch, record=StepRecord([0, 1], {}, "cpu")))
+    for change in ({"routing": []}, {"snapshots": (torch.zeros(1, dtype=torch.int64),) * 3}):
         assert not native.takes(dataclasses.replace(decode_batch, **change))
+    # a verify: 3 and 2 tokens, every row a logits row; a prompt chunk samples its last only
+    verify = ForwardBatch.build([[5, 6, 7], [8, 9]], [3, 4], [0, 1], [[0], [1]], 16,
+                                all_logits=True)
+    assert native.takes(verify)
+    assert not native.takes(ForwardBatch.build([[5, 6, 7], [8, 9]], [3, 4], [0, 1], [[0], [1]],
+                                               16))
+    long = [list(range(17))]
+    assert not native.takes(ForwardBatch.build(long, [0], [0], [[0, 1]], 16,
+                                               all_logits=True))
 
 
 class TapChecked(Checked):
@@ -184,9 +212,9 @@ def test_native_decode_follows_replaced_weights(tiny_ckpt: Path) -> None:
 
 def test_native_decode_keeps_to_the_row_caps(tiny_ckpt: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the native GEMM takes at most 4 rows (fp32 on AVX-512 hosts, where oneDNN runs
-    more), batches above that run the per-op forward, as its projections would not be the
-    native kernel's: simulated here by lowering the cap."""
+    """Where the native GEMM takes fewer rows than a batch has (fp32 above 16 rows on Intel's
+    AVX-512, where oneDNN runs more), the batch runs the per-op forward, as its projections
+    would not be the native kernel's: simulated here by lowering the cap to 4."""
     from kdaserve.kernels.native import ops
 
     monkeypatch.setattr(ops, "linear_native_max_rows", lambda weight: 4)
@@ -205,7 +233,7 @@ def test_native_decode_runs_experts_as_the_per_op_forward(tiny_ckpt: Path, dtype
     split weight rows (and bf16 blocks run on AMX tiles where the host has them): the one-call
     forward takes the per-op forward's choice, asked for the experts' dtype (forced here down
     to 2 tokens, so a batch of 16 over 8 experts blocks some and splits others). The row caps
-    are raised to 16 for it: where fp32 products of 5+ rows go to oneDNN (AMD's AVX-512) the
+    are raised to 16 for it: where a host's fp32 products of fewer rows go to oneDNN the
     one-call forward would step aside for the whole batch."""
     from kdaserve.kernels.native import ops
 
@@ -219,3 +247,31 @@ def test_native_decode_runs_experts_as_the_per_op_forward(tiny_ckpt: Path, dtype
     decode(llm, 16, seed=3)
     assert checked.calls == 3
     assert set(asked) == {getattr(torch, dtype)}
+
+
+@pytest.mark.parametrize("corrupt", [set(), {2}, {0}], ids=["all", "some", "none"])
+def test_native_verify_equals_per_op_forward(tiny_ckpt: Path, k3_ckpt: Path,
+                                             corrupt: set[int]) -> None:
+    """A speculative verify (4 drafts per request, all, some or none accepted; batch 1 and a
+    batch of 3) runs in the one call: hidden states, pools and each KDA layer's recorded step
+    inputs equal the per-op forward's bit for bit, and the greedy outputs (after the rollback
+    replays the record) are plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for ckpt in (tiny_ckpt, k3_ckpt):
+        plain = LLM(ckpt)
+        g = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(0, 3800, (int(n),), generator=g).tolist()
+                   for n in torch.randint(3, 30, (3,), generator=g)]
+        refs = [o.token_ids for o in plain.generate(prompt_token_ids=prompts,
+                                                    sampling_params=params)]
+        llm = LLM(ckpt, speculative_algorithm="ngram", speculative_num_draft_tokens=4)
+        futures = {tuple(p): r for p, r in zip(prompts, refs, strict=True)}
+        llm.engine.spec.drafter = ScriptedDrafter(None, 4, llm.config.vocab_size, futures,
+                                                  corrupt)
+        checked = Checked(llm)
+        llm.engine.runner.native_decode = checked
+        for batch in ([prompts[0]], prompts):
+            outs = llm.generate(prompt_token_ids=batch, sampling_params=params)
+            assert [o.token_ids for o in outs] == refs[:len(batch)]
+        assert checked.verifies >= 4
+        llm.check_integrity()

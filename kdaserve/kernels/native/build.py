@@ -56,7 +56,7 @@ LIBRARIES = {
         "mla_forward_f32": [_P, _I] + [_P] * 6 + [_I] * 9 + [_F],
         "rms_norm_f32": [_P, _I, _P, _P, _I, _I, _F],
         "argmax_rows_f32": [_P, _I, _I, _P],
-        "decode_forward_f32": [_P] * 5 + [_I] + [_P] * 4 + [_I, _P, _I, _I, _P],
+        "decode_forward_f32": [_P] * 5 + [_I] + [_P] * 4 + [_I, _I, _P, _I, _I, _P, _P],
         "moe_experts_f32": [_P] * 6 + [_I] * 6 + [_F, _F],
         "linear_small_f32": [_P] * 3 + [_I] * 3,
         "linear_small_bf16w": [_P] * 3 + [_I] * 3,

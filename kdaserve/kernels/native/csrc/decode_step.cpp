@@ -1,7 +1,8 @@
-// A whole decode forward (one token per sequence, embedding to final norm) in one call, for
-// models small enough that Python between the kernels is a large part of a step (the
-// hidden-256 MoE at batch 16: ~2.5 of ~12 ms; at batch 1 ~1.7 of 5), Kimi Linear and K3 (its
-// Attention Residuals, gates, LatentMoE and SiTU-GLU). It runs the same kernels
+// A whole decode forward (embedding to final norm) in one call, for models small enough that
+// Python between the kernels is a large part of a step (the hidden-256 MoE at batch 16: ~2.5
+// of ~12 ms; at batch 1 ~1.7 of 5), Kimi Linear and K3 (its Attention Residuals, gates,
+// LatentMoE and SiTU-GLU): one token per sequence, or a few (a speculative verify, which also
+// records each KDA layer's step inputs for the rollback). It runs the same kernels
 // as the per-op path, in the same order and on the same inputs (the entry points below are
 // the ones kernels/native/ops.py binds), so its result equals that path's bit for bit;
 // kdaserve/engine/native_decode.py builds the plan and decides when it applies. Built into
@@ -150,6 +151,25 @@ struct Taps {
   }
 };
 
+// The rows' sequences: S of them, rows cu[s]..cu[s + 1] (one each in a plain decode step), their
+// KDA state slots, MLA block tables and context lengths [S], each row's KV slot [T]. record
+// (nullable): a verify's StepRecord, three pointers per KDA layer in order (pre-conv q|k|v
+// [T, 3P], the raw gate f [T, P], beta's logits [T, H]) that the layer writes its step inputs
+// into (step_record.py).
+struct Batch {
+  int64_t S;
+  const int64_t *cu, *slots, *table;
+  int64_t table_width;
+  const int64_t *lens, *slot_mapping, *record;
+
+  // kda_decode_f32's cu: none for one row per sequence, as the per-op forward passes it
+  const int64_t* kda_cu(int64_t T) const { return T == S ? nullptr : cu; }
+  float* recorded(int64_t kda_layer, int64_t part) const {
+    return record == nullptr ? nullptr
+                             : reinterpret_cast<float*>(record[3 * kda_layer + part]);
+  }
+};
+
 // One growable scratch buffer per role, reused across layers.
 struct Scratch {
   std::vector<float> a, b, c, d, e, f;
@@ -159,16 +179,18 @@ struct Scratch {
   }
 };
 
-void kda_layer(const Layer& L, const float* x, float* out, int64_t B, const int64_t* slots,
-               Scratch& s) {
+// kda_index: which of the model's KDA layers (its record entry)
+void kda_layer(const Layer& L, const float* x, float* out, int64_t B, const Batch& batch,
+               int64_t kda_index, Scratch& s) {
   const int64_t H = L.heads, K = L.head_dim, P = H * K, width = L.in_proj.n;
   float* in = Scratch::get(s.a, B * width);
   linear(L.in_proj, x, in, B);
-  float* qkv = Scratch::get(s.b, B * 3 * P);
+  // a verify's step inputs go straight into its record (the kernel only reads them)
+  float* qkv = batch.record ? batch.recorded(kda_index, 0) : Scratch::get(s.b, B * 3 * P);
   float* low = Scratch::get(s.c, B * K);  // f_a, then g_a
-  float* f = Scratch::get(s.d, B * P);
+  float* f = batch.record ? batch.recorded(kda_index, 1) : Scratch::get(s.d, B * P);
   float* z = Scratch::get(s.e, B * P);
-  float* beta = Scratch::get(s.f, B * H);
+  float* beta = batch.record ? batch.recorded(kda_index, 2) : Scratch::get(s.f, B * H);
   columns(in, width, 0, 3 * P, qkv, B);
   columns(in, width, 3 * P, K, low, B);
   linear(L.f_b, low, f, B);
@@ -183,15 +205,15 @@ void kda_layer(const Layer& L, const float* x, float* out, int64_t B, const int6
   float* o = in;  // free again
   kda_decode_f32(qkv, f, beta, z, ptr<float>(L.conv_w), ptr<float>(L.A_log),
                  ptr<float>(L.dt_bias), ptr<float>(L.o_norm), reinterpret_cast<float*>(L.state),
-                 reinterpret_cast<float*>(L.conv_state), slots, nullptr, o, B, H, K, K,
+                 reinterpret_cast<float*>(L.conv_state), batch.slots, batch.kda_cu(B), o,
+                 batch.kda_cu(B) ? batch.S : B, H, K, K,
                  L.conv_size, static_cast<float>(L.kda_eps),
                  static_cast<float>(L.kda_lower_bound));
   linear(L.kda_o, o, out, B);
 }
 
-void mla_layer(const Layer& L, const float* x, float* out, int64_t B, const int64_t* table,
-               int64_t table_width, const int64_t* lens, const int64_t* cu,
-               const int64_t* slot_mapping, Scratch& s) {
+void mla_layer(const Layer& L, const float* x, float* out, int64_t B, const Batch& batch,
+               Scratch& s) {
   const int64_t H = L.mla_heads, R = L.rank, Dr = L.dr, row = R + Dr;
   float* q = Scratch::get(s.a, B * H * (L.dn + Dr));
   if (L.q_a.w) {
@@ -208,15 +230,15 @@ void mla_layer(const Layer& L, const float* x, float* out, int64_t B, const int6
   linear(L.kv_a, x, ckv, B);
   float* cache = reinterpret_cast<float*>(L.kv_cache);
   for (int64_t b = 0; b < B; ++b) {  // the normalised latent and the rope key, into the pool
-    float* dst = cache + slot_mapping[b] * row;
+    float* dst = cache + batch.slot_mapping[b] * row;
     rms_norm_f32(ckv + b * row, row, ptr<float>(L.kv_a_norm), dst, 1, R,
                  static_cast<float>(L.latent_eps));
     std::memcpy(dst + R, ckv + b * row + R, Dr * sizeof(float));
   }
   float* o = Scratch::get(s.c, B * H * L.dv);
-  mla_forward_f32(q, H * (L.dn + Dr), ptr<float>(L.kv_b), cache, table, lens, cu, o, B, B, H,
-                  L.dn, Dr, L.dv, R, L.block_size, table_width,
-                  static_cast<float>(L.mla_scale));
+  mla_forward_f32(q, H * (L.dn + Dr), ptr<float>(L.kv_b), cache, batch.table, batch.lens,
+                  batch.cu, o, batch.S, B, H, L.dn, Dr, L.dv, R, L.block_size,
+                  batch.table_width, static_cast<float>(L.mla_scale));
   if (L.mla_gate.w) {  // K3: o * sigmoid(g_proj(x)); q_a's buffers are free again
     float* g = Scratch::get(s.d, B * L.mla_gate.n);
     float* gated = Scratch::get(s.e, B * L.mla_gate.n);
@@ -294,13 +316,13 @@ void moe_layer(const Layer& L, const float* x, float* out, int64_t B, int64_t D,
 }
 
 // The mixer (KDA or MLA) of layer L on its normed input x, into y.
-void mixer(const Layer& L, const float* x, float* y, int64_t B, const int64_t* slots,
-           const int64_t* table, int64_t table_width, const int64_t* lens, const int64_t* cu,
-           const int64_t* slot_mapping, Scratch& s) {
+// kda_seen: the model's KDA layers before this one.
+void mixer(const Layer& L, const float* x, float* y, int64_t B, const Batch& batch,
+           int64_t& kda_seen, Scratch& s) {
   if (L.is_kda)
-    kda_layer(L, x, y, B, slots, s);
+    kda_layer(L, x, y, B, batch, kda_seen++, s);
   else
-    mla_layer(L, x, y, B, table, table_width, lens, cu, slot_mapping, s);
+    mla_layer(L, x, y, B, batch, s);
 }
 
 // A site's effective query [D]: its norm weight times its projection, computed every step as
@@ -315,15 +337,14 @@ void site_query(const int64_t site[2], float* w, int64_t D) {
 // the RMSNorm after it; a block's first layer banks the partial sum it was handed. partial
 // [B, D]: the embeddings in, overwritten; out [B, D]: the final site's normed mix.
 void attn_res_layers(const Model* model, const Layer* layers, float* partial, int64_t B,
-                     const int64_t* slots, const int64_t* table, int64_t table_width,
-                     const int64_t* lens, const int64_t* cu, const int64_t* slot_mapping,
-                     const Taps& taps, float* out) {
+                     const Batch& batch, const Taps& taps, float* out) {
   const int64_t D = model->hidden, block = model->attn_res_block;
   const float eps = static_cast<float>(model->eps), site_eps = static_cast<float>(model->site_eps);
   std::vector<float> bank(((model->num_layers + block - 1) / block) * B * D), x(B * D),
       y(B * D), w(D);
   int64_t banked = 0;
   bool open = true;  // whether `partial` holds this block's sum so far
+  int64_t kda_seen = 0;
   Scratch s;
   for (int64_t i = 0; i < model->num_layers; ++i) {
     const Layer& L = layers[i];
@@ -334,7 +355,7 @@ void attn_res_layers(const Model* model, const Layer* layers, float* partial, in
       std::memcpy(bank.data() + banked++ * B * D, partial, B * D * sizeof(float));
       open = false;
     }
-    mixer(L, x.data(), y.data(), B, slots, table, table_width, lens, cu, slot_mapping, s);
+    mixer(L, x.data(), y.data(), B, batch, kda_seen, s);
     if (open)
       add(partial, y.data(), B * D);
     else
@@ -368,31 +389,32 @@ void attn_res_layers(const Model* model, const Layer* layers, float* partial, in
 
 extern "C" {
 
-// ids, slots, context_lens, slot_mapping [B]; block_table [B, table_width]; cu [B + 1] (0..B);
-// out [B, D]: the final-normed hidden states of every row (the lm_head runs apart);
-// tap_layers [num_taps] and tapped [B, num_taps * D]: a drafter's taps (struct Taps).
+// B rows of S sequences (struct Batch): ids, slot_mapping [B]; slots, context_lens [S];
+// block_table [S, table_width]; cu [S + 1]; out [B, D]: the final-normed hidden states of
+// every row (the lm_head runs apart); tap_layers [num_taps] and tapped [B, num_taps * D]: a
+// drafter's taps (struct Taps); record (nullable): a verify's step inputs (struct Batch).
 void decode_forward_f32(const Model* model, const Layer* layers, const int64_t* ids,
                         const int64_t* slots, const int64_t* block_table, int64_t table_width,
                         const int64_t* context_lens, const int64_t* cu,
-                        const int64_t* slot_mapping, float* out, int64_t B,
+                        const int64_t* slot_mapping, float* out, int64_t B, int64_t S,
                         const int64_t* tap_layers, int64_t num_taps, int64_t aggregated,
-                        float* tapped) {
+                        float* tapped, const int64_t* record) {
   const Taps taps{tap_layers, num_taps, aggregated, tapped};
+  const Batch batch{S, cu, slots, block_table, table_width, context_lens, slot_mapping, record};
   const int64_t D = model->hidden;
   std::vector<float> h(B * D), x(B * D), y(B * D);
   const float* embed = ptr<float>(model->embed);
   for (int64_t b = 0; b < B; ++b)
     std::memcpy(h.data() + b * D, embed + ids[b] * D, D * sizeof(float));
   if (model->attn_res_block > 0)
-    return attn_res_layers(model, layers, h.data(), B, slots, block_table, table_width,
-                           context_lens, cu, slot_mapping, taps, out);
+    return attn_res_layers(model, layers, h.data(), B, batch, taps, out);
+  int64_t kda_seen = 0;
   Scratch s;
   for (int64_t i = 0; i < model->num_layers; ++i) {
     const Layer& L = layers[i];
     rms_norm_f32(h.data(), D, ptr<float>(L.input_norm), x.data(), B, D,
                  static_cast<float>(model->eps));
-    mixer(L, x.data(), y.data(), B, slots, block_table, table_width, context_lens, cu,
-          slot_mapping, s);
+    mixer(L, x.data(), y.data(), B, batch, kda_seen, s);
     add(h.data(), y.data(), B * D);
     rms_norm_f32(h.data(), D, ptr<float>(L.post_norm), x.data(), B, D,
                  static_cast<float>(model->eps));
