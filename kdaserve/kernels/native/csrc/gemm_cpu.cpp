@@ -68,13 +68,17 @@ void linear_bcast(const float* x, const W* w, const float* scale, float* y, int6
 // linear_bcast: the lm_head at 24 rows 28.7 -> 21.1, 3072 x 768 0.85 -> 0.57 (768 x 2048 the
 // same). 8-lane vectors are AVX2's own width, and on AVX2 linear_bcast's 8-lane tiles take 9
 // rows on; on Intel's AVX-512 (two 512-bit FMA ports, 256-bit ones at half the rate) not yet
-// measured. bf16 and int8 weights keep widening in registers (8-row panels widened first ran
-// the bf16 lm_head at 8 rows 13.1 -> 14.3 ms).
+// measured. int8 weights keep widening in registers, and bf16 ones below 17 rows (below).
 #if defined(__AVX512F__)
 constexpr int64_t kNarrowFrom = 4, kNarrowTo = 24;
 #else
 constexpr int64_t kNarrowFrom = 5, kNarrowTo = 8;  // AVX2's 4 streamed rows were faster
 #endif
+// bf16 weights, widened 8 rows at a time into an fp32 tile, only from 17 rows: below, the dot
+// tiles widening in registers are ahead (ms, weights cycled past the L3, dot tiles / narrow:
+// the lm_head at 8 / 16 / 20 / 24 rows 12.1 / 16.0, 19.7 / 19.3, 32.3 / 26.5, 32.5 / 25.1;
+// 3072 x 768 0.40 / 0.56, 0.65 / 0.71, 1.03 / 0.83, 1.05 / 0.83; 768 x 2048 at 20 0.68 / 0.62)
+constexpr int64_t kNarrowFromBf16 = 17;
 constexpr int kNarrowN = 8;  // weight rows per tile: 8 x V accumulators
 
 // yt [TN, 8 V] = TN weight rows (stride K) against x^T [K, 8 V]; pf (nullable): the next
@@ -105,39 +109,58 @@ template <int TN, int V>
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(yt + (i * V + v) * 8, acc[i][v]);
 }
 
-// Rows [n0, n0 + TN) of y [M, N] from a tile.
-template <int TN, int V>
-[[gnu::always_inline]] inline void narrow_out(const float* w, int64_t K, const float* xt,
+// Rows [n0, n0 + TN) of y [M, N] from a tile. bf16 weights are widened into `wide` (TN x K
+// floats, the thread's own) first, with the next tile's rows (next in memory) prefetched on
+// the way; fp32 ones are read where they are, pf the next tile.
+template <int TN, int V, typename W>
+[[gnu::always_inline]] inline void narrow_out(const W* w, int64_t K, const float* xt,
                                               float* y, int64_t M, int64_t N, int64_t n0,
-                                              const float* pf) {
+                                              bool last, float* wide) {
   float yt[TN * V * 8];
-  narrow_tile<TN, V>(w + n0 * K, K, xt, yt, pf);
+  if constexpr (std::is_same_v<W, float>) {
+    narrow_tile<TN, V>(w + n0 * K, K, xt, yt, last ? nullptr : w + (n0 + TN) * K);
+  } else {
+    const W* src = w + n0 * K;
+    int64_t j = 0;
+    for (; j + kLanes <= TN * K; j += kLanes) {
+      if (!last && j % (64 / sizeof(W)) == 0) __builtin_prefetch(src + TN * K + j, 0, 3);
+      const vtile v = load_tile(src + j);
+      __builtin_memcpy(wide + j, &v, sizeof(v));
+    }
+    for (; j < TN * K; ++j) wide[j] = widen(src[j]);
+    narrow_tile<TN, V>(wide, K, xt, yt, nullptr);
+  }
   for (int64_t m = 0; m < M; ++m)
     for (int i = 0; i < TN; ++i) y[m * N + n0 + i] = yt[i * V * 8 + m];
 }
 
-template <int V>
-void linear_narrow(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
+template <int V, typename W>
+void linear_narrow(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   std::unique_ptr<float[]> xt(new float[K * V * 8]);  // x^T, zero-padded to 8 V columns
   for (int64_t k = 0; k < K; ++k)
     for (int64_t m = 0; m < V * 8; ++m) xt[k * V * 8 + m] = m < M ? x[m * K + k] : 0.0f;
   const int64_t tiles = N / kNarrowN;
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {  // each thread a run of tiles, prefetching the next
-    const int64_t n0 = t * kNarrowN;
-    narrow_out<kNarrowN, V>(w, K, xt.get(), y, M, N, n0,
-                            t + 1 < tiles ? w + (n0 + kNarrowN) * K : nullptr);
+  constexpr bool fp32 = std::is_same_v<W, float>;
+#pragma omp parallel
+  {
+    std::vector<float> wide(fp32 ? 0 : kNarrowN * K);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t)  // each thread a run of tiles, prefetching the next
+      narrow_out<kNarrowN, V>(w, K, xt.get(), y, M, N, t * kNarrowN, t + 1 == tiles,
+                              wide.data());
   }
   const int64_t n0 = tiles * kNarrowN;
+  std::vector<float> wide(fp32 ? 0 : kNarrowN * K);
+  float* wd = wide.data();
   switch (N - n0) {  // the last rows, kept together (one-row tiles: too few FMA chains)
     case 0: break;
-    case 1: narrow_out<1, V>(w, K, xt.get(), y, M, N, n0, nullptr); break;
-    case 2: narrow_out<2, V>(w, K, xt.get(), y, M, N, n0, nullptr); break;
-    case 3: narrow_out<3, V>(w, K, xt.get(), y, M, N, n0, nullptr); break;
-    case 4: narrow_out<4, V>(w, K, xt.get(), y, M, N, n0, nullptr); break;
-    case 5: narrow_out<5, V>(w, K, xt.get(), y, M, N, n0, nullptr); break;
-    case 6: narrow_out<6, V>(w, K, xt.get(), y, M, N, n0, nullptr); break;
-    default: narrow_out<7, V>(w, K, xt.get(), y, M, N, n0, nullptr); break;
+    case 1: narrow_out<1, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
+    case 2: narrow_out<2, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
+    case 3: narrow_out<3, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
+    case 4: narrow_out<4, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
+    case 5: narrow_out<5, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
+    case 6: narrow_out<6, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
+    default: narrow_out<7, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
   }
 }
 #else
@@ -185,8 +208,8 @@ void linear_small(const float* x, const W* w, const float* scale, float* y, int6
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if constexpr (std::is_same_v<W, float>) {
-    if (M >= kNarrowFrom && M <= kNarrowTo)
+  if constexpr (std::is_same_v<W, float> || std::is_same_v<W, bf16>) {
+    if (M >= (std::is_same_v<W, float> ? kNarrowFrom : kNarrowFromBf16) && M <= kNarrowTo)
       return M <= 8 ? linear_narrow<1>(x, w, y, M, N, K)
              : M <= 16 ? linear_narrow<2>(x, w, y, M, N, K)
                        : linear_narrow<3>(x, w, y, M, N, K);
