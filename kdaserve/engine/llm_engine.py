@@ -47,7 +47,7 @@ from kdaserve.multimodal import ImageInputs
 from kdaserve.request import Request, RequestOptions, RequestOutput, SamplingParams
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.acceptance import trim_drafts
-from kdaserve.speculative.build import build_speculator
+from kdaserve.speculative.build import build_speculator, draft_memory
 from kdaserve.speculative.verify import Verified
 from kdaserve.step_record import StepRecord
 from kdaserve.tokenizer import Tokenizer
@@ -64,6 +64,8 @@ class LLMEngine:
         with phase("config") as p:
             self.path = resolve_model_path(config.model)
             self.model_config = ModelConfig.from_pretrained(self.path)
+            draft = config.speculative_draft_model
+            self.draft_path = Path(resolve_model_path(draft)) if draft else None
             self.device = torch.device(config.device)
             if self.device.type == "cuda" and self.device.index is not None:
                 torch.cuda.set_device(self.device)  # Triton launches and graphs use it
@@ -106,11 +108,10 @@ class LLMEngine:
                                               self.scheduler.max_request_tokens())
             self.spec = None
             if config.speculative_algorithm is not None:
-                draft = config.speculative_draft_model
                 self.spec = build_speculator(
-                    config, Path(resolve_model_path(draft)) if draft else None,
-                    self.model, self.kernels, self.dtype, self.device, self.states,
-                    self.blocks, self.cache, self.scheduler.max_num_seqs)
+                    config, self.draft_path, self.model, self.kernels, self.dtype,
+                    self.device, self.states, self.blocks, self.cache,
+                    self.scheduler.max_num_seqs)
                 self.scheduler.hooks = self.spec
             # nothing runs ahead of the first request: CUDA graphs are captured on first use
             # of each batch size, and an eager forward needs no warming
@@ -171,8 +172,9 @@ class LLMEngine:
                              f"model's vocabulary is {self.model_config.vocab_size}: ids past it "
                              "have no embedding (a tokenizer from another model?)")
         with phase("pools") as p:  # their sizes: make_pools's own log line
-            self.blocks, self.states = make_pools(config, self.model_config, self.model,
-                                                  self.dtype, self.device)
+            self.blocks, self.states = make_pools(
+                config, self.model_config, self.model, self.dtype, self.device,
+                draft_memory(config, self.draft_path, self.model_config, self.dtype))
             p.note = f"{self.blocks.num_blocks} KV blocks, {self.states.num_slots} state slots"
         if self.followers is not None:
             self.followers.start(self.blocks, self.states)

@@ -21,9 +21,9 @@ import torch
 
 from kdaserve.kernels.native import ops as native
 from kdaserve.kernels.native.build import MAX_HEAD_DIM, available, library
+from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS
 from kdaserve.kernels.registry import ONE_CALL_DECODE
 from kdaserve.layers.attn_res import AttnResSite
-from kdaserve.kernels.ref.mla import VERIFY_MAX_TOKENS
 from kdaserve.layers.kda import FUSED_MAX_TOKENS, KDAttention
 from kdaserve.layers.linear import Linear
 from kdaserve.layers.mla import LATENT_NORM_EPS

@@ -31,10 +31,13 @@ def num_snapshot_slots(c: EngineConfig) -> int:
 
 
 def make_pools(c: EngineConfig, mc: ModelConfig, model: torch.nn.Module, dtype: torch.dtype,
-               device: torch.device) -> tuple[BlockPool, StatePool]:
+               device: torch.device, draft: tuple[int, int] = (0, 0)
+               ) -> tuple[BlockPool, StatePool]:
     """The KV block pool and the KDA state pool, sized from the memory budget left after the
-    model and the state slots (or from max_total_tokens)."""
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model, a drafter's weights and the state slots (or from max_total_tokens). draft: what a
+    drafter takes (bytes per KV block, bytes besides: speculative.build.draft_memory)."""
+    draft_per_block, draft_bytes = draft
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + draft_bytes
     working = c.num_state_slots or c.max_num_seqs
     # with the prefix cache: a decode-track slot per running request + the snapshots
     num_slots = working if c.disable_prefix_cache else 2 * working + num_snapshot_slots(c)
@@ -48,12 +51,12 @@ def make_pools(c: EngineConfig, mc: ModelConfig, model: torch.nn.Module, dtype: 
     if budget <= 0:
         raise ValueError(
             f"{num_slots} state slots ({slot_bytes / 2**20:.1f} MiB each) and the model "
-            f"({model_bytes / 2**30:.2f} GiB) exceed mem_fraction={c.mem_fraction}; "
-            "lower max_num_seqs / num_state_slots")
+            f"({model_bytes / 2**30:.2f} GiB{' with its drafter' if draft_bytes else ''}) "
+            f"exceed mem_fraction={c.mem_fraction}; lower max_num_seqs / num_state_slots")
     if c.max_total_tokens is not None:
         num_blocks = -(-c.max_total_tokens // c.block_size)
-    else:
-        fit = budget // max(block_bytes, 1)
+    else:  # a block is its latents and the drafter's pages beside them
+        fit = budget // max(block_bytes + draft_per_block, 1)
         num_blocks = min(fit, DEFAULT_MAX_KV_TOKENS // c.block_size)
     blocks = BlockPool(mc, num_blocks, c.block_size, dtype, device)
     states = StatePool(mc, num_slots, dtype, device, c.tp_size)

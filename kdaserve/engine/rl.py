@@ -262,6 +262,8 @@ class RLControl:
             e.blocks.kv = torch.empty(0, dtype=e.blocks.kv.dtype)
             e.states.recurrent = torch.empty(0, dtype=e.states.recurrent.dtype)
             e.states.conv = torch.empty(0, dtype=e.states.conv.dtype)
+            if e.spec is not None:  # a context drafter's pages beside the KV blocks
+                e.spec.release_memory()
         if "weights" in tags and "weights" not in self.released:
             for p in e.model.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -283,6 +285,8 @@ class RLControl:
                                              device=e.device)
             e.states.conv = torch.zeros(self.state_shapes[1], dtype=e.states.conv.dtype,
                                         device=e.device)
+            if e.spec is not None:
+                e.spec.resume_memory()
         if "weights" in tags and "weights" in self.released:
             for p, shape in zip(e.model.parameters(), self.param_shapes, strict=True):
                 p.data = torch.empty(shape, dtype=p.dtype, device=p.device)

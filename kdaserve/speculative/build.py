@@ -12,12 +12,12 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.config import DEFAULT_DRAFTS, EngineConfig
+from kdaserve.config import DEFAULT_DRAFTS, EngineConfig, ModelConfig
 from kdaserve.kernels import Kernels
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.speculative.adaptive import AdaptiveSpeculation
 from kdaserve.speculative.block import BlockDrafter
-from kdaserve.speculative.context_drafter import ContextDrafter
+from kdaserve.speculative.context_drafter import ContextDrafter, memory_plan
 from kdaserve.speculative.context_net import BY_ARCHITECTURE
 from kdaserve.speculative.draft_model import DraftModelDrafter
 from kdaserve.speculative.drafter import Drafter
@@ -72,6 +72,17 @@ def build_speculator(c: EngineConfig, draft_path: Path | None, model: KimiLinear
         raise ValueError("speculative_token_map applies to our block and DSpark drafters")
     return Speculator(drafter, states, cache, AdaptiveSpeculation(
         c.speculative_min_acceptance_rate, c.speculative_disable_by_batch_size), StepCost())
+
+
+def draft_memory(c: EngineConfig, draft_path: Path | None, target: ModelConfig,
+                 dtype: torch.dtype) -> tuple[int, int]:
+    """What the memory plan sets aside for the configured drafter: (bytes per KV block, bytes
+    besides). A published drafter's context pages grow with the KV pool and its weights are
+    its own; our drafters' own pools and weights are not counted (their sizes are logged)."""
+    if c.speculative_algorithm in ("dspark", "dflash") and draft_path is not None \
+            and published_format(draft_path):
+        return memory_plan(draft_path, target, dtype, c.block_size)
+    return 0, 0
 
 
 def published_format(path: Path) -> str | None:

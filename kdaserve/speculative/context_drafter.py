@@ -167,6 +167,18 @@ def load_net(path: Path, target: ModelConfig, dtype: torch.dtype,
     return net.to(device=device, dtype=dtype).eval()
 
 
+def memory_plan(path: Path, target: ModelConfig, dtype: torch.dtype,
+                block_size: int) -> tuple[int, int]:
+    """(bytes a KV block's context pages take, bytes of the drafter's own weights) for the
+    published drafter at path, before it is loaded: what the engine's memory plan leaves room
+    for (engine/pools.py). The shared embedding and lm_head are the target's."""
+    c = read_config(json.loads((Path(path) / "config.json").read_text()), target, str(path))
+    with torch.device("meta"):
+        net = ContextDraftNet(c)
+    weights = sum(p.numel() for p in net.parameters()) * dtype.itemsize
+    return ContextPages.bytes_per_block(c.cache_width, c.num_layers, dtype, block_size), weights
+
+
 def new_net_config(target: ModelConfig, fmt: str, block_size: int | None = None,
                    num_layers: int = 1, intermediate_size: int | None = None,
                    taps: list[int] | None = None, markov_rank: int = 16) -> NetConfig:
@@ -357,6 +369,12 @@ class ContextDrafter(Drafter):
     def on_finish(self, req: Request) -> None:
         self.pending.pop(id(req), None)
         self.drafting.discard(id(req))
+
+    def release_memory(self) -> None:
+        self.pages.release()
+
+    def resume_memory(self) -> None:
+        self.pages.resume()
 
     def check_integrity(self, idle: bool = False) -> None:
         assert not (idle and (self.pending or self.drafting)), \

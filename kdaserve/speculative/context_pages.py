@@ -12,6 +12,8 @@ stopped while no request drafted, a prompt that came from a prefill server) stay
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kdaserve.cache.block_pool import BlockPool
@@ -21,15 +23,39 @@ class ContextPages:
     def __init__(self, pool: BlockPool, widths: tuple[int, ...], num_layers: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.pool, self.bs, self.device = pool, pool.block_size, device
-        n = pool.num_blocks
-        self.layers = [torch.zeros(n, self.bs, *widths, dtype=dtype, device=device)
-                       for _ in range(num_layers)]
+        self.shape = (pool.num_blocks, self.bs, *widths)
+        self.dtype, self.num_layers = dtype, num_layers
+        self.released = False
+        self._allocate()
+
+    def _allocate(self) -> None:
+        self.layers = [torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+                       for _ in range(self.num_layers)]
         # the block's generation when the row was written (generations start at 1)
-        self.stamp = torch.zeros(n, self.bs, dtype=torch.int64, device=device)
+        self.stamp = torch.zeros(self.shape[:2], dtype=torch.int64, device=self.device)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.layers, self.stamp))
+
+    @staticmethod
+    def bytes_per_block(widths: tuple[int, ...], num_layers: int, dtype: torch.dtype,
+                        block_size: int) -> int:
+        """What one KV block's pages take (each layer's entries and the rows' stamps): the
+        memory plan's share of a block (engine/pools.py)."""
+        return block_size * (num_layers * math.prod(widths) * dtype.itemsize + 8)
+
+    def release(self) -> None:
+        """Frees the pages (RL's release_memory_occupation of the KV cache, which the prefix
+        cache was flushed for); `resume` brings them back empty, every row unwritten."""
+        self.layers = [t.new_empty(0) for t in self.layers]
+        self.stamp = self.stamp.new_empty(0)
+        self.released = True
+
+    def resume(self) -> None:
+        if self.released:
+            self._allocate()
+            self.released = False
 
     def _generations(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor([self.pool.generation[b] for b in blocks], dtype=torch.long,

@@ -83,6 +83,13 @@ class Drafter:
         """Asserts the drafter's own state is consistent; idle: no request is running, so
         it must hold nothing."""
 
+    def release_memory(self) -> None:
+        """The engine is idle and its KV cache released (RL's release_memory_occupation):
+        free what the drafter keeps beside it."""
+
+    def resume_memory(self) -> None:
+        """The KV cache is back (empty): so is what `release_memory` freed."""
+
 
 class TokenDrafter(Drafter):
     """A drafter that looks only at each request's token ids (`propose_ids`)."""

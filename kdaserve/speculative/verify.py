@@ -250,6 +250,12 @@ class Speculator:
     def on_preempt(self, req: Request) -> None:
         self.drafter.on_preempt(req)
 
+    def release_memory(self) -> None:  # RL's release/resume of the KV cache
+        self.drafter.release_memory()
+
+    def resume_memory(self) -> None:
+        self.drafter.resume_memory()
+
     def save(self, batch: ScheduledBatch) -> dict[int, tuple[int, int]]:
         """Scratch copies of the verifying requests' states: id(req) -> (scratch, start)."""
         saved = {}

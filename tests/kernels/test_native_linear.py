@@ -143,8 +143,8 @@ def test_fp32_gemm_takes_sgemm_on_intel_below_lm_head_size(
 def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN's AVX-512 code wins from 33 rows on AMD (the narrow tiles), from 17 on Intel (9
     for a large weight); its AVX2 code only above 96 (64 for inputs wider than 512 or a large
-    weight). The native MoE kernel runs an expert's tokens as blocks from 16 of them on AVX-512, from
-    8 elsewhere."""
+    weight). The native MoE kernel runs an expert's tokens as blocks from 16 of them on
+    AVX-512, from 8 elsewhere."""
     from kdaserve.kernels.native import isa, ops
 
     large, wide = ops.LARGE_WEIGHT, ops.WIDE_INPUT

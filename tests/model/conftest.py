@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from kdaserve import LLM
+from kdaserve import LLM, SamplingParams
+from kdaserve.checkpoint import preset_config
 from kdaserve.engine.cuda_graph import CudaGraphRunner, GraphKey
+from kdaserve.speculative.context_drafter import make_context_drafter
+from kdaserve.speculative.context_net import FORMATS
+from kdaserve.speculative.schedule import StepCost
 
 
 def load_hf(path: Path) -> torch.nn.Module:
@@ -168,3 +173,41 @@ def attach(llm: LLM, max_bs: int, max_q: int = 1) -> list[int]:
 
 
 KEYS: list[GraphKey] = []
+
+
+# K3's published drafters (test_k3_drafters.py, test_k3_drafter_pages.py): a plain K3 engine,
+# prompts with clear continuations, its greedy outputs, random drafters in each format
+K3_NEW = 12
+K3_GREEDY = SamplingParams(temperature=0.0, max_tokens=K3_NEW, ignore_eos=True)
+K3_ALGORITHM = {"k3-dspark-mla": "DSPARK", "k3-dspark-gqa": "DSPARK", "dflash": "DFLASH"}
+
+
+@pytest.fixture(scope="module")
+def k3_plain(k3_ckpt: Path) -> LLM:
+    return LLM(k3_ckpt, disable_prefix_cache=True)
+
+
+@pytest.fixture(scope="module")
+def k3_prompts(k3_plain: LLM) -> list[list[int]]:
+    return [clear_prompt(k3_plain, n, seed=700 + n, continuation=K3_NEW) for n in (3, 17, 40)]
+
+
+@pytest.fixture(scope="module")
+def k3_want(k3_plain: LLM, k3_prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in k3_plain.generate(prompt_token_ids=k3_prompts,
+                                                    sampling_params=K3_GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def k3_drafters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root, config = tmp_path_factory.mktemp("k3-drafters"), preset_config("k3-tiny")
+    return {f: make_context_drafter(root / f, config, f, seed=11) for f in FORMATS}
+
+
+def k3_drafter_engine(k3_ckpt: Path, path: Path, fmt: str, **kw) -> LLM:
+    """An engine speculating with the drafter at path, every draft verified."""
+    llm = LLM(k3_ckpt, speculative_algorithm=K3_ALGORITHM[fmt],
+              speculative_draft_model=str(path), **kw)
+    # every draft verified whatever the timings (random drafts would rightly be stopped)
+    llm.engine.spec.cost = StepCost(fitted=False, prior_tokens=math.inf)  # type: ignore
+    return llm

@@ -17,52 +17,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.cache.block_pool import BlockPool
 from kdaserve.checkpoint import preset_config
 from kdaserve.request import Request
 from kdaserve.speculative.context_drafter import (
     ContextDrafter,
     load_net,
-    make_context_drafter,
 )
 from kdaserve.speculative.context_net import FORMATS, Rope, rotate
 from kdaserve.speculative.schedule import StepCost
 from kdaserve.speculative.scripted import ScriptedDrafter
 
-from .conftest import clear_prompt
-
-NEW = 12
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
-ALGORITHM = {"k3-dspark-mla": "DSPARK", "k3-dspark-gqa": "DSPARK", "dflash": "DFLASH"}
-
-
-@pytest.fixture(scope="module")
-def plain(k3_ckpt: Path) -> LLM:
-    return LLM(k3_ckpt, disable_prefix_cache=True)
-
-
-@pytest.fixture(scope="module")
-def prompts(plain: LLM) -> list[list[int]]:
-    return [clear_prompt(plain, n, seed=700 + n, continuation=NEW) for n in (3, 17, 40)]
-
-
-@pytest.fixture(scope="module")
-def want(plain: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    return [o.token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
-
-
-@pytest.fixture(scope="module")
-def drafters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root, config = tmp_path_factory.mktemp("k3-drafters"), preset_config("k3-tiny")
-    return {f: make_context_drafter(root / f, config, f, seed=11) for f in FORMATS}
-
-
-def engine(k3_ckpt: Path, path: Path, fmt: str, **kw) -> LLM:
-    llm = LLM(k3_ckpt, speculative_algorithm=ALGORITHM[fmt], speculative_draft_model=str(path),
-              **kw)
-    # every draft verified whatever the timings (random drafts would rightly be stopped)
-    llm.engine.spec.cost = StepCost(fitted=False, prior_tokens=math.inf)  # type: ignore
-    return llm
+from .conftest import K3_GREEDY, k3_drafter_engine
 
 
 def test_rope_is_the_complex_rotation() -> None:
@@ -114,11 +79,11 @@ LAYER_TENSORS = {
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_written_in_the_released_layout(drafters: dict[str, Path], fmt: str) -> None:
+def test_written_in_the_released_layout(k3_drafters: dict[str, Path], fmt: str) -> None:
     """The tensor names vLLM's and SGLang's loaders read (no `model.` prefix; the target's
     embedding and lm_head not included), and the config keys where they look for them."""
     f = FORMATS[fmt]
-    names = set(load_file(drafters[fmt] / "model.safetensors"))
+    names = set(load_file(k3_drafters[fmt] / "model.safetensors"))
     layer = {f"layers.0.{n}.weight" for n in LAYER_TENSORS[f.attention]
              + ["input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
                 "mlp.down_proj"]}
@@ -126,7 +91,7 @@ def test_written_in_the_released_layout(drafters: dict[str, Path], fmt: str) -> 
              "confidence_head.proj.weight", "confidence_head.proj.bias"} if f.dspark else set()
     assert names == layer | heads | {f"{f.fc}.weight", f"{f.fc_norm}.weight",
                                      f"{f.final_norm}.weight"}
-    cfg = json.loads((drafters[fmt] / "config.json").read_text())
+    cfg = json.loads((k3_drafters[fmt] / "config.json").read_text())
     assert cfg["architectures"] == [f.architecture]
     where = cfg if f.attention == "mla" else cfg["dflash_config"]
     assert {"mask_token_id", "target_layer_ids"} <= set(where)
@@ -146,33 +111,33 @@ class Recording(ContextDrafter):
 
 @pytest.mark.parametrize("corrupt", [set(), {0}, {2}], ids=["all", "none", "some"])
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_context_is_the_plain_forwards_taps(k3_ckpt: Path, drafters: dict[str, Path],
-                                            plain: LLM, prompts: list[list[int]],
-                                            want: list[list[int]], fmt: str,
+def test_context_is_the_plain_forwards_taps(k3_ckpt: Path, k3_drafters: dict[str, Path],
+                                            k3_plain: LLM, k3_prompts: list[list[int]],
+                                            k3_want: list[list[int]], fmt: str,
                                             corrupt: set[int]) -> None:
     """Chunked prefill and verifies whose drafts (the real drafter's pass, then replaced by
     the target's own tokens, corrupted at a known position) are all, none or some kept: every
     position of every sequence reaches the drafter once, in order, with the taps one plain
     forward computes there in the format's stream; tokens stay plain decoding's."""
-    llm = engine(k3_ckpt, drafters[fmt], fmt, max_num_batched_tokens=16)
+    llm = k3_drafter_engine(k3_ckpt, k3_drafters[fmt], fmt, max_num_batched_tokens=16)
     spec = llm.engine.spec
     assert spec is not None and isinstance(spec.drafter, ContextDrafter)
     rec = Recording(spec.drafter)
-    futures = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
+    futures = {tuple(p): w for p, w in zip(k3_prompts, k3_want, strict=True)}
     spec.drafter = ScriptedDrafter(rec, rec.k, llm.config.vocab_size, futures, corrupt,
                                    min_survival=0.0)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert [o.token_ids for o in outs] == want
+    outs = llm.generate(prompt_token_ids=k3_prompts, sampling_params=K3_GREEDY)
+    assert [o.token_ids for o in outs] == k3_want
     m = llm.get_metrics()
     rate = m["spec_num_accepted"] / m["spec_num_drafted"]
     assert rate == 1.0 if not corrupt else (rate == 0 if 0 in corrupt else 0 < rate < 1)
     stream = FORMATS[fmt].tap_stream
-    for prompt, out in zip(prompts, want, strict=True):
+    for prompt, out in zip(k3_prompts, k3_want, strict=True):
         parts = [(s, r) for p, s, r in rec.seen if p == tuple(prompt)]
         assert [s for s, _ in parts] == list(tiling_starts(parts))
         got = torch.cat([r for _, r in parts])
         ids = prompt + out[:-1]  # every position the target computed (the last never runs)
-        _, taps = plain.prefill_taps(ids, rec.taps, stream)
+        _, taps = k3_plain.prefill_taps(ids, rec.taps, stream)
         assert taps is not None and got.shape[0] <= taps.shape[0]
         torch.testing.assert_close(got, taps[:got.shape[0]], atol=2e-4, rtol=1e-4)
         assert got.shape[0] >= len(ids) - 1 - rec.k  # within one verify of the end
@@ -188,22 +153,22 @@ def tiling_starts(parts: list[tuple[int, torch.Tensor]]) -> list[int]:
     return starts
 
 
-def test_aggregated_tap_is_what_the_next_site_reads(k3_ckpt: Path, plain: LLM,
-                                                    prompts: list[list[int]]) -> None:
+def test_aggregated_tap_is_what_the_next_site_reads(k3_ckpt: Path, k3_plain: LLM,
+                                                    k3_prompts: list[list[int]]) -> None:
     """The aggregated stream after layer i, normed by layer i + 1's input norm, is that
     layer's attention input; after the last layer, the final norm of it is what the lm_head
     reads. The partial stream is the block's partial sum: not the same thing."""
-    model = plain.engine.model
-    L, ids = len(model.layers), prompts[1]
+    model = k3_plain.engine.model
+    L, ids = len(model.layers), k3_prompts[1]
     seen: dict[int, torch.Tensor] = {}
     hooks = [model.layers[i].self_attn.register_forward_pre_hook(
         lambda mod, args, i=i: seen.__setitem__(i, args[0].clone())) for i in range(L)]
     try:
-        hidden, agg = plain.prefill_taps(ids, tuple(range(L)), "aggregated")
+        hidden, agg = k3_plain.prefill_taps(ids, tuple(range(L)), "aggregated")
     finally:
         for h in hooks:
             h.remove()
-    _, partial = plain.prefill_taps(ids, tuple(range(L)), "partial")
+    _, partial = k3_plain.prefill_taps(ids, tuple(range(L)), "partial")
     assert agg is not None and partial is not None
     D = model.config.hidden_size
     for i in range(L - 1):
@@ -215,170 +180,36 @@ def test_aggregated_tap_is_what_the_next_site_reads(k3_ckpt: Path, plain: LLM,
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_engine_paths_keep_plain_tokens(k3_ckpt: Path, drafters: dict[str, Path],
-                                        prompts: list[list[int]], want: list[list[int]],
+def test_engine_paths_keep_plain_tokens(k3_ckpt: Path, k3_drafters: dict[str, Path],
+                                        k3_prompts: list[list[int]], k3_want: list[list[int]],
                                         fmt: str) -> None:
     """Prefix-cache hits (the second pass: the hit tokens' taps never come, the drafter's
     context starts after them) and preemption with recompute (a pool for about one long
     request), batched: tokens stay plain decoding's, nothing leaks."""
-    llm = engine(k3_ckpt, drafters[fmt], fmt)
+    llm = k3_drafter_engine(k3_ckpt, k3_drafters[fmt], fmt)
     for _ in range(2):
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-        assert [o.token_ids for o in outs] == want
+        outs = llm.generate(prompt_token_ids=k3_prompts, sampling_params=K3_GREEDY)
+        assert [o.token_ids for o in outs] == k3_want
     assert llm.get_metrics()["prefix_cache_hit_tokens"] > 0
     llm.check_integrity()
-    tight = engine(k3_ckpt, drafters[fmt], fmt, max_num_batched_tokens=16, block_size=4,
-                   snapshot_interval=8, max_total_tokens=64)
-    outs = tight.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert [o.token_ids for o in outs] == want
+    tight = k3_drafter_engine(k3_ckpt, k3_drafters[fmt], fmt, max_num_batched_tokens=16,
+                              block_size=4, snapshot_interval=8, max_total_tokens=64)
+    outs = tight.generate(prompt_token_ids=k3_prompts, sampling_params=K3_GREEDY)
+    assert [o.token_ids for o in outs] == k3_want
     m = tight.get_metrics()
     assert m["num_preemptions"] > 0 and m["spec_num_drafted"] > 0
     tight.check_integrity()
 
 
-def paged_drafter(path: Path, plain: LLM, block_size: int = 4) -> ContextDrafter:
-    pool = BlockPool(plain.engine.model_config, 64, block_size, torch.float32)
-    return ContextDrafter.load(path, plain.engine.model, torch.float32, torch.device("cpu"),
-                               pool)
-
-
-def holding(drafter: ContextDrafter, name: str, prompt: list[int], computed: int) -> Request:
-    """A request that has computed `computed` tokens of prompt, holding blocks for them."""
-    req = Request(name, prompt, SamplingParams(temperature=0.0, max_tokens=8))
-    req.num_computed_tokens = computed
-    pool = drafter.pages.pool
-    req.block_ids = pool.allocate(pool.blocks_needed(computed))
-    return req
-
-
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_batched_padded_incremental_pass_equals_one_piece(k3_ckpt: Path, plain: LLM,
-                                                          drafters: dict[str, Path],
-                                                          prompts: list[list[int]],
-                                                          fmt: str) -> None:
-    """Two requests of different context lengths drafted together (padded keys masked), their
-    contexts appended in chunks with a gap, equal each drafted alone from the same context
-    written in one piece."""
-    drafter = paged_drafter(drafters[fmt], plain)
-    reqs, taps = [], []
-    for n, p in enumerate(prompts[1:]):
-        req = holding(drafter, f"r{n}", p, len(p) - 1)
-        _, t = plain.prefill_taps(p[:-1], drafter.taps, drafter.context_stream)
-        assert t is not None
-        for a in range(0, len(p) - 1, 5):  # in chunks of 5, positions 5-9 never tapped
-            if a != 5:
-                drafter.on_context(req, t[a:a + 5], a)
-        reqs.append(req)
-        taps.append(t)
-    drafter.propose(reqs)
-    together = [(r.draft_ids, drafter.survival(r)) for r in reqs]
-    assert all(len(d) == drafter.k for d, _ in together)
-    for req, t, (drafts, survival) in zip(reqs, taps, together, strict=True):
-        alone = paged_drafter(drafters[fmt], plain)
-        one = holding(alone, "alone", req.prompt_ids, req.num_computed_tokens)
-        alone.on_context(one, t, 0)  # in one piece, then positions 5-9 marked unwritten
-        alone.project(list(alone.pending.values()))
-        alone.pages.stamp[one.block_ids[1], 1:] = 0
-        alone.pages.stamp[one.block_ids[2], :2] = 0
-        alone.propose([one])
-        assert one.draft_ids == drafts
-        if FORMATS[fmt].dspark:
-            torch.testing.assert_close(torch.tensor(alone.survival(one)),
-                                       torch.tensor(survival), atol=1e-6, rtol=1e-5)
-        else:
-            assert alone.survival(one) is None
-
-
-def test_pages_read_only_what_was_written_since_the_block_was_handed_out(
-        k3_ckpt: Path, plain: LLM, drafters: dict[str, Path]) -> None:
-    """A row reads as valid once written; a block freed and handed out again reads as empty
-    until its new owner writes it; entries are read back in position order."""
-    drafter = paged_drafter(drafters["k3-dspark-gqa"], plain, block_size=4)
-    pages, pool = drafter.pages, drafter.pages.pool
-    blocks = pool.allocate(3)
-    width = pages.layers[0].shape[2:]
-    rows = [torch.randn(6, *width) for _ in pages.layers]
-    pages.write(blocks, torch.arange(3, 9), rows)
-    entries, valid = pages.read(blocks, 10)
-    assert valid.tolist() == [False] * 3 + [True] * 6 + [False]
-    for got, want in zip(entries, rows, strict=True):
-        torch.testing.assert_close(got[3:9], want)
-    pool.free(blocks[1:])
-    again = pool.allocate(2)
-    assert sorted(again) == sorted(blocks[1:])  # the same blocks, stale rows
-    _, valid = pages.read([blocks[0], *again], 10)
-    assert valid.tolist() == [False] * 3 + [True] + [False] * 6
-    entries, valid = pages.read(blocks, 0)
-    assert valid.numel() == 0 and entries[0].shape[0] == 0
-
-
-def first_proposal(llm: LLM, ids: list[int]) -> tuple[list[int], int, list[torch.Tensor],
-                                                      torch.Tensor]:
-    """Generates from ids; returns the tokens and, as the request's first proposal saw it,
-    its cached prompt tokens and its context pages (entries, valid)."""
-    spec = llm.engine.spec
-    assert spec is not None and isinstance(spec.drafter, ContextDrafter)
-    drafter = spec.drafter
-    seen: list[tuple[int, list[torch.Tensor], torch.Tensor]] = []
-    propose = drafter.propose
-
-    def spy(reqs: list[Request]) -> None:
-        propose(reqs)
-        if not seen:
-            r = reqs[0]
-            seen.append((r.num_cached_prompt,
-                         *drafter.pages.read(r.block_ids, r.num_computed_tokens)))
-
-    drafter.propose = spy  # type: ignore[method-assign]
-    try:
-        out = llm.generate(prompt_token_ids=[ids], sampling_params=GREEDY)[0].token_ids
-    finally:
-        del drafter.propose
-    return out, *seen[0]
-
-
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_second_turn_drafts_from_the_cached_turns_context(
-        k3_ckpt: Path, drafters: dict[str, Path], plain: LLM, prompts: list[list[int]],
-        want: list[list[int]], fmt: str) -> None:
-    """A second chat turn resumes from the first turn's cached blocks: the drafter's context
-    there is the first turn's (paged in the same blocks), so at its first proposal every
-    position is in the context, equal to the entries of one plain forward's taps; a turn
-    whose first turn never drafted finds those positions empty; tokens stay plain's."""
-    turn2 = prompts[2] + want[2] + prompts[0]
-    second = plain.generate(prompt_token_ids=[turn2], sampling_params=GREEDY)[0].token_ids
-    net = load_net(drafters[fmt], plain.engine.model_config, torch.float32, torch.device("cpu"))
-    _, taps = plain.prefill_taps(turn2, net.c.taps, FORMATS[fmt].tap_stream)
-    assert taps is not None
-    llm = engine(k3_ckpt, drafters[fmt], fmt, block_size=4, snapshot_interval=8)
-    llm.generate(prompt_token_ids=[prompts[2]], sampling_params=GREEDY)
-    got, hit, entries, valid = first_proposal(llm, turn2)
-    assert got == second and hit >= 32  # most of the first turn
-    assert valid.all()  # the first turn's positions, and the second's own
-    n = valid.shape[0]
-    with torch.inference_mode():
-        expect = net.context(taps[:n], torch.arange(n))
-    for e, x in zip(entries, expect, strict=True):
-        torch.testing.assert_close(e, x, atol=1e-3, rtol=1e-3)
-    llm.check_integrity()
-    # the first turn drafted nothing (one token): its positions are not in the context
-    llm = engine(k3_ckpt, drafters[fmt], fmt, block_size=4, snapshot_interval=8)
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    out = llm.generate(prompt_token_ids=[prompts[2]], sampling_params=one)[0].token_ids
-    _, hit, _, valid = first_proposal(llm, prompts[2] + out + prompts[0])
-    assert hit >= 32 and not valid[:hit].any() and valid[hit:].all()
-    llm.check_integrity()
-
-
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_released_variants_load_and_faults_are_named(k3_ckpt: Path, plain: LLM,
-                                                     drafters: dict[str, Path], fmt: str,
+def test_released_variants_load_and_faults_are_named(k3_ckpt: Path, k3_plain: LLM,
+                                                     k3_drafters: dict[str, Path], fmt: str,
                                                      tmp_path: Path) -> None:
     """A `model.` prefix and the target's embedding stored beside the drafter (Inferact's
     file holds one) load as the same network, and so does YaRN on an MLA drafter; a missing
     tensor, an incomplete YaRN, YaRN on GQA layers, another target's width and a DFlash
     algorithm on a DSpark drafter are refused by name."""
-    src, config = drafters[fmt], preset_config("k3-tiny")
+    src, config = k3_drafters[fmt], preset_config("k3-tiny")
     tensors = load_file(src / "model.safetensors")
     cfg = json.loads((src / "config.json").read_text())
 
@@ -421,8 +252,8 @@ def test_released_variants_load_and_faults_are_named(k3_ckpt: Path, plain: LLM,
 
 
 def test_sglang_flags_and_the_writer_command(k3_ckpt: Path, tmp_path: Path,
-                                             prompts: list[list[int]],
-                                             want: list[list[int]]) -> None:
+                                             k3_prompts: list[list[int]],
+                                             k3_want: list[list[int]]) -> None:
     """`make-block-drafter --format k3-dspark-gqa` writes a drafter that the server's flags,
     spelled as SGLang's (`--speculative-algorithm DSPARK --speculative-draft-model-path
     --speculative-dspark-block-size`), load; gamma 5 drafts 5 tokens a step."""
@@ -446,8 +277,8 @@ def test_sglang_flags_and_the_writer_command(k3_ckpt: Path, tmp_path: Path,
     assert spec is not None and isinstance(spec.drafter, ContextDrafter)
     assert spec.drafter.k == 5 and spec.drafter.fmt.name == "k3-dspark-gqa"
     spec.cost = StepCost(fitted=False, prior_tokens=math.inf)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
-    assert [o.token_ids for o in outs] == want
+    outs = llm.generate(prompt_token_ids=k3_prompts, sampling_params=K3_GREEDY)
+    assert [o.token_ids for o in outs] == k3_want
     m = llm.get_metrics()
     assert m["spec_num_drafted"] == 5 * m["spec_num_verifies"] > 0
     llm.check_integrity()
@@ -460,23 +291,23 @@ def top3(logits: torch.Tensor) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_sampled_tokens_keep_the_target_distribution(k3_ckpt: Path, plain: LLM,
-                                                     drafters: dict[str, Path],
-                                                     prompts: list[list[int]], fmt: str) -> None:
+def test_sampled_tokens_keep_the_target_distribution(k3_ckpt: Path, k3_plain: LLM,
+                                                     k3_drafters: dict[str, Path],
+                                                     k3_prompts: list[list[int]], fmt: str) -> None:
     """Sampling (top_k 3) with the drafter's pass running and its drafts replaced by the
     greedy continuation, so verifies accept some and reject others by rejection sampling: the
     second token (the first a verify emits) is distributed as the target's exact
     sum_t0 p(t0) p(t1 | t0), within a total variation of 0.1 over 400 seeded requests."""
-    prompt = prompts[1]
-    first = top3(plain.prefill_logits(prompt)[-1])
+    prompt = k3_prompts[1]
+    first = top3(k3_plain.prefill_logits(prompt)[-1])
     exact: dict[int, float] = {}
     for t0, p0 in first.items():
-        for t1, p1 in top3(plain.prefill_logits(prompt + [t0])[-1]).items():
+        for t1, p1 in top3(k3_plain.prefill_logits(prompt + [t0])[-1]).items():
             exact[t1] = exact.get(t1, 0.0) + p0 * p1
-    llm = engine(k3_ckpt, drafters[fmt], fmt)
+    llm = k3_drafter_engine(k3_ckpt, k3_drafters[fmt], fmt)
     spec = llm.engine.spec
     assert spec is not None
-    greedy = plain.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+    greedy = k3_plain.generate(prompt_token_ids=[prompt], sampling_params=K3_GREEDY)[0].token_ids
     spec.drafter = ScriptedDrafter(spec.drafter, spec.drafter.k, llm.config.vocab_size,
                                    {tuple(prompt): greedy}, min_survival=0.0)
     n = 400
@@ -493,23 +324,23 @@ def test_sampled_tokens_keep_the_target_distribution(k3_ckpt: Path, plain: LLM,
     llm.check_integrity()
 
 
-def test_taps_stop_while_no_request_will_draft(k3_ckpt: Path, drafters: dict[str, Path],
-                                               plain: LLM, prompts: list[list[int]]) -> None:
+def test_taps_stop_while_no_request_will_draft(k3_ckpt: Path, k3_drafters: dict[str, Path],
+                                               k3_plain: LLM, k3_prompts: list[list[int]]) -> None:
     """Random drafts are never kept, so the adaptive policy switches each request off for
     longer each time; once no request will draft within TAPS_WARMUP tokens the forwards stop
     tapping (the one-call decode path is back, no context writes) and resume before drafting
     does: the context then has gaps, and the tokens are still plain decoding's."""
     long = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
-    want = plain.generate(prompt_token_ids=prompts[:2], sampling_params=long)
-    llm = engine(k3_ckpt, drafters["k3-dspark-gqa"], "k3-dspark-gqa",
-                 speculative_min_acceptance_rate=0.5)
+    k3_want = k3_plain.generate(prompt_token_ids=k3_prompts[:2], sampling_params=long)
+    llm = k3_drafter_engine(k3_ckpt, k3_drafters["k3-dspark-gqa"], "k3-dspark-gqa",
+                            speculative_min_acceptance_rate=0.5)
     spec = llm.engine.spec
     assert spec is not None and isinstance(spec.drafter, ContextDrafter)
     rec = spec.drafter = Recording(spec.drafter)
-    outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=long)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+    outs = llm.generate(prompt_token_ids=k3_prompts[:2], sampling_params=long)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in k3_want]
     assert llm.get_metrics()["spec_num_switched_off"] >= 2
-    for prompt, out in zip(prompts[:2], want, strict=True):
+    for prompt, out in zip(k3_prompts[:2], k3_want, strict=True):
         parts = [(s, r.shape[0]) for p, s, r in rec.seen if p == tuple(prompt)]
         covered = sum(n for _, n in parts)
         ends = [s + n for s, n in parts]
