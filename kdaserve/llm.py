@@ -12,8 +12,8 @@ from PIL import Image
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
 from kdaserve.checkpoint import resolve_model_path
-from kdaserve.config import EngineConfig
 from kdaserve.engine.llm_engine import LLMEngine
+from kdaserve.engine_config import EngineConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from kdaserve.bench import write_result
-from kdaserve.config import EngineConfig
 from kdaserve.datasets import gsm8k_file, read_jsonl
 from kdaserve.engine.llm_engine import LLMEngine
+from kdaserve.engine_config import EngineConfig
 from kdaserve.request import SamplingParams
 
 

@@ -11,8 +11,8 @@ from typing import Any
 from kdaserve.client.engine_loop import run_engine_loop
 from kdaserve.client.messages import Command, Message, Stop
 from kdaserve.client.request_client import EngineClient
-from kdaserve.config import EngineConfig
 from kdaserve.engine.llm_engine import LLMEngine
+from kdaserve.engine_config import EngineConfig
 
 POLL_S = 0.05
 

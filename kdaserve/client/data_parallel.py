@@ -23,8 +23,8 @@ from typing import Any
 
 from kdaserve.client.engine_process import EngineProcess
 from kdaserve.client.request_client import EngineError, RequestClient
-from kdaserve.config import EngineConfig
 from kdaserve.engine.tensor_parallel import free_local_addr
+from kdaserve.engine_config import EngineConfig
 from kdaserve.multimodal import ImageInputs
 from kdaserve.request import RequestOptions, RequestOutput, SamplingParams
 

@@ -37,8 +37,8 @@ from kdaserve.client.messages import (
 )
 from kdaserve.client.output_delta import DeltaDecoder, DeltaEncoder
 from kdaserve.client.request_client import EngineClient, EngineError
-from kdaserve.config import EngineConfig
 from kdaserve.engine.lifecycle import run_with_parent
+from kdaserve.engine_config import EngineConfig
 
 logger = logging.getLogger("kdaserve")
 

@@ -36,7 +36,7 @@ import torch
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.config import DEFAULT_DRAFTS, EngineConfig
+from kdaserve.engine_config import DEFAULT_DRAFTS, EngineConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels, graph_verify_tokens
 from kdaserve.kernels.registry import GRAPH_SAFE

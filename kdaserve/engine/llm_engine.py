@@ -15,7 +15,7 @@ import torch
 
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.checkpoint import resolve_model_path
-from kdaserve.config import EngineConfig, ModelConfig, kernel_features
+from kdaserve.config import ModelConfig
 from kdaserve.engine.cuda_graph import graph_runner
 from kdaserve.engine.disaggregation import DecodeSide, PrefillSide, SideHost, make_side
 from kdaserve.engine.grammar import (
@@ -37,6 +37,7 @@ from kdaserve.engine.rl import EngineAsleep, RLControl
 from kdaserve.engine.sampler import Sampler
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.tensor_parallel import Followers, join_expert_parallel, with_init_addr
+from kdaserve.engine_config import EngineConfig, kernel_features
 from kdaserve.image_processor import ProcessorConfig
 from kdaserve.kernels import resolve_kernels
 from kdaserve.kernels.host_memory import keep_freed_memory

@@ -12,12 +12,13 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.config import EngineConfig, ModelConfig
+from kdaserve.config import ModelConfig
 from kdaserve.engine.disaggregation import DecodeSide, PrefillSide
 from kdaserve.engine.model_runner import ModelRunner
 from kdaserve.engine.outputs import OutputProcessor
 from kdaserve.engine.scheduler import Scheduler
 from kdaserve.engine.tensor_parallel import Followers
+from kdaserve.engine_config import EngineConfig
 from kdaserve.layers.parallel import ExpertParallel
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.speculative.verify import Speculator

@@ -10,7 +10,8 @@ import torch
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.config import EngineConfig, ModelConfig
+from kdaserve.config import ModelConfig
+from kdaserve.engine_config import EngineConfig
 
 logger = logging.getLogger("kdaserve")
 

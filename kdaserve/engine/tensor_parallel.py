@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.config import EngineConfig, ModelConfig, kernel_features
+from kdaserve.config import ModelConfig
+from kdaserve.engine_config import EngineConfig, kernel_features
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import resolve_kernels
 from kdaserve.layers.parallel import COMM, ExpertParallel, TensorParallel

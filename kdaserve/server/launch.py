@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kdaserve.config import EngineConfig
+from kdaserve.engine_config import EngineConfig
 from kdaserve.server.media import MediaLimits, parse_mm_limit
 from kdaserve.server.serving import Limits
 

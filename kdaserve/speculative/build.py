@@ -12,7 +12,8 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.config import DEFAULT_DRAFTS, EngineConfig, ModelConfig
+from kdaserve.config import ModelConfig
+from kdaserve.engine_config import DEFAULT_DRAFTS, EngineConfig
 from kdaserve.kernels import Kernels
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.speculative.adaptive import AdaptiveSpeculation

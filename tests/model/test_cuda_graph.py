@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kdaserve import LLM, RequestOptions, SamplingParams
-from kdaserve.config import EngineConfig
 from kdaserve.engine.cuda_graph import CudaGraphRunner, capture_sizes, verify_tokens
+from kdaserve.engine_config import EngineConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import graph_verify_tokens
 

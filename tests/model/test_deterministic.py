@@ -114,7 +114,7 @@ def test_deterministic_outputs_are_the_models(tiny_ckpt: Path, llm: LLM,
 
 
 def test_refused_combinations(tiny_ckpt: Path) -> None:
-    from kdaserve.config import EngineConfig
+    from kdaserve.engine_config import EngineConfig
 
     for bad in ({"speculative_algorithm": "ngram"}, {"dtype": "bfloat16"},
                 {"kernel_backend": "native"}, {"device": "cuda"}):

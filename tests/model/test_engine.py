@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.config import EngineConfig
 from kdaserve.engine.llm_engine import LLMEngine
+from kdaserve.engine_config import EngineConfig
 
 from .conftest import clear_prompt, hf_greedy
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kdaserve import LLM, SamplingParams
-from kdaserve.config import EngineConfig
+from kdaserve.engine_config import EngineConfig
 from kdaserve.kernels.native import ops as native_ops
 from kdaserve.kernels.ref.quant import dequantize
 from kdaserve.layers.linear import Linear

@@ -12,7 +12,8 @@ import pytest
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import make_checkpoint, preset_config
-from kdaserve.config import DENSE, KDA, MLA, MOE, EngineConfig
+from kdaserve.config import DENSE, KDA, MLA, MOE
+from kdaserve.engine_config import EngineConfig
 from kdaserve.speculative.block import BlockDrafter, make_block_drafter
 from kdaserve.speculative.dspark import make_dspark_drafter
 from kdaserve.speculative.schedule import StepCost

@@ -29,8 +29,8 @@ LEVELS: list[set[str]] = [
     {"layers"},
     {"cache", "forward_batch", "step_record", "scheduled_batch", "sampling_filters",
      "detokenizer"},
-    {"config", "hub_schema", "request", "tokenizer", "datasets", "vision_config",
-     "multimodal", "image_processor"},
+    {"config", "engine_config", "hub_schema", "request", "tokenizer", "datasets",
+     "vision_config", "multimodal", "image_processor"},
     {"kernels"},
 ]
 LEVEL = {name: i for i, names in enumerate(LEVELS) for name in names}

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from kdaserve.config import EngineConfig
 from kdaserve.engine.prefill_budget import PrefillBudget
+from kdaserve.engine_config import EngineConfig
 
 A, B, C = 0.020, 0.004, 0.0005  # s a step, s a decode token, s a prompt token
 

@@ -17,11 +17,12 @@ import zmq
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
-from kdaserve.config import EngineConfig, ModelConfig
+from kdaserve.config import ModelConfig
 from kdaserve.engine.disaggregation.layout import PoolLayout, model_fingerprint
 from kdaserve.engine.disaggregation.mooncake import MooncakeTransfer
 from kdaserve.engine.outputs import OutputProcessor
 from kdaserve.engine.scheduler import Scheduler
+from kdaserve.engine_config import EngineConfig
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
 from kdaserve.request import Request
 
