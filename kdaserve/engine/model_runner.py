@@ -236,6 +236,12 @@ class ModelRunner:
             return StepOutput(logits, to_sample, None, prompt)
         return StepOutput(logits, to_sample, fb.tapped if return_hidden else hidden, prompt)
 
+    def weights_replaced(self) -> None:
+        """The model's weight tensors may have new storage (RL's release, resume, updates):
+        what holds their addresses plans again (the one-call decode forward)."""
+        if self.native_decode is not None:
+            self.native_decode.invalidate()
+
     @torch.inference_mode()
     def forward_hidden(self, fb: ForwardBatch) -> torch.Tensor:
         """The model's final-normed hidden states of the logits rows: a plain decode batch in

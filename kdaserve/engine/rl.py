@@ -119,6 +119,7 @@ class RLControl:
             self.weight_version = version
         if flush_cache and e.cache is not None:
             e.cache.flush()  # nothing runs, so nothing is locked: all of it goes
+        e.runner.weights_replaced()  # a load may give a tensor new storage
         return {"success": True, "message": "weights updated",
                 "weight_version": self.weight_version}
 
@@ -267,6 +268,7 @@ class RLControl:
         if "weights" in tags and "weights" not in self.released:
             for p in e.model.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            e.runner.weights_replaced()
         self.released |= set(tags)
         _return_to_os()
         return {"success": True, "message": f"released {tags}", "rss_mb_before": before,
@@ -300,6 +302,7 @@ class RLControl:
             if self.weights_source is None:
                 self.weight_version = "default"
             self.weights_source = Path(source)
+            e.runner.weights_replaced()
         self.released -= set(tags)
         return {"success": True, "message": f"resumed {tags}", "rss_mb_before": before,
                 "rss_mb_after": rss_mb(), "weight_version": self.weight_version}

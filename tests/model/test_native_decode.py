@@ -192,13 +192,15 @@ def test_native_decode_taps_equal_the_per_op_forwards(tiny_ckpt: Path, k3_ckpt: 
         assert checked.tapped == 2 * 3
 
 
-def test_native_decode_follows_replaced_weights(tiny_ckpt: Path) -> None:
-    """Released and resumed weights come back at new addresses (or the same ones): the plan
+@pytest.mark.parametrize("tags", [["weights"], ["weights", "kv_cache"]])
+def test_native_decode_follows_replaced_weights(tiny_ckpt: Path, tags: list[str]) -> None:
+    """Released and resumed weights come back at new addresses (or the same ones), the pools
+    too or not (then only RL's word that the weights changed tells the plan): the plan
     follows them, and greedy outputs are unchanged."""
     llm = LLM(tiny_ckpt)
     want = decode(llm, 3)
-    llm.engine.rl.release_memory_occupation(["weights", "kv_cache"])
-    llm.engine.rl.resume_memory_occupation(["weights", "kv_cache"])
+    llm.engine.rl.release_memory_occupation(tags)
+    llm.engine.rl.resume_memory_occupation(tags)
     checked = Checked(llm)
     llm.engine.runner.native_decode = checked
     assert decode(llm, 3) == want
