@@ -264,10 +264,12 @@ class RLControl:
             e.states.recurrent = torch.empty(0, dtype=e.states.recurrent.dtype)
             e.states.conv = torch.empty(0, dtype=e.states.conv.dtype)
             if e.spec is not None:  # a context drafter's pages beside the KV blocks
-                e.spec.release_memory()
+                e.spec.release_memory("kv_cache")
         if "weights" in tags and "weights" not in self.released:
             for p in e.model.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if e.spec is not None:  # the drafter's own weights (reloaded from its path)
+                e.spec.release_memory("weights")
             e.runner.weights_replaced()
         self.released |= set(tags)
         _return_to_os()
@@ -288,7 +290,7 @@ class RLControl:
             e.states.conv = torch.zeros(self.state_shapes[1], dtype=e.states.conv.dtype,
                                         device=e.device)
             if e.spec is not None:
-                e.spec.resume_memory()
+                e.spec.resume_memory("kv_cache")
         if "weights" in tags and "weights" in self.released:
             for p, shape in zip(e.model.parameters(), self.param_shapes, strict=True):
                 p.data = torch.empty(shape, dtype=p.dtype, device=p.device)
@@ -302,6 +304,8 @@ class RLControl:
             if self.weights_source is None:
                 self.weight_version = "default"
             self.weights_source = Path(source)
+            if e.spec is not None:
+                e.spec.resume_memory("weights")
             e.runner.weights_replaced()
         self.released -= set(tags)
         return {"success": True, "message": f"resumed {tags}", "rss_mb_before": before,

@@ -248,6 +248,7 @@ class ContextDrafter(Drafter):
     def __init__(self, net: ContextDraftNet, target: KimiLinearForCausalLM,
                  device: torch.device, pool: BlockPool) -> None:
         self.net, self.target, self.device = net, target, device
+        self.path: Path | None = None  # where `load` read it (RL reloads its weights there)
         self.fmt: DrafterFormat = net.c.fmt
         self.taps = net.c.taps
         self.context_stream = net.c.fmt.tap_stream
@@ -272,7 +273,9 @@ class ContextDrafter(Drafter):
                 m.op = target.kernels.linear
             elif isinstance(m, RMSNorm):
                 m.op = target.kernels.rms_norm
-        return cls(net, target, device, pool)
+        drafter = cls(net, target, device, pool)
+        drafter.path = Path(path)
+        return drafter
 
     def configure(self, num_draft_tokens: int | None, dspark_block_size: int | None) -> None:
         """SGLang's meaning of the flags: DSpark's block has gamma rows
@@ -370,11 +373,21 @@ class ContextDrafter(Drafter):
         self.pending.pop(id(req), None)
         self.drafting.discard(id(req))
 
-    def release_memory(self) -> None:
-        self.pages.release()
+    def release_memory(self, tag: str) -> None:
+        if tag == "kv_cache":
+            self.pages.release()
+        elif tag == "weights":  # its own; the embedding and lm_head are the target's
+            for p in self.net.parameters():
+                p.data = p.data.new_empty(0)
 
-    def resume_memory(self) -> None:
-        self.pages.resume()
+    def resume_memory(self, tag: str) -> None:
+        if tag == "kv_cache":
+            self.pages.resume()
+        elif tag == "weights" and self.path is not None:
+            p0 = next(self.net.parameters())
+            fresh = load_net(self.path, self.target.config, p0.dtype, self.device)
+            for p, q in zip(self.net.parameters(), fresh.parameters(), strict=True):
+                p.data = q.data
 
     def check_integrity(self, idle: bool = False) -> None:
         assert not (idle and (self.pending or self.drafting)), \

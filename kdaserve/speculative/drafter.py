@@ -83,12 +83,13 @@ class Drafter:
         """Asserts the drafter's own state is consistent; idle: no request is running, so
         it must hold nothing."""
 
-    def release_memory(self) -> None:
-        """The engine is idle and its KV cache released (RL's release_memory_occupation):
-        free what the drafter keeps beside it."""
+    def release_memory(self, tag: str) -> None:
+        """The engine is idle and RL's release_memory_occupation frees `tag` ("kv_cache" or
+        "weights"): free what the drafter keeps of that kind."""
 
-    def resume_memory(self) -> None:
-        """The KV cache is back (empty): so is what `release_memory` freed."""
+    def resume_memory(self, tag: str) -> None:
+        """`tag` is back (the KV cache empty, the weights reloaded): so is what
+        `release_memory` freed."""
 
 
 class TokenDrafter(Drafter):

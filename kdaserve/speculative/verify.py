@@ -250,11 +250,11 @@ class Speculator:
     def on_preempt(self, req: Request) -> None:
         self.drafter.on_preempt(req)
 
-    def release_memory(self) -> None:  # RL's release/resume of the KV cache
-        self.drafter.release_memory()
+    def release_memory(self, tag: str) -> None:  # RL's release and resume of memory
+        self.drafter.release_memory(tag)
 
-    def resume_memory(self) -> None:
-        self.drafter.resume_memory()
+    def resume_memory(self, tag: str) -> None:
+        self.drafter.resume_memory(tag)
 
     def save(self, batch: ScheduledBatch) -> dict[int, tuple[int, int]]:
         """Scratch copies of the verifying requests' states: id(req) -> (scratch, start)."""

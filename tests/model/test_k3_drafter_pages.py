@@ -190,26 +190,33 @@ def test_memory_plan_counts_the_pages_and_the_drafters_weights(
     assert used > 0.9 * budget  # the KV pool took what was left
 
 
+@pytest.mark.parametrize("tags", [["kv_cache"], ["weights", "kv_cache"]])
 def test_rl_release_frees_the_pages_and_resume_brings_them_back_empty(
         k3_ckpt: Path, k3_drafters: dict[str, Path], k3_want: list[list[int]],
-        k3_prompts: list[list[int]]) -> None:
-    """release_memory_occupation(kv_cache) frees the drafter's pages with the KV blocks;
-    resume brings them back zeroed (every row unwritten), and speculation afterwards keeps
-    plain decoding's tokens."""
+        k3_prompts: list[list[int]], tags: list[str]) -> None:
+    """release_memory_occupation frees the drafter's pages with the KV blocks and its own
+    weights with the target's; resume brings the pages back zeroed (every row unwritten) and
+    the weights as they were (reloaded from the drafter's path), and speculation afterwards
+    keeps plain decoding's tokens."""
     fmt = "k3-dspark-gqa"
     llm = k3_drafter_engine(k3_ckpt, k3_drafters[fmt], fmt)
     spec = llm.engine.spec
     assert spec is not None and isinstance(spec.drafter, ContextDrafter)
-    pages = spec.drafter.pages
+    pages, net = spec.drafter.pages, spec.drafter.net
+    weights = [p.detach().clone() for p in net.parameters()]
     out = llm.generate(prompt_token_ids=k3_prompts, sampling_params=K3_GREEDY)
     assert [o.token_ids for o in out] == k3_want
     size = pages.nbytes
     assert bool(pages.stamp.any())  # rows were written
-    llm.engine.rl.release_memory_occupation(["kv_cache"])
+    llm.engine.rl.release_memory_occupation(tags)
     assert pages.nbytes == 0
-    llm.engine.rl.resume_memory_occupation(["kv_cache"])
+    assert all(p.numel() == 0 for p in net.parameters()) == ("weights" in tags)
+    llm.engine.rl.resume_memory_occupation(tags)
     assert pages.nbytes == size and not bool(pages.stamp.any())
+    for p, w in zip(net.parameters(), weights, strict=True):
+        assert torch.equal(p, w)
+    verifies = llm.get_metrics()["spec_num_verifies"]
     out = llm.generate(prompt_token_ids=k3_prompts, sampling_params=K3_GREEDY)
     assert [o.token_ids for o in out] == k3_want
-    assert llm.get_metrics()["spec_num_verifies"] > 0
+    assert llm.get_metrics()["spec_num_verifies"] > verifies
     llm.check_integrity()
