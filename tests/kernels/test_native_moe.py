@@ -22,8 +22,9 @@ def gen(seed: int) -> torch.Generator:
 def test_moe_experts_match_reference(T: int, backend: str, D: int) -> None:
     """Each token's k choices hit distinct experts, some experts get no token; the native
     kernel with its own choice per expert, with every expert in token blocks (700 tokens: ~210
-    an expert, several blocks each, the last ones partial) and with every expert's weight
-    rows split over the threads. D = 43: the blocks' transposes in and out (8 x 8 in
+    an expert, several blocks each, the last ones partial) and with none (each expert a task
+    of its own, whatever its tokens, or at 1 token, fewer experts than two a thread, their
+    weight rows split over the threads). D = 43: the blocks' transposes in and out (8 x 8 in
     registers on AVX2) and the output's 16-wide gathers on AVX-512 end in a scalar tail."""
     import kdaserve.kernels.native.ops as native_ops
 

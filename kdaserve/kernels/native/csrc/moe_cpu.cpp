@@ -206,14 +206,15 @@ void moe_experts(const float* x, const int64_t* ids, const float* weights, const
         ys[(s0 + m) * D + d] *= (s2 != nullptr ? s2[e * D + d] : 1.0f) * wt;
     }
   };
-  // With two or more streamed experts a thread, each expert is one task (its gate/up rows, its
+  // With two or more small experts a thread, each expert is one task (its gate/up rows, its
   // activations, its down rows): no barrier between the projections and whole-matrix streams
   // instead of 32-row pieces (the down projection's were 8 KB at I 128). 64 experts top-8 at
   // hidden 768, one token, bf16, 7 layers cold, alternated: 21 -> 27-29 GB/s, the read probe
-  // 33 (2-core AMD EPYC, Zen 4). A value is the same sum either way.
+  // 33 (2-core AMD EPYC, Zen 4). Experts above the streamed rows' kStreamM tokens are tasks
+  // too (they had put the whole layer back on the pieces: a verify's 8 tokens over 96
+  // experts top-16, 73 of them used, one with 5 tokens; 7 layers, fp32, alternated: 19.4-21.2
+  // -> 15.9-17.8 ms; 16 tokens 26.1-26.8 -> 23.5-24.1). A value is the same sum either way.
   bool whole = A >= 2 * omp_get_max_threads();
-  for (int64_t a = 0; a < A; ++a)
-    whole = whole && offset[small[a] + 1] - offset[small[a]] <= kStreamM;
 #pragma omp parallel
   {
     run_blocks(plan, I, D, [&](const std::array<int64_t, 3>& b, BlockScratch& scratch) {
