@@ -141,16 +141,17 @@ def test_fp32_gemm_takes_sgemm_on_intel_below_lm_head_size(
 
 
 def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    """oneDNN's AVX-512 code wins from 33 rows on AMD (the narrow tiles), from 17 on Intel (9
-    for a large weight); its AVX2 code only above 96 (64 for inputs wider than 512 or a large
-    weight). The native MoE kernel runs an expert's tokens as blocks from 16 of them on
-    AVX-512, from 8 elsewhere."""
+    """oneDNN's AVX-512 code wins from 65 rows on AMD (49 for inputs wider than 1,024), from
+    17 on Intel (9 for a large weight); its AVX2 code only above 96 (64 for inputs wider than
+    512 or a large weight). The native MoE kernel runs an expert's tokens as blocks from 16 of
+    them on AVX-512, from 8 elsewhere."""
     from kdaserve.kernels.native import isa, ops
 
     large, wide = ops.LARGE_WEIGHT, ops.WIDE_INPUT
     for level, vendor, elements, K, cap in (
-            ("avx512", "AuthenticAMD", 2**16, 256, 32),
-            ("avx512_bf16", "AuthenticAMD", large, 768, 32),
+            ("avx512", "AuthenticAMD", 2**16, 256, 64),
+            ("avx512_bf16", "AuthenticAMD", large, 768, 64),
+            ("avx512", "AuthenticAMD", 2**20, 2048, 48),
             ("avx512", "GenuineIntel", 2**16, 256, 16), ("amx", "GenuineIntel", large, 768, 8),
             ("avx2", "GenuineIntel", 2**16, 256, 96), ("avx2", "AuthenticAMD", 2**20, wide, 96),
             ("avx2", "", 2**20, wide + 1, 64), ("avx2", "", large, 256, 64),

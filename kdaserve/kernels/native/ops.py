@@ -369,12 +369,16 @@ LINEAR_NATIVE_MAX_ROWS = 32
 LARGE_WEIGHT = 16 * 2**20  # elements (64 MB in fp32)
 LARGE_WEIGHT_MAX_ROWS = 128
 # oneDNN (`gemm`) reads the plain weight without repacking. On AMD's AVX-512 the native GEMM is
-# ahead of it at every row count to 32 since gemm_cpu.cpp's narrow tiles (fp32, 5-24 rows;
+# ahead of it at every row count to 32 since gemm_cpu.cpp's narrow tiles (fp32, 4-24 rows;
 # 2-core Zen 4, ms native / oneDNN, weights cycled past the L3: the 100k x 768 lm_head at 8 /
 # 16 / 24 / 32 rows 10.5 / 16.7, 12.5 / 21.8, 21.1 / 31.4, 35.2 / 37.3; 3072 x 768 0.28 / 0.53,
 # 0.38 / 0.71, 0.57 / 1.03, 0.92 / 1.19; 768 x 2048 0.25 / 0.33, 0.32 / 0.43, 0.64 / 0.76,
-# 0.65 / 0.79; 384 x 768 0.05 / 0.10 at 8 rows, 0.13 / 0.17 at 32). Before them oneDNN took
-# fp32 from 5 rows there (the lm_head at 8 rows: 14.2 ms on the dot tiles, 11.3 oneDNN).
+# 0.65 / 0.79; 384 x 768 0.05 / 0.10 at 8 rows, 0.13 / 0.17 at 32), and its broadcast tiles
+# to 64 rows for inputs up to 1,024 wide (at 48 / 64 rows: the lm_head 38.6 / 44.1, 52.4 /
+# 55.5; 3072 x 768 1.16 / 1.44, 1.58 / 1.79; 384 x 768 0.16 / 0.21, 0.22 / 0.26), to 48 for
+# wider ones (768 x 2048 0.90 / 0.94, 1.23 / 1.16). Before the narrow
+# tiles oneDNN took fp32 from 5 rows there (the lm_head at 8 rows: 14.2 ms on the dot tiles,
+# 11.3 oneDNN).
 # oneDNN's AVX2 code pays ~0.1 ms a call and runs skinny products at 20-80 GFLOP/s,
 # where the broadcast tiles reach 80-120: there fp32 stays native up to 96 rows, 64 when the
 # input is wider than 512 (a tile's x^T strip then outgrows L1) or the weight is
@@ -383,7 +387,7 @@ LARGE_WEIGHT_MAX_ROWS = 128
 # 112 / 100; 256 x 768 74 / 56, 70 / 76, 59 / 90; 2816 x 768 102 / 85, 89 / 85, 80 / 104;
 # 256 x 256 61 / 23, 69 / 40, 79 / 59, 65 / 65; the 100k x 768 lm_head at 16 / 32 / 64 /
 # 128 rows, ms, 38 / 59, 53 / 68, 93 / 159, 331 / 234).
-ONEDNN_NATIVE_MAX_ROWS = 32
+ONEDNN_NATIVE_MAX_ROWS, ONEDNN_NATIVE_MAX_ROWS_WIDE = 64, 48
 # On Intel's AVX-512 (a 2-core Sapphire Rapids Xeon, stop 33, after the broadcast tiles came to
 # store y^T whole) oneDNN's small products are slower, and the crossover is far later (ms
 # native / oneDNN, best of 3 alternated: 2566 x 768 at 8 / 16 / 32 / 64 rows 0.36 / 0.61,
@@ -393,6 +397,7 @@ ONEDNN_NATIVE_MAX_ROWS_INTEL, ONEDNN_NATIVE_MAX_ROWS_INTEL_LARGE = 16, 8
 ONEDNN_NATIVE_MAX_ROWS_AVX2 = 96
 ONEDNN_NATIVE_MAX_ROWS_AVX2_WIDE = 64
 WIDE_INPUT = 512
+WIDE_INPUT_AVX512 = 1024
 
 
 def onednn_native_max_rows(elements: int, K: int) -> int:
@@ -402,7 +407,7 @@ def onednn_native_max_rows(elements: int, K: int) -> int:
         return ONEDNN_NATIVE_MAX_ROWS_INTEL_LARGE if elements >= LARGE_WEIGHT \
             else ONEDNN_NATIVE_MAX_ROWS_INTEL
     if avx512():
-        return ONEDNN_NATIVE_MAX_ROWS
+        return ONEDNN_NATIVE_MAX_ROWS_WIDE if K > WIDE_INPUT_AVX512 else ONEDNN_NATIVE_MAX_ROWS
     if elements >= LARGE_WEIGHT or K > WIDE_INPUT:
         return ONEDNN_NATIVE_MAX_ROWS_AVX2_WIDE
     return ONEDNN_NATIVE_MAX_ROWS_AVX2
