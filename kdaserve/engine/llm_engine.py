@@ -65,8 +65,8 @@ class LLMEngine:
         with phase("config") as p:
             self.path = resolve_model_path(config.model)
             self.model_config = ModelConfig.from_pretrained(self.path)
-            draft = config.speculative_draft_model
-            self.draft_path = Path(resolve_model_path(draft)) if draft else None
+            self.draft_path = Path(resolve_model_path(config.speculative_draft_model)) \
+                if config.speculative_draft_model else None
             self.device = torch.device(config.device)
             if self.device.type == "cuda" and self.device.index is not None:
                 torch.cuda.set_device(self.device)  # Triton launches and graphs use it
@@ -110,9 +110,8 @@ class LLMEngine:
             self.spec = None
             if config.speculative_algorithm is not None:
                 self.spec = build_speculator(
-                    config, self.draft_path, self.model, self.kernels, self.dtype,
-                    self.device, self.states, self.blocks, self.cache,
-                    self.scheduler.max_num_seqs)
+                    config, self.draft_path, self.model, self.kernels, self.dtype, self.device,
+                    self.states, self.blocks, self.cache, self.scheduler.max_num_seqs)
                 self.scheduler.hooks = self.spec
             # nothing runs ahead of the first request: CUDA graphs are captured on first use
             # of each batch size, and an eager forward needs no warming

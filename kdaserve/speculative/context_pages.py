@@ -25,7 +25,6 @@ class ContextPages:
         self.pool, self.bs, self.device = pool, pool.block_size, device
         self.shape = (pool.num_blocks, self.bs, *widths)
         self.dtype, self.num_layers = dtype, num_layers
-        self.released = False
         self._allocate()
 
     def _allocate(self) -> None:
@@ -50,12 +49,10 @@ class ContextPages:
         cache was flushed for); `resume` brings them back empty, every row unwritten."""
         self.layers = [t.new_empty(0) for t in self.layers]
         self.stamp = self.stamp.new_empty(0)
-        self.released = True
 
     def resume(self) -> None:
-        if self.released:
+        if self.stamp.numel() == 0:  # released (a pool has blocks)
             self._allocate()
-            self.released = False
 
     def _generations(self, blocks: list[int]) -> torch.Tensor:
         return torch.tensor([self.pool.generation[b] for b in blocks], dtype=torch.long,
