@@ -156,7 +156,8 @@ class LLMEngine:
                 try:
                     self.vision = None if config.language_model_only else load_vision(
                         self.model_config, self.path, config.load_format, config.seed,
-                        tower_dtype(self.weight_dtype, self.device), self.device)
+                        tower_dtype(self.weight_dtype, self.device), self.device,
+                        config.kernel_backend)
                 except ValueError as e:
                     raise ValueError(f"{e} (--language-model-only serves the text model "
                                      "alone)") from None

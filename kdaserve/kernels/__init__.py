@@ -5,7 +5,8 @@ Ops (shapes in kernels/ref): `linear` (every projection), `kda_chunk` (prefill),
 decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `moe_experts`,
 `rms_norm`, `gated_rmsnorm` (KDA's output norm), `silu_mul` (the dense SwiGLU), and K3's
 `situ_mul` (SiTU-GLU), `sigmoid_mul` (MLA's output gate) and `attn_res_norm` (the Attention
-Residuals mix and the RMSNorm after it). A model that needs more of an
+Residuals mix and the RMSNorm after it). Outside the text model's `Kernels`: `copy_slots` (the
+state pool's) and `image_attention` (the vision tower's). A model that needs more of an
 op than its base contract asks for a feature (`FEATURE_OPS`: K3's KDA gate, SiTU inside the
 experts, MXFP4 experts) and gets only backends that declare it.
 Every op has a `ref` backend (plain torch, the oracle); `cpu` is batched torch for decode
@@ -27,6 +28,7 @@ from kdaserve.kernels import interface as op
 from kdaserve.kernels import registry
 from kdaserve.kernels.ref.attn_res import attn_res_norm_ref
 from kdaserve.kernels.ref.cache import copy_slots_ref
+from kdaserve.kernels.ref.image_attention import image_attention_ref
 from kdaserve.kernels.ref.kda import (
     gated_rmsnorm,
     kda_chunk_ref,
@@ -87,6 +89,8 @@ registry.register("sigmoid_mul", "ref", sigmoid_mul_ref)  # on CUDA too: two tor
 registry.register("attn_res_norm", "ref", attn_res_norm_ref)
 # not a model op (no Kernels field): the state pool's batched slot copy, resolved by the pool
 registry.register("copy_slots", "ref", copy_slots_ref)
+# nor the vision tower's attention within an image, resolved by models/vision.py
+registry.register("image_attention", "ref", image_attention_ref)  # SDPA: on CUDA too
 
 from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the references
     kda_decode_cpu,
@@ -99,6 +103,10 @@ from kdaserve.kernels.cpu.moe import moe_experts_cpu  # noqa: E402
 from kdaserve.kernels.native import batch_invariant as bi  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
 from kdaserve.kernels.native.cache import copy_slots_native  # noqa: E402
+from kdaserve.kernels.native.image_attention import (  # noqa: E402
+    image_attention_native,
+    image_attention_ready,
+)
 from kdaserve.kernels.native.k3 import (  # noqa: E402
     attn_res_norm_native,
     sigmoid_mul_native,
@@ -139,6 +147,13 @@ def _native(device: torch.device) -> tuple[bool, str]:
     return native_build.available() if device.type == "cpu" else (False, "needs a CPU")
 
 
+def _image_attention(device: torch.device) -> tuple[bool, str]:
+    ok, reason = _native(device)
+    if ok and not image_attention_ready():
+        return False, "needs AVX512-BF16 with the BF16 dots asked for (isa.bf16_dots())"
+    return ok, reason
+
+
 registry.register("kda_recurrent", "cpu", kda_recurrent_cpu, priority=10, supports=_cpu_only,
                   features=_K3_GATE)
 registry.register("kda_decode", "cpu", kda_decode_cpu, priority=10, supports=_cpu_only,
@@ -166,6 +181,8 @@ registry.register("sigmoid_mul", "native", sigmoid_mul_native, priority=20, supp
 registry.register("attn_res_norm", "native", attn_res_norm_native, priority=20,
                   supports=_native, capabilities=_ONE_CALL)
 registry.register("copy_slots", "native", copy_slots_native, priority=20, supports=_native)
+registry.register("image_attention", "native", image_attention_native, priority=20,
+                  supports=_image_attention)
 registry.register("linear", "cpu", linear_cpu, priority=10, supports=_cpu_only)
 registry.register("linear", "native", linear_native, priority=20, supports=_native,
                   capabilities=_ONE_CALL)

@@ -84,3 +84,7 @@ class SigmoidMul(Protocol):
 class AttnResNorm(Protocol):
     def __call__(self, bank: Tensor, partial: Tensor, w_eff: Tensor, eps: float,
                  norm_weight: Tensor, norm_eps: float) -> Tensor: ...
+
+
+class ImageAttention(Protocol):
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...

@@ -28,6 +28,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from kdaserve.config import ModelConfig
+from kdaserve.kernels import registry
+from kdaserve.kernels.interface import ImageAttention
+from kdaserve.kernels.ref.image_attention import image_attention_ref
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.loader import VISION_PREFIXES, checkpoint_files, random_tensor
 from kdaserve.vision_config import VISION_NORM_EPS, VisionConfig
@@ -88,9 +91,10 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, c: VisionConfig) -> None:
+    def __init__(self, c: VisionConfig, attention: ImageAttention) -> None:
         super().__init__()
         self.c = c
+        self.attention = attention
         self.norm0 = RMSNorm(c.hidden_size, VISION_NORM_EPS)
         self.wqkv = nn.Linear(c.hidden_size, 3 * c.qkv_hidden_size, bias=False)
         self.wo = nn.Linear(c.qkv_hidden_size, c.hidden_size, bias=False)
@@ -104,33 +108,24 @@ class Block(nn.Module):
         c, n = self.c, x.shape[0]
         q, k, v = self.wqkv(self.norm0(x)).view(n, 3, c.num_heads, c.head_dim).unbind(1)
         q, k = rotate_pairs(q, angles), rotate_pairs(k, angles)
-        x = x + self.wo(torch.cat([attend(*part) for part in zip(
+        x = x + self.wo(torch.cat([self.attention(*part) for part in zip(
             q.split(sizes), k.split(sizes), v.split(sizes), strict=True)]).view(n, -1))
         return x + self.mlp(self.norm1(x))
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One image's attention, all patches to all: q, k, v [L, heads, d] -> [L, heads, d].
-    Batched 4-D, which torch's fused (flash) kernel takes on a CPU too; 3-D inputs fall back
-    to its unfused math path, 2.4x slower at 1,024 patches."""
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                       v.transpose(0, 1)[None])
-    return o[0].transpose(0, 1)
-
-
 class Encoder(nn.Module):
-    def __init__(self, c: VisionConfig) -> None:
+    def __init__(self, c: VisionConfig, attention: ImageAttention) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.blocks = nn.ModuleList(Block(c, attention) for _ in range(c.num_layers))
         self.final_layernorm = RMSNorm(c.hidden_size, VISION_NORM_EPS)
 
 
 class VisionTower(nn.Module):
-    def __init__(self, c: VisionConfig) -> None:
+    def __init__(self, c: VisionConfig, attention: ImageAttention) -> None:
         super().__init__()
         self.c = c
         self.patch_embed = PatchEmbed(c)
-        self.encoder = Encoder(c)
+        self.encoder = Encoder(c, attention)
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixels [sum t h w, 3, p, p] of the images in `grids` (t, h, w) -> merged rows
@@ -188,10 +183,10 @@ def tower_calls(grids: list[tuple[int, int, int]], per_image: bool = False,
 class VisionModel(nn.Module):
     """Tower + projector: `forward(pixels, grids)` gives each image's rows for its pads."""
 
-    def __init__(self, c: VisionConfig) -> None:
+    def __init__(self, c: VisionConfig, attention: ImageAttention = image_attention_ref) -> None:
         super().__init__()
         self.config = c
-        self.vision_tower = VisionTower(c)
+        self.vision_tower = VisionTower(c, attention)
         self.mm_projector = Projector(c)
 
     @torch.inference_mode()
@@ -203,12 +198,13 @@ class VisionModel(nn.Module):
         return dict(self.named_parameters())
 
     @classmethod
-    def load(cls, c: VisionConfig, path: Path, dtype: torch.dtype,
-             device: torch.device) -> VisionModel:
+    def load(cls, c: VisionConfig, path: Path, dtype: torch.dtype, device: torch.device,
+             backend: str | None = None) -> VisionModel:
         """The tower and projector of the checkpoint at `path`: every tensor under
-        `vision_tower.` / `mm_projector.` checked (known, right shape, none missing)."""
+        `vision_tower.` / `mm_projector.` checked (known, right shape, none missing); its
+        attention kernel the registry's choice for `device` (or `backend`'s)."""
         with torch.device("meta"):
-            model = cls(c)
+            model = cls(c, registry.resolve("image_attention", device, backend))
         model.to_empty(device=device)
         views = model.checkpoint_tensors()
         seen: set[str] = set()
@@ -261,15 +257,16 @@ def flops(c: VisionConfig, grid: tuple[int, int, int]) -> int:
 
 
 def load_vision(config: ModelConfig, path: Path, load_format: str, seed: int,
-                dtype: torch.dtype, device: torch.device) -> VisionModel | None:
+                dtype: torch.dtype, device: torch.device,
+                backend: str | None = None) -> VisionModel | None:
     """The checkpoint's vision tower, if it declares one: read from `path`, or with
     load_format "dummy" the random values `make-checkpoint` would write."""
     if config.vision is None:
         return None
     if load_format != "dummy":
-        return VisionModel.load(config.vision, path, dtype, device)
+        return VisionModel.load(config.vision, path, dtype, device, backend)
     with torch.device(device):
-        model = VisionModel(config.vision)
+        model = VisionModel(config.vision, registry.resolve("image_attention", device, backend))
     with torch.no_grad():
         for name, p in model.checkpoint_tensors().items():
             p.copy_(random_tensor(name, tuple(p.shape), seed))

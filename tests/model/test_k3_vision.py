@@ -17,6 +17,8 @@ from PIL import Image
 
 from kdaserve.config import ModelConfig
 from kdaserve.image_processor import image_prompt, process, resized_size
+from kdaserve.kernels import registry
+from kdaserve.kernels.native.image_attention import image_attention_ready
 from kdaserve.models.vision import VisionModel
 
 mx = pytest.importorskip("mlx.core")
@@ -91,6 +93,28 @@ def test_features_match_mlx_vlm(vl_ckpt: Path) -> None:
                                               grid_thws=out["grid_thws"]))
     want = torch.tensor(np.array(feats.astype(mx.float32)))
     assert (rows - want).abs().max().item() < 1e-4 * max(1.0, want.abs().max().item())
+
+
+@pytest.mark.skipif(not image_attention_ready(),
+                    reason="no BF16-dot image attention in this host's build")
+def test_bf16_tower_on_the_native_attention(vl_ckpt: Path) -> None:
+    """In bf16 the tower's attention runs on the native kernel
+    (tests/kernels/test_native_image_attention.py), and its rows are as close to the fp32
+    tower's as with torch's attention in bf16."""
+    config = ModelConfig.from_pretrained(vl_ckpt)
+    assert config.vision is not None
+    cpu = torch.device("cpu")
+    processed = [process(img) for img in images()]
+    pixels, grids = torch.cat([p.pixels for p in processed]), [p.grid for p in processed]
+    want = VisionModel.load(config.vision, vl_ckpt, torch.float32, cpu)(pixels, grids)
+    errors = {}
+    for backend in ("native", "ref"):
+        model = VisionModel.load(config.vision, vl_ckpt, torch.bfloat16, cpu, backend)
+        assert model.vision_tower.encoder.blocks[0].attention is registry.resolve(
+            "image_attention", cpu, backend)
+        errors[backend] = float((model(pixels, grids).float() - want).abs().mean())
+    assert errors["native"] <= 1.1 * errors["ref"] + 1e-6, errors
+    assert errors["native"] < 0.02 * float(want.abs().mean()), errors
 
 
 def test_a_broken_tower_is_refused(vl_ckpt: Path, tmp_path: Path) -> None:

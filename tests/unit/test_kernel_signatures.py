@@ -12,9 +12,11 @@ import typing
 import pytest
 
 from kdaserve.kernels import OPS, Kernels, registry
+from kdaserve.kernels.interface import ImageAttention
 
 FEATURE_PARAMS = {"lower_bound": "kda_lower_bound", "situ": "situ"}
-HINTS = typing.get_type_hints(Kernels)
+# the text model's ops, and the vision tower's attention (no Kernels field: resolved by the tower)
+HINTS = {**typing.get_type_hints(Kernels), "image_attention": ImageAttention}
 
 
 def params(fn: object) -> list[inspect.Parameter]:
@@ -46,7 +48,7 @@ def mismatches(op: str, fn: object, features: frozenset[str]) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("op", [*OPS, "image_attention"])
 def test_every_backend_takes_the_ops_signature(op: str) -> None:
     found = registry.backends(op)
     assert found, f"{op}: no backend"
