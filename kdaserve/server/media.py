@@ -9,11 +9,11 @@ limit: a request with a broken image is refused whole, before anything is queued
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
 import json
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -182,26 +182,29 @@ class MediaLoader:
             allowed = ", ".join(lim.allowed_domains) or "none"
             raise ValueError(f"{where}: images from host {host!r} are not allowed "
                              f"(--allowed-media-domains: {allowed})")
-        deadline = time.monotonic() + lim.fetch_timeout
         try:
-            # no redirects: one could lead to a host outside the allow-list
-            with httpx.Client(timeout=lim.fetch_timeout, follow_redirects=False) as client, \
-                    client.stream("GET", url) as r:
-                if r.status_code != 200:
-                    raise ValueError(f"{where}: fetching the image gave HTTP {r.status_code}")
-                kind = r.headers.get("content-type", "").split(";")[0].strip().lower()
-                if not kind.startswith("image/"):
-                    raise ValueError(f"{where}: the URL's content type is {kind or 'none'!r}, "
-                                     "not an image type")
-                data = bytearray()
-                for chunk in r.iter_bytes():
-                    data += chunk
-                    self._check_bytes(len(data), where)
-                    if time.monotonic() > deadline:
-                        raise httpx.ReadTimeout("deadline")
-                return bytes(data)
-        except httpx.TimeoutException:
+            # one deadline for the whole fetch, headers included: httpx's timeouts are per
+            # read, so a host sending its headers a byte at a time would hold this thread
+            return asyncio.run(asyncio.wait_for(self._get(url, where), lim.fetch_timeout))
+        except (TimeoutError, httpx.TimeoutException):
             raise ValueError(f"{where}: fetching the image took over {lim.fetch_timeout:g} s "
                              "(--media-fetch-timeout)") from None
         except (httpx.HTTPError, httpx.InvalidURL) as e:
             raise ValueError(f"{where}: the image could not be fetched: {e}") from None
+
+    async def _get(self, url: str, where: str) -> bytes:
+        # no redirects: one could lead to a host outside the allow-list
+        async with httpx.AsyncClient(timeout=self.limits.fetch_timeout,
+                                     follow_redirects=False) as client, \
+                client.stream("GET", url) as r:
+            if r.status_code != 200:
+                raise ValueError(f"{where}: fetching the image gave HTTP {r.status_code}")
+            kind = r.headers.get("content-type", "").split(";")[0].strip().lower()
+            if not kind.startswith("image/"):
+                raise ValueError(f"{where}: the URL's content type is {kind or 'none'!r}, "
+                                 "not an image type")
+            data = bytearray()
+            async for chunk in r.aiter_bytes():
+                data += chunk
+                self._check_bytes(len(data), where)
+            return bytes(data)

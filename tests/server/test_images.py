@@ -36,6 +36,7 @@ pytest.importorskip("mlx_vlm.models.kimi_k3")
 CHAT = "/v1/chat/completions"
 MAX_IMAGE_TOKENS = 60
 FETCH_TIMEOUT = 2.0
+DRIP = 40.0  # seconds a host takes to send its headers, a byte at a time
 
 
 def noise(h: int, w: int, seed: int) -> Image.Image:
@@ -74,6 +75,18 @@ class MediaHost:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path == "/drip.png":  # the headers a byte at a time, for DRIP s
+                    head = (f"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\n"
+                            f"Content-Length: {len(PNG)}\r\n\r\n").encode()
+                    try:
+                        for byte in head:
+                            self.wfile.write(bytes([byte]))
+                            self.wfile.flush()
+                            time.sleep(DRIP / len(head))
+                        self.wfile.write(PNG)
+                    except OSError:  # the server gave up on it
+                        pass
+                    return
                 status, kind, body, delay = routes.get(self.path, (404, "text/plain", b"", 0))
                 time.sleep(delay)
                 self.send_response(status)
@@ -292,6 +305,17 @@ def _hostile(host: MediaHost) -> list[tuple[str, Any, str]]:
         ("too many", [image_part(data_url(JPEG))] * 4, "--limit-mm-per-prompt"),
         ("too many tokens", [image_part(data_url(PNG))] * 3, "--max-image-tokens"),
     ]
+
+
+def test_a_host_dripping_its_headers_is_cut_off_at_the_deadline(http: httpx.Client,
+                                                                 host: MediaHost) -> None:
+    """--media-fetch-timeout bounds the whole fetch, headers included (each byte arrives well
+    within a read timeout): the 400 comes at the deadline, not when the host is done."""
+    started = time.monotonic()
+    r = http.post(CHAT, json={"messages": [{"role": "user", "content": [
+        image_part(host.url("/drip.png")), {"type": "text", "text": "?"}]}], "max_tokens": 2})
+    assert r.status_code == 400 and "--media-fetch-timeout" in r.json()["error"]["message"]
+    assert time.monotonic() - started < DRIP / 2  # the deadline is FETCH_TIMEOUT
 
 
 def test_hostile_images_are_refused_beside_normal_traffic(http: httpx.Client, vl_llm: LLM,
