@@ -166,13 +166,14 @@ def test_native_caps_follow_the_instruction_set(monkeypatch: pytest.MonkeyPatch)
     assert ops.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")  # this host's
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 24, 33, 64])
-@pytest.mark.parametrize("K", [40, 77, 768])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 24, 33, 64])
+@pytest.mark.parametrize("K", [40, 77, 768, 1100])
 def test_linear_native_with_bf16_weights(rows: int, K: int) -> None:
     """Weight-only bf16: fp32 activations against bf16 weights, widened in registers (the
     streamed rows: 1-3 on AVX-512, 1-8 on AVX2, each row count its own number of partial sums)
-    or per block (more rows; at 17-24 on AVX-512 widened 8 weight rows at a time for the
-    narrow tiles); equal to fp32 arithmetic on the same (bf16) values. From
+    or per block (more rows; at 6-24 on AVX-512, 16-24 for inputs wider than 1,024, each
+    weight broadcast from its two bytes in the narrow tiles); equal to fp32 arithmetic on the
+    same (bf16) values. From
     16 rows on an AMX host the tiles take them, and 1-4 rows on an AVX512_BF16 host the BF16
     dots, both on split activations (within test_native_amx's bound)."""
     from kdaserve.kernels.native import ops

@@ -68,26 +68,44 @@ void linear_bcast(const float* x, const W* w, const float* scale, float* y, int6
 // linear_bcast: the lm_head at 24 rows 28.7 -> 21.1, 3072 x 768 0.85 -> 0.57 (768 x 2048 the
 // same). 8-lane vectors are AVX2's own width, and on AVX2 linear_bcast's 8-lane tiles take 9
 // rows on; on Intel's AVX-512 (two 512-bit FMA ports, 256-bit ones at half the rate) not yet
-// measured. int8 weights keep widening in registers, and bf16 ones below 17 rows (below).
+// measured. int8 weights keep widening in registers.
 #if defined(__AVX512F__)
 constexpr int64_t kNarrowFrom = 4, kNarrowTo = 24;
 #else
 constexpr int64_t kNarrowFrom = 5, kNarrowTo = 8;  // AVX2's 4 streamed rows were faster
 #endif
-// bf16 weights, widened 8 rows at a time into an fp32 tile, only from 17 rows: below, the dot
-// tiles widening in registers are ahead (ms, weights cycled past the L3, dot tiles / narrow:
-// the lm_head at 8 / 16 / 20 / 24 rows 12.1 / 16.0, 19.7 / 19.3, 32.3 / 26.5, 32.5 / 25.1;
-// 3072 x 768 0.40 / 0.56, 0.65 / 0.71, 1.03 / 0.83, 1.05 / 0.83; 768 x 2048 at 20 0.68 / 0.62)
-constexpr int64_t kNarrowFromBf16 = 17;
+// bf16 weights take the same tiles, each element broadcast from its two bytes (a 16-bit
+// broadcast masked to the upper half of each lane: the fp32 value). From 6 rows on AVX-512,
+// 16 for inputs wider than 1,024 (where x^T outgrows L1): below, the dot tiles widening in
+// registers (and the BF16 dot streams to 4 rows) are ahead. 2-core Zen 4, ms, weights cycled
+// past the L3, dot tiles / these at 5 / 6 / 8 / 12 / 16 / 24 rows: the 100k x 768 lm_head
+// 9.3 / 10.4 / 11.2 / 15.1 / 20.0 / 24.0 -> 9.6 / 9.7 / 9.6 / 12.5 / 12.4 / 17.7 (fp32's
+// narrow tiles 13.0 at 16); 3072 x 768 0.34 / 0.34 / 0.37 / 0.51 / 0.64 / 0.76 -> 0.34 / 0.33
+// / 0.32 / 0.40 / 0.40 / 0.56; 768 x 2048 0.16 / 0.19 / 0.21 / 0.28 / 0.43 / 0.61 -> 0.33 /
+// 0.33 / 0.36 / 0.38 / 0.39 / 0.52. (Before, bf16 weights were widened 8 rows at a time into
+// an fp32 buffer, from 17 rows only; BF16 dots on x^T split in two bf16 parts were slower
+// still: two dots per weight pair.) AVX2 keeps its widening tiles (not measured there).
+#if defined(__AVX512F__)
+constexpr int64_t kNarrowFromBf16 = 6, kNarrowFromBf16Wide = 16, kWideInput = 1024;
+#else
+constexpr int64_t kNarrowFromBf16 = kNarrowTo + 1, kNarrowFromBf16Wide = kNarrowTo + 1,
+                  kWideInput = 0;
+#endif
 constexpr int kNarrowN = 8;  // weight rows per tile: 8 x V accumulators
+
+inline __m256 bcast_weight(const float* w) { return _mm256_broadcast_ss(w); }
+inline __m256 bcast_weight(const bf16* w) {
+  return _mm256_castsi256_ps(_mm256_and_si256(
+      _mm256_set1_epi16(static_cast<short>(*w)), _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
 
 // yt [TN, 8 V] = TN weight rows (stride K) against x^T [K, 8 V]; pf (nullable): the next
 // tile's rows, a cache line of each fetched per 16 k. Always inlined: called, GCC kept the
 // two-vector tile's accumulators in memory (3x slower).
-template <int TN, int V>
-[[gnu::always_inline]] inline void narrow_tile(const float* __restrict w, int64_t K,
+template <int TN, int V, typename W>
+[[gnu::always_inline]] inline void narrow_tile(const W* __restrict w, int64_t K,
                                                const float* __restrict xt,
-                                               float* __restrict yt, const float* pf) {
+                                               float* __restrict yt, const W* pf) {
   __m256 acc[TN][V];
   for (int i = 0; i < TN; ++i)
     for (int v = 0; v < V; ++v) acc[i][v] = _mm256_setzero_ps();
@@ -100,7 +118,7 @@ template <int TN, int V>
       __m256 xv[V];
       for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(xt + (k * V + v) * 8);
       for (int i = 0; i < TN; ++i) {
-        const __m256 b = _mm256_broadcast_ss(w + i * K + k);
+        const __m256 b = bcast_weight(w + i * K + k);
         for (int v = 0; v < V; ++v) acc[i][v] = _mm256_fmadd_ps(b, xv[v], acc[i][v]);
       }
     }
@@ -109,27 +127,13 @@ template <int TN, int V>
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(yt + (i * V + v) * 8, acc[i][v]);
 }
 
-// Rows [n0, n0 + TN) of y [M, N] from a tile. bf16 weights are widened into `wide` (TN x K
-// floats, the thread's own) first, with the next tile's rows (next in memory) prefetched on
-// the way; fp32 ones are read where they are, pf the next tile.
+// Rows [n0, n0 + TN) of y [M, N] from a tile, the next tile's rows prefetched.
 template <int TN, int V, typename W>
 [[gnu::always_inline]] inline void narrow_out(const W* w, int64_t K, const float* xt,
                                               float* y, int64_t M, int64_t N, int64_t n0,
-                                              bool last, float* wide) {
+                                              bool last) {
   float yt[TN * V * 8];
-  if constexpr (std::is_same_v<W, float>) {
-    narrow_tile<TN, V>(w + n0 * K, K, xt, yt, last ? nullptr : w + (n0 + TN) * K);
-  } else {
-    const W* src = w + n0 * K;
-    int64_t j = 0;
-    for (; j + kLanes <= TN * K; j += kLanes) {
-      if (!last && j % (64 / sizeof(W)) == 0) __builtin_prefetch(src + TN * K + j, 0, 3);
-      const vtile v = load_tile(src + j);
-      __builtin_memcpy(wide + j, &v, sizeof(v));
-    }
-    for (; j < TN * K; ++j) wide[j] = widen(src[j]);
-    narrow_tile<TN, V>(wide, K, xt, yt, nullptr);
-  }
+  narrow_tile<TN, V>(w + n0 * K, K, xt, yt, last ? nullptr : w + (n0 + TN) * K);
   for (int64_t m = 0; m < M; ++m)
     for (int i = 0; i < TN; ++i) y[m * N + n0 + i] = yt[i * V * 8 + m];
 }
@@ -140,27 +144,19 @@ void linear_narrow(const float* x, const W* w, float* y, int64_t M, int64_t N, i
   for (int64_t k = 0; k < K; ++k)
     for (int64_t m = 0; m < V * 8; ++m) xt[k * V * 8 + m] = m < M ? x[m * K + k] : 0.0f;
   const int64_t tiles = N / kNarrowN;
-  constexpr bool fp32 = std::is_same_v<W, float>;
-#pragma omp parallel
-  {
-    std::vector<float> wide(fp32 ? 0 : kNarrowN * K);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t)  // each thread a run of tiles, prefetching the next
-      narrow_out<kNarrowN, V>(w, K, xt.get(), y, M, N, t * kNarrowN, t + 1 == tiles,
-                              wide.data());
-  }
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t)  // each thread a run of tiles, prefetching the next
+    narrow_out<kNarrowN, V>(w, K, xt.get(), y, M, N, t * kNarrowN, t + 1 == tiles);
   const int64_t n0 = tiles * kNarrowN;
-  std::vector<float> wide(fp32 ? 0 : kNarrowN * K);
-  float* wd = wide.data();
   switch (N - n0) {  // the last rows, kept together (one-row tiles: too few FMA chains)
     case 0: break;
-    case 1: narrow_out<1, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
-    case 2: narrow_out<2, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
-    case 3: narrow_out<3, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
-    case 4: narrow_out<4, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
-    case 5: narrow_out<5, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
-    case 6: narrow_out<6, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
-    default: narrow_out<7, V>(w, K, xt.get(), y, M, N, n0, true, wd); break;
+    case 1: narrow_out<1, V>(w, K, xt.get(), y, M, N, n0, true); break;
+    case 2: narrow_out<2, V>(w, K, xt.get(), y, M, N, n0, true); break;
+    case 3: narrow_out<3, V>(w, K, xt.get(), y, M, N, n0, true); break;
+    case 4: narrow_out<4, V>(w, K, xt.get(), y, M, N, n0, true); break;
+    case 5: narrow_out<5, V>(w, K, xt.get(), y, M, N, n0, true); break;
+    case 6: narrow_out<6, V>(w, K, xt.get(), y, M, N, n0, true); break;
+    default: narrow_out<7, V>(w, K, xt.get(), y, M, N, n0, true); break;
   }
 }
 #else
@@ -209,7 +205,10 @@ void linear_small(const float* x, const W* w, const float* scale, float* y, int6
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if constexpr (std::is_same_v<W, float> || std::is_same_v<W, bf16>) {
-    if (M >= (std::is_same_v<W, float> ? kNarrowFrom : kNarrowFromBf16) && M <= kNarrowTo)
+    const int64_t from = std::is_same_v<W, float> ? kNarrowFrom
+                         : K > kWideInput                ? kNarrowFromBf16Wide
+                                                         : kNarrowFromBf16;
+    if (M >= from && M <= kNarrowTo)
       return M <= 8 ? linear_narrow<1>(x, w, y, M, N, K)
              : M <= 16 ? linear_narrow<2>(x, w, y, M, N, K)
                        : linear_narrow<3>(x, w, y, M, N, K);
