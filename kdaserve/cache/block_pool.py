@@ -26,6 +26,15 @@ class BlockPool:
         self.generation = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
 
+    def release(self) -> None:
+        """Frees the latents' memory (RL's release of the KV cache, the pool idle); `resume`
+        brings them back zeroed, in the same shape."""
+        self._shape = tuple(self.kv.shape)
+        self.kv = torch.empty(0, dtype=self.kv.dtype, device=self.kv.device)
+
+    def resume(self) -> None:
+        self.kv = torch.zeros(self._shape, dtype=self.kv.dtype, device=self.kv.device)
+
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         size = torch.empty(0, dtype=dtype).element_size()

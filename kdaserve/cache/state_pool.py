@@ -36,6 +36,18 @@ class StatePool:
         self.log: list[tuple[int | str, ...]] | None = None
         self._copy_slots = registry.resolve("copy_slots", self.recurrent.device)
 
+    def release(self) -> None:
+        """Frees the states' memory (RL's release of the KV cache, the pool idle); `resume`
+        brings them back zeroed, in the same shapes."""
+        self._shapes = (tuple(self.recurrent.shape), tuple(self.conv.shape))
+        self.recurrent, self.conv = (torch.empty(0, dtype=t.dtype, device=t.device)
+                                     for t in (self.recurrent, self.conv))
+
+    def resume(self) -> None:
+        self.recurrent, self.conv = (
+            torch.zeros(shape, dtype=t.dtype, device=t.device)
+            for shape, t in zip(self._shapes, (self.recurrent, self.conv), strict=True))
+
     @staticmethod
     def bytes_per_slot(config: ModelConfig, dtype: torch.dtype, tp_size: int = 1) -> int:
         L, H, K = len(config.kda_layers), config.kda_num_heads // tp_size, config.kda_head_dim

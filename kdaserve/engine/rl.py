@@ -84,8 +84,6 @@ class RLControl:
         self.paused = False
         self.released: set[str] = set()
         self.param_shapes = [p.shape for p in engine.model.parameters()]
-        self.kv_shape = engine.blocks.kv.shape
-        self.state_shapes = (engine.states.recurrent.shape, engine.states.conv.shape)
 
     def _require_single(self, what: str) -> None:
         e = self.engine
@@ -260,10 +258,9 @@ class RLControl:
         if "kv_cache" in tags and "kv_cache" not in self.released:
             if e.cache is not None:
                 e.cache.flush()
-            e.blocks.kv = torch.empty(0, dtype=e.blocks.kv.dtype)
-            e.states.recurrent = torch.empty(0, dtype=e.states.recurrent.dtype)
-            e.states.conv = torch.empty(0, dtype=e.states.conv.dtype)
-            if e.spec is not None:  # a context drafter's pages beside the KV blocks
+            e.blocks.release()
+            e.states.release()
+            if e.spec is not None:  # a drafter's pages or pools beside the KV blocks
                 e.spec.release_memory("kv_cache")
         if "weights" in tags and "weights" not in self.released:
             for p in e.model.parameters():
@@ -284,11 +281,8 @@ class RLControl:
         tags = _tags(tags)
         before = rss_mb()
         if "kv_cache" in tags and "kv_cache" in self.released:
-            e.blocks.kv = torch.zeros(self.kv_shape, dtype=e.blocks.kv.dtype, device=e.device)
-            e.states.recurrent = torch.zeros(self.state_shapes[0], dtype=e.states.recurrent.dtype,
-                                             device=e.device)
-            e.states.conv = torch.zeros(self.state_shapes[1], dtype=e.states.conv.dtype,
-                                        device=e.device)
+            e.blocks.resume()
+            e.states.resume()
             if e.spec is not None:
                 e.spec.resume_memory("kv_cache")
         if "weights" in tags and "weights" in self.released:

@@ -275,6 +275,20 @@ def init_random(model: KimiLinearForCausalLM, seed: int) -> None:
                 dest.copy_(value)
 
 
+def checkpoint_bytes(path: Path, dtype: torch.dtype) -> int:
+    """What the checkpoint at `path` takes once loaded in `dtype`, from its headers alone:
+    floating tensors at dtype's size, the others (MXFP4's uint8) as stored."""
+    total = 0
+    for file in checkpoint_files(Path(path)):
+        for meta in read_header(file)[0].values():
+            stored = DTYPES.get(meta.get("dtype", ""))
+            if stored is None:  # __metadata__, or a dtype _plan refuses
+                continue
+            size = dtype.itemsize if stored.is_floating_point else stored.itemsize
+            total += math.prod(meta["shape"]) * size
+    return total
+
+
 def build_model(config: ModelConfig, kernels: Kernels, dtype: torch.dtype,
                 device: torch.device, path: Path | None, load_format: str = "auto",
                 seed: int = 0, weight_dtype: torch.dtype | None = None,

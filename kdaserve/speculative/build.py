@@ -16,6 +16,8 @@ from kdaserve.config import ModelConfig
 from kdaserve.engine_config import DEFAULT_DRAFTS, EngineConfig
 from kdaserve.kernels import Kernels
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
+from kdaserve.models.loader import checkpoint_bytes
+from kdaserve.speculative import draft_model
 from kdaserve.speculative.adaptive import AdaptiveSpeculation
 from kdaserve.speculative.block import BlockDrafter
 from kdaserve.speculative.context_drafter import ContextDrafter, memory_plan
@@ -78,12 +80,18 @@ def build_speculator(c: EngineConfig, draft_path: Path | None, model: KimiLinear
 def draft_memory(c: EngineConfig, draft_path: Path | None, target: ModelConfig,
                  dtype: torch.dtype) -> tuple[int, int]:
     """What the memory plan sets aside for the configured drafter: (bytes per KV block, bytes
-    besides). A published drafter's context pages grow with the KV pool and its weights are
-    its own; our drafters' own pools and weights are not counted (their sizes are logged)."""
-    if c.speculative_algorithm in ("dspark", "dflash") and draft_path is not None \
-            and published_format(draft_path):
+    besides). A published drafter's context pages and a draft model's own latents grow with
+    the KV pool; their weights, a draft model's state slots, and our block and DSpark
+    drafters' weights are besides (n-gram drafting takes nothing)."""
+    if draft_path is None:
+        return 0, 0
+    if c.speculative_algorithm in ("dspark", "dflash") and published_format(draft_path):
         return memory_plan(draft_path, target, dtype, c.block_size)
-    return 0, 0
+    if c.speculative_algorithm == "draft":
+        running = min(c.max_num_seqs, c.num_state_slots or c.max_num_seqs)  # the scheduler's
+        return draft_model.memory_plan(draft_path, dtype, c.block_size,
+                                       c.speculative_num_draft_tokens or DEFAULT_DRAFTS, running)
+    return 0, checkpoint_bytes(draft_path, dtype)  # block, DSpark: their weights
 
 
 def published_format(path: Path) -> str | None:

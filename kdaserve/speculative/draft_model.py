@@ -31,9 +31,27 @@ from kdaserve.config import ModelConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
-from kdaserve.models.loader import build_model
+from kdaserve.models.loader import build_model, checkpoint_bytes, load_weights
 from kdaserve.request import Request
 from kdaserve.speculative.drafter import Drafter
+
+
+def pool_blocks(max_tokens: int, block_size: int, k: int, max_running: int) -> int:
+    """The draft's KV blocks: it never shares blocks, so as many as the target's KV capacity
+    (max_tokens) plus room for every running request's drafts."""
+    return -(-max_tokens // block_size) + max_running * (-(-k // block_size) + 1)
+
+
+def memory_plan(path: Path, dtype: torch.dtype, block_size: int, k: int,
+                max_running: int) -> tuple[int, int]:
+    """(bytes per KV block of the target, bytes besides) the draft model at path takes, for
+    the engine's memory plan (engine/pools.py): a block of its own latents beside each of the
+    target's, and its weights, state slots and the drafts' extra blocks."""
+    config = ModelConfig.from_pretrained(path)
+    per_block = BlockPool.bytes_per_block(config, block_size, dtype)
+    slots = (2 * max_running + 1) * StatePool.bytes_per_slot(config, dtype)
+    extra = (pool_blocks(0, block_size, k, max_running) + 1) * per_block  # + the scratch
+    return per_block, checkpoint_bytes(path, dtype) + slots + extra
 
 
 @dataclass(slots=True)
@@ -61,6 +79,8 @@ class DraftModelDrafter(Drafter):
         self.states = StatePool(model.config, 2 * max_running, dtype, device)
         self.blocks = BlockPool(model.config, num_blocks, block_size, dtype, device)
         self.seqs: dict[int, DraftSeq] = {}  # id(req) -> its draft caches
+        self.path: Path | None = None  # where `load` read it (RL reloads its weights there)
+        self._shapes = [p.shape for p in model.parameters()]
 
     @classmethod
     def load(cls, path: Path, target: ModelConfig, kernels: Kernels, dtype: torch.dtype,
@@ -73,8 +93,10 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"draft model {path} has vocab_size {config.vocab_size}, the "
                              f"target {target.vocab_size}: a draft must share the vocabulary")
         model = build_model(config, kernels, dtype, device, path)
-        num_blocks = -(-max_tokens // block_size) + max_running * (-(-k // block_size) + 1)
-        return cls(model, k, max_running, num_blocks, block_size, max_chunk, dtype, device)
+        drafter = cls(model, k, max_running, pool_blocks(max_tokens, block_size, k, max_running),
+                      block_size, max_chunk, dtype, device)
+        drafter.path = Path(path)
+        return drafter
 
     # ---- proposing ----
     def propose(self, reqs: list[Request]) -> None:
@@ -188,6 +210,24 @@ class DraftModelDrafter(Drafter):
                 self.states.free(slot)
         if seq.block_ids:
             self.blocks.free(seq.block_ids)
+
+    def release_memory(self, tag: str) -> None:
+        assert not self.seqs, "RL releases memory only with the engine idle"
+        if tag == "kv_cache":
+            self.blocks.release()
+            self.states.release()
+        elif tag == "weights":
+            for p in self.model.parameters():
+                p.data = p.data.new_empty(0)
+
+    def resume_memory(self, tag: str) -> None:
+        if tag == "kv_cache":
+            self.blocks.resume()
+            self.states.resume()
+        elif tag == "weights" and self.path is not None:
+            for p, shape in zip(self.model.parameters(), self._shapes, strict=True):
+                p.data = p.data.new_empty(shape)
+            load_weights(self.model, self.path)
 
     def check_integrity(self, idle: bool = False) -> None:
         """The draft pools hold exactly what the tracked requests own."""

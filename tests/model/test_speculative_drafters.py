@@ -9,12 +9,14 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from kdaserve import LLM, SamplingParams
 from kdaserve.checkpoint import make_checkpoint, preset_config
 from kdaserve.config import DENSE, KDA, MLA, MOE
-from kdaserve.engine_config import EngineConfig
+from kdaserve.engine_config import DEFAULT_DRAFTS, EngineConfig
 from kdaserve.speculative.block import BlockDrafter, make_block_drafter
+from kdaserve.speculative.draft_model import memory_plan as draft_memory_plan
 from kdaserve.speculative.dspark import make_dspark_drafter
 from kdaserve.speculative.schedule import StepCost
 from kdaserve.speculative.scripted import ScriptedDrafter
@@ -214,3 +216,65 @@ def test_sampled_requests_and_aborts(tiny_ckpt: Path, spec_prompts: list[list[in
         engine.step()
     engine.check_integrity()
     assert not engine.out.groups and keep
+
+
+def test_memory_plan_counts_a_draft_models_pools_and_weights(
+        tiny_ckpt: Path, small_draft: Path) -> None:
+    """With a budget that bounds the KV pool, a draft model's latents (one of its blocks
+    beside each of the target's), weights, state slots and extra blocks come out of it:
+    everything the two models hold together within the budget, and the target's pool took
+    what was left."""
+    from kdaserve.engine import pools
+
+    sized = LLM(tiny_ckpt, disable_prefix_cache=True).engine  # the pools' shapes, unbounded
+    fixed = sum(t.numel() * t.element_size() for t in (
+        sized.states.recurrent, sized.states.conv, *sized.model.parameters()))
+    block = sized.blocks.kv.element_size() * sized.blocks.kv[:, 0].numel()
+    per_block, besides = draft_memory_plan(small_draft, torch.float32, sized.blocks.block_size,
+                                           DEFAULT_DRAFTS, sized.scheduler.max_num_seqs)
+    # room for ~1,000 of the target's blocks with the draft's: fewer than the cap (8,192)
+    fraction = (fixed + besides + 1000 * (block + per_block)) / pools.physical_memory()
+    budget = int(fraction * pools.physical_memory())
+    e = LLM(tiny_ckpt, mem_fraction=fraction, disable_prefix_cache=True,
+            speculative_algorithm="draft", speculative_draft_model=str(small_draft)).engine
+    assert e.spec is not None
+    d = e.spec.drafter
+    assert 900 < e.blocks.num_blocks < 1100
+    assert d.blocks.num_blocks > e.blocks.num_blocks  # its own, for every target token
+    alone = LLM(tiny_ckpt, mem_fraction=fraction, disable_prefix_cache=True).engine
+    assert alone.blocks.num_blocks > 1.2 * e.blocks.num_blocks  # the same budget, alone
+    used = sum(t.numel() * t.element_size() for t in (
+        e.blocks.kv, e.states.recurrent, e.states.conv, *e.model.parameters(),
+        d.blocks.kv, d.states.recurrent, d.states.conv, *d.model.parameters()))
+    assert 0.9 * budget < used <= budget
+
+
+@pytest.mark.parametrize("tags", [["kv_cache"], ["weights", "kv_cache"]])
+def test_rl_release_frees_a_draft_models_pools_and_weights(
+        tiny_ckpt: Path, spec_plain: LLM, spec_prompts: list[list[int]], small_draft: Path,
+        tags: list[str]) -> None:
+    """release_memory_occupation frees the draft model's KV blocks and state slots with the
+    target's, and its weights with the target's; resume brings the pools back zeroed and the
+    weights as they were (reloaded from its path), and speculation afterwards keeps plain
+    decoding's tokens."""
+    llm = LLM(tiny_ckpt, speculative_algorithm="draft", speculative_draft_model=str(small_draft))
+    llm.engine.spec.cost = StepCost(fitted=False, prior_tokens=math.inf)  # type: ignore
+    d = llm.engine.spec.drafter  # type: ignore[union-attr]
+    weights = [p.detach().clone() for p in d.model.parameters()]
+    refs = reference(spec_plain, spec_prompts[:3])
+    out = llm.generate(prompt_token_ids=spec_prompts[:3], sampling_params=GREEDY)
+    assert [o.token_ids for o in out] == refs
+    sizes = (d.blocks.kv.numel(), d.states.recurrent.numel(), d.states.conv.numel())
+    llm.engine.rl.release_memory_occupation(tags)
+    assert d.blocks.kv.numel() == d.states.recurrent.numel() == d.states.conv.numel() == 0
+    assert all(p.numel() == 0 for p in d.model.parameters()) == ("weights" in tags)
+    llm.engine.rl.resume_memory_occupation(tags)
+    assert (d.blocks.kv.numel(), d.states.recurrent.numel(), d.states.conv.numel()) == sizes
+    assert not d.blocks.kv.any() and not d.states.recurrent.any()
+    for p, w in zip(d.model.parameters(), weights, strict=True):
+        assert torch.equal(p, w)
+    verifies = llm.get_metrics()["spec_num_verifies"]
+    out = llm.generate(prompt_token_ids=spec_prompts[:3], sampling_params=GREEDY)
+    assert [o.token_ids for o in out] == refs
+    assert llm.get_metrics()["spec_num_verifies"] > verifies
+    llm.check_integrity()
