@@ -39,6 +39,7 @@ from kdaserve.cache.state_pool import StatePool
 from kdaserve.engine_config import DEFAULT_DRAFTS, EngineConfig
 from kdaserve.forward_batch import ForwardBatch
 from kdaserve.kernels import Kernels, graph_verify_tokens
+from kdaserve.kernels.graphs import capture
 from kdaserve.kernels.registry import GRAPH_SAFE
 from kdaserve.layers.kda import FUSED_MAX_TOKENS, KDAttention
 from kdaserve.models.kimi_linear import KimiLinearForCausalLM
@@ -269,18 +270,9 @@ class CudaGraphRunner:
         self.pad(0, self.max_bs, key.q)
         self.filled = 0
         fb = self.view(key)
-        with torch.cuda.device(fb.input_ids.device):  # the engine's GPU, not the default one
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.forward(key, self.view(key))
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: CUDA calls other threads make meanwhile (a weight-sync rendezvous,
-            # a transfer engine's workers) do not invalidate the capture
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self.forward(key, fb)
+        # the warm-ups on fresh views, the capture on fb (the views replays read)
+        views = iter([self.view(key), self.view(key), fb])
+        graph = capture(lambda: self.forward(key, next(views)), fb.input_ids.device, self.pool)
         self.pool = graph.pool()
         self.graphs[key] = graph
 

@@ -111,7 +111,8 @@ class LLMEngine:
             if config.speculative_algorithm is not None:
                 self.spec = build_speculator(
                     config, self.draft_path, self.model, self.kernels, self.dtype, self.device,
-                    self.states, self.blocks, self.cache, self.scheduler.max_num_seqs)
+                    self.states, self.blocks, self.cache, self.scheduler.max_num_seqs,
+                    graphs=self.runner.graphs is not None)
                 self.scheduler.hooks = self.spec
             # nothing runs ahead of the first request: CUDA graphs are captured on first use
             # of each batch size, and an eager forward needs no warming

@@ -36,8 +36,10 @@ logger = logging.getLogger("kdaserve")
 def build_speculator(c: EngineConfig, draft_path: Path | None, model: KimiLinearForCausalLM,
                      kernels: Kernels, dtype: torch.dtype, device: torch.device,
                      states: StatePool, blocks: BlockPool, cache: RadixCache | None,
-                     max_running: int) -> Speculator:
-    """draft_path: speculative_draft_model resolved to a folder (None for n-gram)."""
+                     max_running: int, graphs: bool = False) -> Speculator:
+    """draft_path: speculative_draft_model resolved to a folder (None for n-gram). graphs:
+    the engine replays its steps from CUDA graphs, and a published drafter's drafting pass
+    is replayed from its own."""
     target = model.config
     k = c.speculative_num_draft_tokens or DEFAULT_DRAFTS
     drafter: Drafter
@@ -55,6 +57,8 @@ def build_speculator(c: EngineConfig, draft_path: Path | None, model: KimiLinear
         logger.info("drafter context pages: %d blocks x %d tokens, %.1f MiB",
                     blocks.num_blocks, blocks.block_size, drafter.pages.nbytes / 2**20)
         drafter.configure(c.speculative_num_draft_tokens, c.speculative_dspark_block_size)
+        if graphs:
+            drafter.use_graphs()
     else:
         assert draft_path is not None  # EngineConfig checks
         if c.speculative_dspark_block_size is not None:

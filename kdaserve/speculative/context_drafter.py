@@ -38,6 +38,7 @@ from kdaserve.speculative.context_net import (
     random_weights,
 )
 from kdaserve.speculative.context_pages import ContextPages
+from kdaserve.speculative.draft_graph import DraftGraphs
 from kdaserve.speculative.drafter import Drafter
 
 # what the target shares with its drafter: skipped where a checkpoint holds a copy
@@ -260,7 +261,14 @@ class ContextDrafter(Drafter):
         # to the prefix cache (one that never drafted leaves its positions empty there)
         self.drafting: set[int] = set()
         self._survival: dict[int, list[float]] = {}
+        self.graphs: DraftGraphs | None = None  # the drafting pass's CUDA graphs (a GPU's)
         self.configure(None, None)
+
+    def use_graphs(self, capture: bool = True) -> None:
+        """Drafting passes from CUDA graphs (`capture` False: their static-buffer pass run
+        eagerly, the CPU tests' check of it)."""
+        self.graphs = DraftGraphs(self.net, self.target.embed_tokens, self.target.compute_logits,
+                                  self.block_size, self.net.c.cache_width, self.device, capture)
 
     @classmethod
     def load(cls, path: Path, target: KimiLinearForCausalLM, dtype: torch.dtype,
@@ -333,6 +341,22 @@ class ContextDrafter(Drafter):
         self.drafting.update(id(r) for r in reqs)
         self.project([p for p in (self.pending.get(id(r)) for r in reqs) if p is not None])
         read = [self.pages.read(r.block_ids, r.num_computed_tokens) for r in reqs]
+        anchor_ids = [r.all_ids[-1] for r in reqs]
+        key = None if self.graphs is None else self.graphs.key(
+            len(reqs), max(r.num_computed_tokens for r in reqs), k)
+        out = None if key is None or self.graphs is None else self.graphs.run(
+            key, anchor_ids, [r.num_computed_tokens for r in reqs], read)
+        drafts, conf = out if out is not None else self._draft(reqs, read, anchor_ids, k)
+        survival = conf.double().cumprod(-1).tolist() if conf is not None else None
+        for b, req in enumerate(reqs):
+            n = self.max_draft_tokens(req)
+            req.draft_ids = drafts[b, :n].tolist()
+            if survival is not None:
+                self._survival[id(req)] = survival[b][:n]
+
+    def _draft(self, reqs: list[Request], read: list[tuple[list[torch.Tensor], torch.Tensor]],
+               anchor_ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafting pass, eagerly: drafts [B, k] and confidences [B, k] (or None)."""
         B, N, S = len(reqs), self.block_size, max(r.num_computed_tokens for r in reqs)
         if B == 1:  # one request: its entries as read, no padded copy
             ctx = [e[None] for e in read[0][0]]
@@ -345,19 +369,13 @@ class ContextDrafter(Drafter):
                     dst[b, :src.shape[0]] = src
                 mask[b, :valid.shape[0]] = valid
         dtype = next(self.net.parameters()).dtype
-        anchors = torch.tensor([r.all_ids[-1] for r in reqs], device=self.device)
+        anchors = torch.tensor(anchor_ids, device=self.device)
         ids = torch.full((B, N), self.net.c.mask_token_id, device=self.device)
         ids[:, 0] = anchors
         pos = torch.tensor([r.num_computed_tokens for r in reqs], device=self.device)[:, None] \
             + torch.arange(N, device=self.device)
         h = self.net.block(self.target.embed_tokens(ids).to(dtype), pos, ctx, mask)
-        drafts, conf = self.net.draft(h, anchors, k, self.target.compute_logits)
-        survival = conf.double().cumprod(-1).tolist() if conf is not None else None
-        for b, req in enumerate(reqs):
-            n = self.max_draft_tokens(req)
-            req.draft_ids = drafts[b, :n].tolist()
-            if survival is not None:
-                self._survival[id(req)] = survival[b][:n]
+        return self.net.draft(h, anchors, k, self.target.compute_logits)
 
     def survival(self, req: Request) -> list[float] | None:
         return self._survival.get(id(req))
@@ -374,6 +392,8 @@ class ContextDrafter(Drafter):
         self.drafting.discard(id(req))
 
     def release_memory(self, tag: str) -> None:
+        if self.graphs is not None:  # they hold the addresses about to be freed
+            self.graphs.reset()
         if tag == "kv_cache":
             self.pages.release()
         elif tag == "weights":  # its own; the embedding and lm_head are the target's

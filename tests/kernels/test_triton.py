@@ -231,6 +231,40 @@ def test_llm_on_cuda_matches_ref_on_cpu(tiny_ckpt: Path) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("fmt", ["k3-dspark-mla", "k3-dspark-gqa", "dflash"])
+def test_drafting_passes_from_cuda_graphs_keep_tokens(k3_ckpt: Path, tmp_path: Path,
+                                                      fmt: str) -> None:
+    """K3's published drafters on CUDA with graphs: their drafting passes replayed from
+    CUDA graphs (speculative/draft_graph.py), every draft verified; tokens equal the plain
+    engine's, and graphs were captured for the batches seen."""
+    import math
+
+    from kdaserve import LLM, SamplingParams
+    from kdaserve.checkpoint import preset_config
+    from kdaserve.speculative.context_drafter import make_context_drafter
+    from kdaserve.speculative.schedule import StepCost
+
+    path = make_context_drafter(tmp_path / fmt, preset_config("k3-tiny"), fmt, seed=11)
+    prompts = [[(7 * i + 3 * j) % 900 + 3 for j in range(5 + 11 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(k3_ckpt, device="cuda", disable_prefix_cache=True)
+    want = [o.token_ids for o in plain.generate(prompt_token_ids=prompts,
+                                                sampling_params=params)]
+    del plain
+    llm = LLM(k3_ckpt, device="cuda", disable_prefix_cache=True,
+              speculative_algorithm="dflash" if fmt == "dflash" else "dspark",
+              speculative_draft_model=str(path))
+    llm.engine.spec.cost = StepCost(fitted=False, prior_tokens=math.inf)  # type: ignore
+    out = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in out] == want
+    graphs = llm.engine.spec.drafter.graphs  # type: ignore[union-attr]
+    assert graphs is not None and graphs.graphs and not graphs.failed
+    assert llm.get_metrics()["spec_num_verifies"] > 0
+    llm.engine.check_integrity()
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_graph_replay_equals_eager(tiny_ckpt: Path, dtype: str) -> None:
     """Greedy tokens with decode steps replayed from CUDA graphs equal the eager forward's:

@@ -347,3 +347,40 @@ def test_taps_stop_while_no_request_will_draft(k3_ckpt: Path, k3_drafters: dict[
         gaps = sum(s > e for (s, _), e in zip(parts[1:], ends, strict=False))
         assert gaps >= 1 and covered < len(prompt) + len(out.token_ids) - 1
     llm.check_integrity()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_the_graph_pass_drafts_as_the_eager_one(k3_ckpt: Path, k3_drafters: dict[str, Path],
+                                                k3_prompts: list[list[int]],
+                                                k3_want: list[list[int]], fmt: str) -> None:
+    """The drafting pass on the CUDA graphs' static buffers (run eagerly here: the capture
+    needs a GPU; speculative/draft_graph.py) proposes what the eager pass does, for 1-3
+    requests padded to a batch bucket (3 in 4 rows), their contexts of different lengths
+    padded to a 256-position bucket; tokens stay plain decoding's."""
+    llm = k3_drafter_engine(k3_ckpt, k3_drafters[fmt], fmt)
+    spec = llm.engine.spec
+    assert spec is not None and isinstance(spec.drafter, ContextDrafter)
+    drafter = spec.drafter
+    drafter.use_graphs(capture=False)
+    graphs = drafter.graphs
+    assert graphs is not None
+    propose, sizes = drafter.propose, []
+
+    def both(reqs: list[Request]) -> None:
+        drafter.graphs = graphs
+        propose(reqs)
+        got = [(r.draft_ids, drafter.survival(r)) for r in reqs]
+        drafter.graphs = None
+        propose(reqs)
+        for (ids, survival), r in zip(got, reqs, strict=True):
+            assert ids == r.draft_ids
+            if survival is not None:
+                torch.testing.assert_close(survival, drafter.survival(r))
+        sizes.append(len(reqs))
+
+    drafter.propose = both  # type: ignore[method-assign]
+    out = llm.generate(prompt_token_ids=k3_prompts[:3], sampling_params=K3_GREEDY)
+    assert [o.token_ids for o in out] == k3_want[:3]
+    assert max(sizes) == 3 and {k.bs for k in graphs.buffers} >= {4}
+    assert {k.length for k in graphs.buffers} == {256}
+    llm.check_integrity()
