@@ -6,7 +6,8 @@ decode step, conv to gated norm), `short_conv`, `mla_attention`, `moe_route`, `m
 `rms_norm`, `gated_rmsnorm` (KDA's output norm), `silu_mul` (the dense SwiGLU), and K3's
 `situ_mul` (SiTU-GLU), `sigmoid_mul` (MLA's output gate) and `attn_res_norm` (the Attention
 Residuals mix and the RMSNorm after it). Outside the text model's `Kernels`: `copy_slots` (the
-state pool's) and `image_attention` (the vision tower's). A model that needs more of an
+state pool's) and the vision tower's `VisionKernels` (`image_attention`, `gelu_tanh`,
+`rope_pairs`). A model that needs more of an
 op than its base contract asks for a feature (`FEATURE_OPS`: K3's KDA gate, SiTU inside the
 experts, MXFP4 experts) and gets only backends that declare it.
 Every op has a `ref` backend (plain torch, the oracle); `cpu` is batched torch for decode
@@ -28,7 +29,6 @@ from kdaserve.kernels import interface as op
 from kdaserve.kernels import registry
 from kdaserve.kernels.ref.attn_res import attn_res_norm_ref
 from kdaserve.kernels.ref.cache import copy_slots_ref
-from kdaserve.kernels.ref.image_attention import image_attention_ref
 from kdaserve.kernels.ref.kda import (
     gated_rmsnorm,
     kda_chunk_ref,
@@ -41,6 +41,7 @@ from kdaserve.kernels.ref.mlp import sigmoid_mul_ref, silu_mul_ref, situ_mul_ref
 from kdaserve.kernels.ref.moe import moe_experts_ref, moe_route_ref
 from kdaserve.kernels.ref.norm import rms_norm_ref
 from kdaserve.kernels.ref.quant import dequantize
+from kdaserve.kernels.ref.vision import gelu_tanh_ref, image_attention_ref, rope_pairs_ref
 from kdaserve.kernels.registry import use_backend
 
 
@@ -89,8 +90,11 @@ registry.register("sigmoid_mul", "ref", sigmoid_mul_ref)  # on CUDA too: two tor
 registry.register("attn_res_norm", "ref", attn_res_norm_ref)
 # not a model op (no Kernels field): the state pool's batched slot copy, resolved by the pool
 registry.register("copy_slots", "ref", copy_slots_ref)
-# nor the vision tower's attention within an image, resolved by models/vision.py
-registry.register("image_attention", "ref", image_attention_ref)  # SDPA: on CUDA too
+# nor the vision tower's (`VisionKernels`): attention within an image, its MLP's tanh GELU and
+# its 2-D RoPE; the references are torch ops, on CUDA too (SDPA)
+registry.register("image_attention", "ref", image_attention_ref)
+registry.register("gelu_tanh", "ref", gelu_tanh_ref)
+registry.register("rope_pairs", "ref", rope_pairs_ref)
 
 from kdaserve.kernels.cpu.decode import (  # noqa: E402 - registered after the references
     kda_decode_cpu,
@@ -103,10 +107,6 @@ from kdaserve.kernels.cpu.moe import moe_experts_cpu  # noqa: E402
 from kdaserve.kernels.native import batch_invariant as bi  # noqa: E402
 from kdaserve.kernels.native import build as native_build  # noqa: E402
 from kdaserve.kernels.native.cache import copy_slots_native  # noqa: E402
-from kdaserve.kernels.native.image_attention import (  # noqa: E402
-    image_attention_native,
-    image_attention_ready,
-)
 from kdaserve.kernels.native.k3 import (  # noqa: E402
     attn_res_norm_native,
     sigmoid_mul_native,
@@ -125,6 +125,12 @@ from kdaserve.kernels.native.ops import (  # noqa: E402
     rms_norm_native,
     short_conv_native,
     silu_mul_native,
+)
+from kdaserve.kernels.native.vision import (  # noqa: E402
+    gelu_tanh_native,
+    image_attention_native,
+    image_attention_ready,
+    rope_pairs_native,
 )
 from kdaserve.kernels.triton import supports as _triton  # noqa: E402
 from kdaserve.kernels.triton import tile  # noqa: E402
@@ -183,6 +189,8 @@ registry.register("attn_res_norm", "native", attn_res_norm_native, priority=20,
 registry.register("copy_slots", "native", copy_slots_native, priority=20, supports=_native)
 registry.register("image_attention", "native", image_attention_native, priority=20,
                   supports=_image_attention)
+registry.register("gelu_tanh", "native", gelu_tanh_native, priority=20, supports=_native)
+registry.register("rope_pairs", "native", rope_pairs_native, priority=20, supports=_native)
 registry.register("linear", "cpu", linear_cpu, priority=10, supports=_cpu_only)
 registry.register("linear", "native", linear_native, priority=20, supports=_native,
                   capabilities=_ONE_CALL)
@@ -261,6 +269,22 @@ class Kernels(NamedTuple):
         return all((op, capability) in self.capabilities for op in ops)
 
 
+class VisionKernels(NamedTuple):
+    """The vision tower's ops (models/vision.py), one callable each."""
+    image_attention: op.ImageAttention
+    gelu_tanh: op.GeluTanh
+    rope_pairs: op.RopePairs
+
+
+VISION_OPS = VisionKernels._fields
+REF_VISION = VisionKernels(image_attention_ref, gelu_tanh_ref, rope_pairs_ref)
+
+
+def resolve_vision_kernels(device: torch.device, backend: str | None = None) -> VisionKernels:
+    """Each tower op's callable on `device` (`backend` forced where it has one)."""
+    return VisionKernels(*(registry.resolve(o, device, backend) for o in VISION_OPS))
+
+
 def graph_verify_tokens(kda_head_dims: Iterable[int]) -> int:
     """The most new tokens per sequence a graph-safe (Triton) verify step takes in its fused
     kernels, which read no lengths back: the absorbed MLA path's limit, and none at all (0)
@@ -292,4 +316,5 @@ def resolve_kernels(device: torch.device, backend: str | None = None,
                    in capabilities)
 
 
-__all__ = ["Kernels", "resolve_kernels", "use_backend", "OPS", "BATCH_INVARIANT", "argmax_rows"]
+__all__ = ["Kernels", "resolve_kernels", "use_backend", "OPS", "BATCH_INVARIANT", "argmax_rows",
+           "VisionKernels", "VISION_OPS", "REF_VISION", "resolve_vision_kernels"]

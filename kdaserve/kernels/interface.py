@@ -88,3 +88,11 @@ class AttnResNorm(Protocol):
 
 class ImageAttention(Protocol):
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
+
+
+class GeluTanh(Protocol):
+    def __call__(self, x: Tensor) -> Tensor: ...
+
+
+class RopePairs(Protocol):
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor: ...

@@ -28,9 +28,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kdaserve.config import ModelConfig
-from kdaserve.kernels import registry
-from kdaserve.kernels.interface import ImageAttention
-from kdaserve.kernels.ref.image_attention import image_attention_ref
+from kdaserve.kernels import REF_VISION, VisionKernels, resolve_vision_kernels
 from kdaserve.layers.norm import RMSNorm
 from kdaserve.models.loader import VISION_PREFIXES, checkpoint_files, random_tensor
 from kdaserve.vision_config import VISION_NORM_EPS, VisionConfig
@@ -73,59 +71,54 @@ def rope_angles(h: int, w: int, head_dim: int, device: torch.device) -> torch.Te
                        -1).reshape(h * w, head_dim // 2)
 
 
-def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """x [L, heads, d] rotated by angles [L, d / 2], pair (2j, 2j + 1) by angle j, in fp32."""
-    a, b = x.float()[..., 0::2], x.float()[..., 1::2]
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(-2).to(x.dtype)
-
-
 class Mlp(nn.Module):
-    def __init__(self, d: int, inter: int) -> None:
+    def __init__(self, d: int, inter: int, ops: VisionKernels) -> None:
         super().__init__()
         self.fc0 = nn.Linear(d, inter, bias=False)
         self.fc1 = nn.Linear(inter, d, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
+        return self.fc1(self.ops.gelu_tanh(self.fc0(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, c: VisionConfig, attention: ImageAttention) -> None:
+    def __init__(self, c: VisionConfig, ops: VisionKernels) -> None:
         super().__init__()
         self.c = c
-        self.attention = attention
+        self.ops = ops
         self.norm0 = RMSNorm(c.hidden_size, VISION_NORM_EPS)
         self.wqkv = nn.Linear(c.hidden_size, 3 * c.qkv_hidden_size, bias=False)
         self.wo = nn.Linear(c.qkv_hidden_size, c.hidden_size, bias=False)
         self.norm1 = RMSNorm(c.hidden_size, VISION_NORM_EPS)
-        self.mlp = Mlp(c.hidden_size, c.intermediate_size)
+        self.mlp = Mlp(c.hidden_size, c.intermediate_size, ops)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                sizes: list[int]) -> torch.Tensor:
         """The patches of several images, x [sum L, D], image after image (`sizes`: each
-        one's L); angles [sum L, head_dim / 2]. The projections run on all rows at once;
-        attention within each image."""
-        c, n = self.c, x.shape[0]
+        one's L); rope: the cos and sin [sum L, head_dim / 2] of their pairs' angles. The
+        projections run on all rows at once; attention within each image."""
+        c, n, ops = self.c, x.shape[0], self.ops
         q, k, v = self.wqkv(self.norm0(x)).view(n, 3, c.num_heads, c.head_dim).unbind(1)
-        q, k = rotate_pairs(q, angles), rotate_pairs(k, angles)
-        x = x + self.wo(torch.cat([self.attention(*part) for part in zip(
+        q, k = ops.rope_pairs(q, *rope), ops.rope_pairs(k, *rope)
+        x = x + self.wo(torch.cat([ops.image_attention(*part) for part in zip(
             q.split(sizes), k.split(sizes), v.split(sizes), strict=True)]).view(n, -1))
         return x + self.mlp(self.norm1(x))
 
 
 class Encoder(nn.Module):
-    def __init__(self, c: VisionConfig, attention: ImageAttention) -> None:
+    def __init__(self, c: VisionConfig, ops: VisionKernels) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(c, attention) for _ in range(c.num_layers))
+        self.blocks = nn.ModuleList(Block(c, ops) for _ in range(c.num_layers))
         self.final_layernorm = RMSNorm(c.hidden_size, VISION_NORM_EPS)
 
 
 class VisionTower(nn.Module):
-    def __init__(self, c: VisionConfig, attention: ImageAttention) -> None:
+    def __init__(self, c: VisionConfig, ops: VisionKernels) -> None:
         super().__init__()
         self.c = c
         self.patch_embed = PatchEmbed(c)
-        self.encoder = Encoder(c, attention)
+        self.encoder = Encoder(c, ops)
 
     def forward(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """pixels [sum t h w, 3, p, p] of the images in `grids` (t, h, w) -> merged rows
@@ -138,8 +131,9 @@ class VisionTower(nn.Module):
         x = self.patch_embed(pixels) + torch.cat([self.patch_embed.positions(h, w)
                                                   for _, h, w in grids])
         angles = torch.cat([rope_angles(h, w, self.c.head_dim, x.device) for _, h, w in grids])
+        rope = (angles.cos(), angles.sin())  # once for every block's q and k
         for block in self.encoder.blocks:
-            x = block(x, angles, sizes)
+            x = block(x, rope, sizes)
         x = self.encoder.final_layernorm(x)
         return torch.cat([xi.view(h // MERGE, MERGE, w // MERGE, MERGE, -1)
                           .permute(0, 2, 1, 3, 4).reshape(h * w // MERGE ** 2, -1)
@@ -183,10 +177,10 @@ def tower_calls(grids: list[tuple[int, int, int]], per_image: bool = False,
 class VisionModel(nn.Module):
     """Tower + projector: `forward(pixels, grids)` gives each image's rows for its pads."""
 
-    def __init__(self, c: VisionConfig, attention: ImageAttention = image_attention_ref) -> None:
+    def __init__(self, c: VisionConfig, ops: VisionKernels = REF_VISION) -> None:
         super().__init__()
         self.config = c
-        self.vision_tower = VisionTower(c, attention)
+        self.vision_tower = VisionTower(c, ops)
         self.mm_projector = Projector(c)
 
     @torch.inference_mode()
@@ -202,9 +196,9 @@ class VisionModel(nn.Module):
              backend: str | None = None) -> VisionModel:
         """The tower and projector of the checkpoint at `path`: every tensor under
         `vision_tower.` / `mm_projector.` checked (known, right shape, none missing); its
-        attention kernel the registry's choice for `device` (or `backend`'s)."""
+        kernels the registry's choice for `device` (or `backend`'s)."""
         with torch.device("meta"):
-            model = cls(c, registry.resolve("image_attention", device, backend))
+            model = cls(c, resolve_vision_kernels(device, backend))
         model.to_empty(device=device)
         views = model.checkpoint_tensors()
         seen: set[str] = set()
@@ -266,7 +260,7 @@ def load_vision(config: ModelConfig, path: Path, load_format: str, seed: int,
     if load_format != "dummy":
         return VisionModel.load(config.vision, path, dtype, device, backend)
     with torch.device(device):
-        model = VisionModel(config.vision, registry.resolve("image_attention", device, backend))
+        model = VisionModel(config.vision, resolve_vision_kernels(device, backend))
     with torch.no_grad():
         for name, p in model.checkpoint_tensors().items():
             p.copy_(random_tensor(name, tuple(p.shape), seed))

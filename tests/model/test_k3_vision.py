@@ -18,7 +18,7 @@ from PIL import Image
 from kdaserve.config import ModelConfig
 from kdaserve.image_processor import image_prompt, process, resized_size
 from kdaserve.kernels import registry
-from kdaserve.kernels.native.image_attention import image_attention_ready
+from kdaserve.kernels.native.vision import image_attention_ready
 from kdaserve.models.vision import VisionModel
 
 mx = pytest.importorskip("mlx.core")
@@ -98,9 +98,8 @@ def test_features_match_mlx_vlm(vl_ckpt: Path) -> None:
 @pytest.mark.skipif(not image_attention_ready(),
                     reason="no BF16-dot image attention in this host's build")
 def test_bf16_tower_on_the_native_attention(vl_ckpt: Path) -> None:
-    """In bf16 the tower's attention runs on the native kernel
-    (tests/kernels/test_native_image_attention.py), and its rows are as close to the fp32
-    tower's as with torch's attention in bf16."""
+    """In bf16 the tower runs on the native kernels (tests/kernels/test_native_vision.py),
+    and its rows are as close to the fp32 tower's as with torch's ops in bf16."""
     config = ModelConfig.from_pretrained(vl_ckpt)
     assert config.vision is not None
     cpu = torch.device("cpu")
@@ -110,7 +109,7 @@ def test_bf16_tower_on_the_native_attention(vl_ckpt: Path) -> None:
     errors = {}
     for backend in ("native", "ref"):
         model = VisionModel.load(config.vision, vl_ckpt, torch.bfloat16, cpu, backend)
-        assert model.vision_tower.encoder.blocks[0].attention is registry.resolve(
+        assert model.vision_tower.encoder.blocks[0].ops.image_attention is registry.resolve(
             "image_attention", cpu, backend)
         errors[backend] = float((model(pixels, grids).float() - want).abs().mean())
     assert errors["native"] <= 1.1 * errors["ref"] + 1e-6, errors

@@ -11,12 +11,11 @@ import typing
 
 import pytest
 
-from kdaserve.kernels import OPS, Kernels, registry
-from kdaserve.kernels.interface import ImageAttention
+from kdaserve.kernels import OPS, VISION_OPS, Kernels, VisionKernels, registry
 
 FEATURE_PARAMS = {"lower_bound": "kda_lower_bound", "situ": "situ"}
-# the text model's ops, and the vision tower's attention (no Kernels field: resolved by the tower)
-HINTS = {**typing.get_type_hints(Kernels), "image_attention": ImageAttention}
+# the text model's ops, and the vision tower's
+HINTS = {**typing.get_type_hints(Kernels), **typing.get_type_hints(VisionKernels)}
 
 
 def params(fn: object) -> list[inspect.Parameter]:
@@ -48,7 +47,7 @@ def mismatches(op: str, fn: object, features: frozenset[str]) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("op", [*OPS, "image_attention"])
+@pytest.mark.parametrize("op", [*OPS, *VISION_OPS])
 def test_every_backend_takes_the_ops_signature(op: str) -> None:
     found = registry.backends(op)
     assert found, f"{op}: no backend"

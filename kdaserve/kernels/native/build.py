@@ -44,7 +44,7 @@ class Library:
 LIBRARIES = {
     "kda_cpu": Library(("kda_cpu.cpp", "kda_chunked_cpu.cpp", "gemm_cpu.cpp", "moe_cpu.cpp",
                         "mla_cpu.cpp", "elementwise_cpu.cpp", "decode_step.cpp", "amx_cpu.cpp",
-                        "mxfp4_cpu.cpp", "image_attention_cpu.cpp"),
+                        "mxfp4_cpu.cpp", "image_attention_cpu.cpp", "vision_cpu.cpp"),
                        (), {
         "kda_decode_f32": [_P] * 13 + [_I] * 5 + [_F, _F],
         "kda_prefill_f32": [_P] * 3 + [_I] * 3 + [_P] * 2 + [_I] + [_P] * 7 + [_I] * 5
@@ -78,6 +78,10 @@ LIBRARIES = {
         "read_f32": ([_P, _I, _I], _F),
         "image_attention_ready": ([], _I),
         "image_attention_bf16": ([_P, _I] * 4 + [_I] * 3 + [_F], _I),
+        "gelu_tanh_f32": [_P, _P, _I],
+        "gelu_tanh_bf16": [_P, _P, _I],
+        "rope_pairs_f32": [_P, _I] + [_P] * 3 + [_I] * 3,
+        "rope_pairs_bf16": [_P, _I] + [_P] * 3 + [_I] * 3,
     }),
     # No fused multiply-add contraction: each value's operations are fixed by the source alone
     # (deterministic inference; see the file's header).

@@ -1,7 +1,7 @@
 // The vision tower's attention in bf16: every patch of an image attends to every other (no
 // mask, no cache), q, k, v and the output bf16, scores, softmax and sums fp32. Built into the
 // kda_cpu library (build.py) and tested against fp32 attention of the same bf16 inputs
-// (tests/kernels/test_native_image_attention.py); kernels/native/vision.py calls it.
+// (tests/kernels/test_native_vision.py); kernels/native/vision.py calls it.
 //
 // Why our own: torch's fused CPU kernel runs bf16 no faster than fp32 (175 against 172
 // GFLOP/s at 1,024 patches, 12 heads of 128, on a 2-core Zen 4 whose bf16 GEMM reaches 390),
