@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from pathlib import Path
 
 import torch
 
@@ -48,7 +47,7 @@ from kdaserve.multimodal import ImageInputs
 from kdaserve.request import Request, RequestOptions, RequestOutput, SamplingParams
 from kdaserve.scheduled_batch import ScheduledBatch
 from kdaserve.speculative.acceptance import trim_drafts
-from kdaserve.speculative.build import build_speculator, draft_memory
+from kdaserve.speculative.build import build_speculator, draft_memory, draft_model_path
 from kdaserve.speculative.verify import Verified
 from kdaserve.step_record import StepRecord
 from kdaserve.tokenizer import Tokenizer
@@ -65,8 +64,7 @@ class LLMEngine:
         with phase("config") as p:
             self.path = resolve_model_path(config.model)
             self.model_config = ModelConfig.from_pretrained(self.path)
-            self.draft_path = Path(resolve_model_path(config.speculative_draft_model)) \
-                if config.speculative_draft_model else None
+            self.draft_path = draft_model_path(config)
             self.device = torch.device(config.device)
             if self.device.type == "cuda" and self.device.index is not None:
                 torch.cuda.set_device(self.device)  # Triton launches and graphs use it

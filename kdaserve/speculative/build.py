@@ -12,6 +12,7 @@ import torch
 from kdaserve.cache.block_pool import BlockPool
 from kdaserve.cache.radix_cache import RadixCache
 from kdaserve.cache.state_pool import StatePool
+from kdaserve.checkpoint import resolve_model_path
 from kdaserve.config import ModelConfig
 from kdaserve.engine_config import DEFAULT_DRAFTS, EngineConfig
 from kdaserve.kernels import Kernels
@@ -79,6 +80,13 @@ def build_speculator(c: EngineConfig, draft_path: Path | None, model: KimiLinear
         raise ValueError("speculative_token_map applies to our block and DSpark drafters")
     return Speculator(drafter, states, cache, AdaptiveSpeculation(
         c.speculative_min_acceptance_rate, c.speculative_disable_by_batch_size), StepCost())
+
+
+def draft_model_path(c: EngineConfig) -> Path | None:
+    """speculative_draft_model resolved to a folder (a preset name written once, as a target
+    is); None for n-gram drafting."""
+    draft = c.speculative_draft_model
+    return Path(resolve_model_path(draft)) if draft else None
 
 
 def draft_memory(c: EngineConfig, draft_path: Path | None, target: ModelConfig,

@@ -268,7 +268,7 @@ class ContextDrafter(Drafter):
         """Drafting passes from CUDA graphs (`capture` False: their static-buffer pass run
         eagerly, the CPU tests' check of it)."""
         self.graphs = DraftGraphs(self.net, self.target.embed_tokens, self.target.compute_logits,
-                                  self.block_size, self.net.c.cache_width, self.device, capture)
+                                  self.block_size, self.device, capture)
 
     @classmethod
     def load(cls, path: Path, target: KimiLinearForCausalLM, dtype: torch.dtype,
@@ -368,14 +368,10 @@ class ContextDrafter(Drafter):
                 for dst, src in zip(ctx, entries, strict=True):
                     dst[b, :src.shape[0]] = src
                 mask[b, :valid.shape[0]] = valid
-        dtype = next(self.net.parameters()).dtype
-        anchors = torch.tensor(anchor_ids, device=self.device)
-        ids = torch.full((B, N), self.net.c.mask_token_id, device=self.device)
-        ids[:, 0] = anchors
-        pos = torch.tensor([r.num_computed_tokens for r in reqs], device=self.device)[:, None] \
-            + torch.arange(N, device=self.device)
-        h = self.net.block(self.target.embed_tokens(ids).to(dtype), pos, ctx, mask)
-        return self.net.draft(h, anchors, k, self.target.compute_logits)
+        return self.net.drafting_pass(
+            torch.tensor(anchor_ids, device=self.device),
+            torch.tensor([r.num_computed_tokens for r in reqs], device=self.device), ctx, mask,
+            N, k, self.target.embed_tokens, self.target.compute_logits)
 
     def survival(self, req: Request) -> list[float] | None:
         return self._survival.get(id(req))

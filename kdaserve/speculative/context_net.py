@@ -333,6 +333,22 @@ class ContextDraftNet(nn.Module):
             x = layer(x, pos, entries, mask)
         return getattr(self, self.c.fmt.final_norm)(x)
 
+    def drafting_pass(self, anchors: torch.Tensor, starts: torch.Tensor, ctx: list[torch.Tensor],
+                      mask: torch.Tensor, block_size: int, k: int,
+                      embed: Callable[[torch.Tensor], torch.Tensor],
+                      lm_head: Callable[[torch.Tensor], torch.Tensor],
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft step: each request's anchor [B] at position starts [B] and block_size - 1
+        mask tokens, embedded by the target (`embed`), through the block over its context
+        (`block`), then `draft`'s k drafts [B, k] and confidences."""
+        ids = torch.full((anchors.shape[0], block_size), self.c.mask_token_id,
+                         device=anchors.device)
+        ids[:, 0] = anchors
+        pos = starts[:, None] + torch.arange(block_size, device=anchors.device)
+        dtype = next(self.parameters()).dtype
+        h = self.block(embed(ids).to(dtype), pos, ctx, mask)
+        return self.draft(h, anchors, k, lm_head)
+
     def draft(self, h: torch.Tensor, anchors: torch.Tensor, k: int,
               lm_head: Callable[[torch.Tensor], torch.Tensor],
               ) -> tuple[torch.Tensor, torch.Tensor | None]:

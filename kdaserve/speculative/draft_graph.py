@@ -58,9 +58,9 @@ class DraftGraphs:
 
     def __init__(self, net: ContextDraftNet, embed: Callable[[torch.Tensor], torch.Tensor],
                  lm_head: Callable[[torch.Tensor], torch.Tensor], block_size: int,
-                 widths: tuple[int, ...], device: torch.device, capture: bool = True) -> None:
+                 device: torch.device, capture: bool = True) -> None:
         self.net, self.embed, self.lm_head = net, embed, lm_head
-        self.block_size, self.widths, self.device = block_size, widths, device
+        self.block_size, self.device = block_size, device
         self.capture = capture
         self.dtype = next(net.parameters()).dtype
         self.buffers: dict[DraftKey, Buffers] = {}
@@ -113,7 +113,8 @@ class DraftGraphs:
             self.buffers[key] = b = Buffers(
                 torch.zeros(bs, dtype=torch.long, device=dev),
                 torch.zeros(bs, dtype=torch.long, device=dev),
-                [torch.zeros(bs, key.length, *self.widths, dtype=self.dtype, device=dev)
+                [torch.zeros(bs, key.length, *self.net.c.cache_width, dtype=self.dtype,
+                             device=dev)
                  for _ in range(self.net.c.num_layers)],
                 torch.zeros(bs, key.length, dtype=torch.bool, device=dev),
                 torch.zeros(bs, key.k, dtype=torch.long, device=dev),
@@ -135,12 +136,8 @@ class DraftGraphs:
 
     def _pass(self, key: DraftKey, b: Buffers) -> None:
         """The drafting pass on the buffers (what a graph records)."""
-        N = self.block_size
-        ids = torch.full((key.bs, N), self.net.c.mask_token_id, device=self.device)
-        ids[:, 0] = b.anchors
-        pos = b.starts[:, None] + torch.arange(N, device=self.device)
-        h = self.net.block(self.embed(ids).to(self.dtype), pos, b.ctx, b.mask)
-        drafts, conf = self.net.draft(h, b.anchors, key.k, self.lm_head)
+        drafts, conf = self.net.drafting_pass(b.anchors, b.starts, b.ctx, b.mask,
+                                              self.block_size, key.k, self.embed, self.lm_head)
         b.drafts.copy_(drafts)
         if b.conf is not None and conf is not None:
             b.conf.copy_(conf)
